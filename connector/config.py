@@ -1,0 +1,211 @@
+"""KVLens configuration: one validated model, LMCache-compatible names and precedence.
+
+Precedence, lowest first: defaults < YAML file named by ``LMCACHE_CONFIG_FILE`` <
+``LMCACHE_<KEY>`` environment variables < ``lmcache.<key>`` entries in vLLM's
+``kv_connector_extra_config``. This module is the only code that reads any of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+GB = 1024**3
+
+ENV_PREFIX = "LMCACHE_"
+EXTRA_PREFIX = "lmcache."
+# Process-level LMCache variables that are not config keys; accepted and not treated as keys.
+_ENV_NOT_KEYS = frozenset({"CONFIG_FILE", "FORCE_SKIP_SAVE", "LOG_LEVEL", "LOGLEVEL", "TRACK_USAGE"})
+
+
+class ConfigError(ValueError):
+    """A configuration problem, raised once at start-up with the offending key named."""
+
+
+class ExtraConfig(BaseModel):
+    """The ``extra_config`` dict: LMCache's open-ended knobs plus KVLens's own."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Report {"num_lmcache_cached_tokens": N} in each response's kv_transfer_params.
+    enable_cache_usage_details_in_response: bool = True
+    # How often the scheduler rescans the disk tier for chunks written by other engines.
+    disk_scan_interval_s: float = Field(1.0, gt=0)
+
+
+class KVLensConfig(BaseModel):
+    """Every setting KVLens honours. Unknown keys and wrong types are start-up errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    chunk_size: int = Field(256, gt=0)
+    local_cpu: bool = True
+    max_local_cpu_size: float = Field(5.0, ge=0)  # GB
+    local_disk: str | None = None
+    max_local_disk_size: float = Field(0.0, ge=0)  # GB
+    remote_url: str | None = None
+    remote_serde: Literal["naive"] = "naive"
+    cache_policy: Literal["LRU"] = "LRU"
+    save_unfull_chunk: bool = False
+    save_decode_cache: bool = False
+    min_retrieve_tokens: int = Field(0, ge=0)
+    priority_limit: int | None = None
+    skip_last_n_tokens: int = Field(0, ge=0)
+    discard_partial_chunks: bool = False
+    force_skip_save: bool = False
+    extra_config: ExtraConfig = ExtraConfig()
+
+    @field_validator("local_disk")
+    @classmethod
+    def _strip_file_scheme(cls, value: str | None) -> str | None:
+        if value and value.startswith("file://"):
+            value = value[len("file://") :]
+        return value or None
+
+    @field_validator("remote_url")
+    @classmethod
+    def _no_remote_yet(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("no remote tier is available in this KVLens version")
+        return value
+
+    @model_validator(mode="after")
+    def _budgets_are_possible(self) -> KVLensConfig:
+        if self.local_cpu and self.max_local_cpu_size <= 0:
+            raise ValueError("max_local_cpu_size must be > 0 when local_cpu is true")
+        if self.local_disk and self.max_local_disk_size <= 0:
+            raise ValueError("max_local_disk_size must be > 0 when local_disk is set")
+        if not self.local_cpu and not self.local_disk:
+            raise ValueError("no storage tier: set local_cpu: true or local_disk")
+        return self
+
+    @property
+    def cpu_budget_bytes(self) -> int:
+        return int(self.max_local_cpu_size * GB) if self.local_cpu else 0
+
+    @property
+    def disk_budget_bytes(self) -> int:
+        return int(self.max_local_disk_size * GB) if self.local_disk else 0
+
+    @property
+    def saves_partial_chunks(self) -> bool:
+        return self.save_unfull_chunk and not self.discard_partial_chunks
+
+    def check_block_size(self, block_size: int) -> None:
+        if block_size <= 0 or self.chunk_size % block_size:
+            raise ConfigError(
+                f"KVLens config key 'chunk_size' = {self.chunk_size} must be a multiple of "
+                f"vLLM's block size ({block_size})"
+            )
+
+
+def _key_of(name: str) -> str:
+    return name.strip().lower()
+
+
+def _parse_env_value(raw: str) -> Any:
+    """Env values are strings; accept JSON/YAML scalars ("true", "256", "null", "{...}")."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def _from_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"LMCACHE_CONFIG_FILE={path!r} cannot be read: {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"LMCACHE_CONFIG_FILE={path!r} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"LMCACHE_CONFIG_FILE={path!r} must hold a mapping of keys")
+    return {_key_of(k): v for k, v in data.items()}
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        key = name[len(ENV_PREFIX) :]
+        if key in _ENV_NOT_KEYS:
+            if key == "FORCE_SKIP_SAVE" and raw:
+                out["force_skip_save"] = raw.strip().lower() not in ("0", "false", "no", "")
+            continue
+        out[_key_of(key)] = _parse_env_value(raw)
+    return out
+
+
+# vLLM-level extra_config keys (no "lmcache." prefix) that the seed reads.
+_VLLM_LEVEL_KEYS = ("discard_partial_chunks", "skip_last_n_tokens")
+
+
+def _from_extra(extra: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in _VLLM_LEVEL_KEYS:
+        if key in extra:
+            out[key] = extra[key]
+    for name, value in extra.items():
+        if isinstance(name, str) and name.startswith(EXTRA_PREFIX):
+            out[_key_of(name[len(EXTRA_PREFIX) :])] = value
+    return out
+
+
+def _merge(*layers: dict[str, Any]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if key == "extra_config":
+                if isinstance(value, str):
+                    value = _parse_json_or_yaml(value)
+                if isinstance(value, dict):
+                    merged["extra_config"] = {**merged.get("extra_config", {}), **value}
+                    continue
+            elif key.startswith("extra_config."):
+                sub = key[len("extra_config.") :]
+                merged.setdefault("extra_config", {})[sub] = value
+                continue
+            merged[key] = value
+    return merged
+
+
+def _parse_json_or_yaml(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return _parse_env_value(text)
+
+
+def _describe(error: ValidationError, sources: dict[str, str]) -> str:
+    problems = []
+    for item in error.errors():
+        key = ".".join(str(p) for p in item["loc"]) or "config"
+        origin = sources.get(key.split(".")[0], "")
+        where = f" (from {origin})" if origin else ""
+        problems.append(f"key '{key}'{where}: {item['msg']}")
+    return "Invalid KVLens configuration: " + "; ".join(problems)
+
+
+def load_config(
+    extra_config: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> KVLensConfig:
+    """Build the config from YAML, environment and vLLM's extra config, in that precedence."""
+    env = os.environ if env is None else env
+    yaml_layer = _from_yaml(env["LMCACHE_CONFIG_FILE"]) if env.get("LMCACHE_CONFIG_FILE") else {}
+    env_layer = _from_env(env)
+    extra_layer = _from_extra(extra_config or {})
+    sources = {k: "LMCACHE_CONFIG_FILE" for k in yaml_layer}
+    sources.update({k: f"env {ENV_PREFIX}{k.upper()}" for k in env_layer})
+    sources.update({k: f"kv_connector_extra_config '{EXTRA_PREFIX}{k}'" for k in extra_layer})
+    try:
+        return KVLensConfig.model_validate(_merge(yaml_layer, env_layer, extra_layer))
+    except ValidationError as e:
+        raise ConfigError(_describe(e, sources)) from None

@@ -1,0 +1,1 @@
+"""Pure KVLens logic: keys, index, pins, trackers and planning. Imports neither vLLM nor torch."""

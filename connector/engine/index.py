@@ -1,0 +1,185 @@
+"""The scheduler's view of what each tier holds: LRU order, byte budget and pins.
+
+The scheduler owns this index and is the only one that decides what is stored and
+evicted; workers carry out those decisions in the order the scheduler issued them.
+That is what makes a lookup agree with what the later load finds.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Entry:
+    nbytes: int
+    pins: int = 0
+
+
+class TierIndex:
+    """Keys of one tier in LRU order within a byte budget; pinned keys are never evicted."""
+
+    def __init__(self, name: str, capacity_bytes: int) -> None:
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self._entries: OrderedDict[str, Entry] = OrderedDict()
+        self._used = 0
+        self._pinned_keys = 0
+        self._pinned_bytes = 0
+        self.evictions = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def pinned_keys(self) -> int:
+        return self._pinned_keys
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._pinned_bytes
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def touch(self, key: str) -> None:
+        if key in self._entries:
+            self._entries.move_to_end(key)
+
+    def admit(self, key: str, nbytes: int) -> list[str] | None:
+        """Add ``key``, evicting unpinned LRU keys to make room.
+
+        Returns the evicted keys (possibly none), or None when the key cannot fit even
+        after evicting everything unpinned; nothing is evicted in that case.
+        """
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return []
+        if nbytes > self.capacity_bytes:
+            return None
+        need = self._used + nbytes - self.capacity_bytes
+        victims: list[str] = []
+        if need > 0:
+            freed = 0
+            for k, e in self._entries.items():
+                if e.pins == 0:
+                    victims.append(k)
+                    freed += e.nbytes
+                    if freed >= need:
+                        break
+            if freed < need:
+                return None
+            for k in victims:
+                self._drop(k)
+            self.evictions += len(victims)
+        self._entries[key] = Entry(nbytes)
+        self._used += nbytes
+        return victims
+
+    def add_known(self, key: str, nbytes: int) -> None:
+        """Record a key found in the store (another engine wrote it) as least recently used."""
+        if key in self._entries:
+            return
+        self._entries[key] = Entry(nbytes)
+        self._entries.move_to_end(key, last=False)
+        self._used += nbytes
+
+    def remove(self, key: str) -> bool:
+        if key not in self._entries:
+            return False
+        self._drop(key)
+        return True
+
+    def overflow_victims(self) -> list[str]:
+        """Unpinned LRU keys to drop so that usage fits the budget (after add_known)."""
+        victims: list[str] = []
+        excess = self._used - self.capacity_bytes
+        for k, e in self._entries.items():
+            if excess <= 0:
+                break
+            if e.pins == 0:
+                victims.append(k)
+                excess -= e.nbytes
+        for k in victims:
+            self._drop(k)
+        self.evictions += len(victims)
+        return victims
+
+    def pin(self, key: str) -> bool:
+        entry = self._entries.get(key)
+        if entry is None:
+            return False
+        if entry.pins == 0:
+            self._pinned_keys += 1
+            self._pinned_bytes += entry.nbytes
+        entry.pins += 1
+        return True
+
+    def unpin(self, key: str) -> None:
+        entry = self._entries.get(key)
+        if entry is None or entry.pins == 0:
+            return
+        entry.pins -= 1
+        if entry.pins == 0:
+            self._pinned_keys -= 1
+            self._pinned_bytes -= entry.nbytes
+
+    def update_size(self, key: str, nbytes: int) -> None:
+        entry = self._entries.get(key)
+        if entry is None or entry.nbytes == nbytes:
+            return
+        self._used += nbytes - entry.nbytes
+        if entry.pins:
+            self._pinned_bytes += nbytes - entry.nbytes
+        entry.nbytes = nbytes
+
+    def clear(self) -> list[str]:
+        """Drop every unpinned key (a cache reset); returns what was dropped."""
+        dropped = [k for k, e in self._entries.items() if e.pins == 0]
+        for k in dropped:
+            self._drop(k)
+        return dropped
+
+    def _drop(self, key: str) -> None:
+        entry = self._entries.pop(key)
+        self._used -= entry.nbytes
+        if entry.pins:
+            self._pinned_keys -= 1
+            self._pinned_bytes -= entry.nbytes
+
+
+class PinTable:
+    """Which (tier, key) pins each request holds, so release is exact and idempotent."""
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, list[tuple[TierIndex, str]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_request)
+
+    def pin(self, request_id: str, pins: Iterable[tuple[TierIndex, str]]) -> None:
+        self.release(request_id)
+        held = [(tier, key) for tier, key in pins if tier.pin(key)]
+        if held:
+            self._by_request[request_id] = held
+
+    def release(self, request_id: str) -> int:
+        held = self._by_request.pop(request_id, [])
+        for tier, key in held:
+            tier.unpin(key)
+        return len(held)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._by_request
+
+    def requests(self) -> list[str]:
+        return list(self._by_request)

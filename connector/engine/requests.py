@@ -1,0 +1,122 @@
+"""Per-request decisions that depend only on the request: namespace, save policy, misses."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .keys import Namespace, parse_tags
+
+logger = logging.getLogger("kvlens")
+
+# Miss / skip reasons, stable names shared with telemetry.
+NOT_STORED = "not_stored"
+EVICTED = "evicted"
+BELOW_MIN_RETRIEVE = "below_min_retrieve"
+PARTIAL_CHUNK = "partial_chunk"
+VLLM_HIT = "vllm_hit"  # vLLM's own prefix cache already had everything KVLens holds
+PRODUCER_ROLE = "producer_role"
+CONSUMER_ROLE = "consumer_role"
+SKIP_SAVE = "skip_save"
+PRIORITY_LIMIT = "priority_limit"
+FORCE_SKIP_SAVE = "force_skip_save"
+INVALID_PARAMS = "invalid_params"
+UNSUPPORTED_INPUT = "unsupported_input"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPolicy:
+    """What KVLens may do for one request, decided once when it first arrives."""
+
+    namespace: Namespace | None  # None: KVLens neither loads nor stores for this request
+    skip_reason: str | None  # why nothing is loaded or stored, when namespace is None
+    save_skip_reason: str | None  # why nothing is stored (loads may still happen)
+
+
+def _bool_param(params: Mapping[str, Any], name: str) -> bool:
+    value = params.get(name, False)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError(f"{name} must be a boolean, got {value!r}")
+
+
+def decide_policy(
+    base: Namespace,
+    request_id: str,
+    kv_transfer_params: Mapping[str, Any] | None,
+    lora_name: str | None,
+    cache_salt: str | None,
+    priority: int,
+    has_unsupported_input: bool,
+    kv_role: str,
+    priority_limit: int | None,
+    force_skip_save: bool,
+) -> RequestPolicy:
+    if has_unsupported_input:
+        return RequestPolicy(None, UNSUPPORTED_INPUT, UNSUPPORTED_INPUT)
+    params = kv_transfer_params if isinstance(kv_transfer_params, Mapping) else {}
+    try:
+        tags = parse_tags(params)
+        skip_save = _bool_param(params, "lmcache.skip_save")
+    except ValueError as e:
+        # Ignoring a tag could share KV across the boundary the tag draws, so the
+        # request is served without KVLens instead.
+        logger.warning("KVLens: request %s: %s; not caching this request", request_id, e)
+        return RequestPolicy(None, INVALID_PARAMS, INVALID_PARAMS)
+    namespace = base.with_request(lora_name, cache_salt, tags)
+    save_skip: str | None = None
+    if kv_role == "kv_consumer":
+        save_skip = CONSUMER_ROLE
+    elif force_skip_save:
+        save_skip = FORCE_SKIP_SAVE
+    elif skip_save:
+        save_skip = SKIP_SAVE
+    elif priority_limit is not None and priority > priority_limit:
+        save_skip = PRIORITY_LIMIT
+    return RequestPolicy(namespace, None, save_skip)
+
+
+def miss_reason(
+    num_tokens_looked_up: int,
+    hit_tokens: int,
+    vllm_cached: int,
+    chunk_size: int,
+    first_missing: str | None,
+    recently_evicted: RecentlyEvicted,
+) -> str | None:
+    """Why KVLens did not supply (more of) the prompt; None when it supplied all it could."""
+    if hit_tokens >= num_tokens_looked_up:
+        return None
+    if first_missing is None:  # no chunk boundary left: only an unfull tail remains
+        return PARTIAL_CHUNK
+    if first_missing in recently_evicted:
+        return EVICTED
+    if hit_tokens and hit_tokens <= vllm_cached:
+        return VLLM_HIT
+    return NOT_STORED
+
+
+class RecentlyEvicted:
+    """A bounded memory of evicted chunk names, to tell 'evicted' from 'never stored'."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self._names: OrderedDict[str, None] = OrderedDict()
+        self._capacity = capacity
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._names
+
+    def add(self, names: Sequence[str]) -> None:
+        for name in names:
+            self._names[name] = None
+            self._names.move_to_end(name)
+        while len(self._names) > self._capacity:
+            self._names.popitem(last=False)
+
+    def discard(self, name: str) -> None:
+        self._names.pop(name, None)

@@ -1,0 +1,108 @@
+"""Whole-block copies between vLLM's paged KV tensors and opaque chunk payloads.
+
+A payload is ``[num_layers, num_blocks, block_bytes]`` bytes: for every layer, each block's
+bytes in vLLM's own packing. Blocks are never sliced by token, because on CPU the attention
+kernel packs K and V inside a block in an ISA-dependent way (REFERENCE.md 1.6); copying
+whole blocks is correct for every packing and layout.
+
+Layouts handled: block-first (``[num_blocks, ...]``: vLLM 0.32 on CPU and GPU) and
+K/V-first (``[2, num_blocks, ...]``: older flash-attn style).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerView:
+    tensor: torch.Tensor
+    block_dim: int  # 0 (block-first) or 1 (K/V-first)
+    flat: torch.Tensor | None  # [num_blocks, block_bytes] uint8 view when blocks are contiguous
+
+
+def _layer_view(kv: torch.Tensor, num_blocks: int) -> LayerView:
+    if kv.shape[0] == num_blocks:
+        block_dim = 0
+    elif kv.dim() > 1 and kv.shape[0] == 2 and kv.shape[1] == num_blocks:
+        block_dim = 1
+    else:
+        raise ValueError(f"KV tensor of shape {tuple(kv.shape)} has no dimension of {num_blocks} blocks")
+    flat = None
+    if block_dim == 0 and kv.is_contiguous():
+        flat = kv.view(torch.uint8).view(num_blocks, -1)
+    return LayerView(kv, block_dim, flat)
+
+
+class BlockCopier:
+    """Gathers and scatters whole blocks of every layer."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        if not kv_caches:
+            raise ValueError("no KV cache tensors registered")
+        self.layers = [_layer_view(kv, num_blocks) for kv in kv_caches.values()]
+        first = self.layers[0].tensor
+        self.device = first.device
+        self.dtype = first.dtype
+        per_block = list(first.shape)
+        del per_block[self.layers[0].block_dim]
+        self.block_shape = tuple(per_block)
+        self.block_bytes = first.element_size() * int(torch.Size(per_block).numel())
+        for layer in self.layers:
+            if layer.tensor.dtype != self.dtype or layer.tensor.shape != first.shape:
+                raise ValueError("KVLens needs every layer's KV tensor to have one shape and dtype")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def payload_nbytes(self, num_blocks: int) -> int:
+        return self.num_layers * num_blocks * self.block_bytes
+
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A new CPU uint8 tensor ``[layers, len(block_ids), block_bytes]``."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        out = torch.empty((self.num_layers, len(block_ids), self.block_bytes), dtype=torch.uint8, device=self.device)
+        for i, layer in enumerate(self.layers):
+            if layer.flat is not None:
+                torch.index_select(layer.flat, 0, idx, out=out[i])
+            else:
+                blocks = layer.tensor.index_select(layer.block_dim, idx)
+                if layer.block_dim == 1:
+                    blocks = blocks.transpose(0, 1)
+                out[i].copy_(blocks.contiguous().view(torch.uint8).view(len(block_ids), -1))
+        return out if self.device.type == "cpu" else out.cpu()
+
+    def scatter(self, payload: torch.Tensor, block_ids: Sequence[int], first_block: int) -> None:
+        """Write payload blocks ``first_block ..`` into ``block_ids`` of every layer."""
+        n = len(block_ids)
+        stored_blocks = payload.shape[1]
+        if payload.shape[0] != self.num_layers or first_block + n > stored_blocks:
+            raise ValueError(
+                f"payload holds {payload.shape[0]} layers x {stored_blocks} blocks; "
+                f"need {self.num_layers} layers x blocks {first_block}..{first_block + n - 1}"
+            )
+        src = payload[:, first_block : first_block + n]
+        if self.device.type != "cpu":
+            src = src.to(self.device, non_blocking=True)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for i, layer in enumerate(self.layers):
+            if layer.flat is not None:
+                layer.flat.index_copy_(0, idx, src[i])
+            else:
+                typed = src[i].contiguous().view(self.dtype).view(n, *self.block_shape)
+                if layer.block_dim == 1:
+                    typed = typed.transpose(0, 1)
+                layer.tensor.index_copy_(layer.block_dim, idx, typed)
+
+    def payload_view(self, buffer: memoryview) -> torch.Tensor:
+        """Interpret stored bytes as a payload tensor (no copy)."""
+        total = buffer.nbytes
+        per_block_all_layers = self.num_layers * self.block_bytes
+        if total == 0 or total % per_block_all_layers:
+            raise ValueError(f"payload of {total} bytes is not whole blocks of this KV layout")
+        flat = torch.frombuffer(buffer, dtype=torch.uint8)
+        return flat.view(self.num_layers, total // per_block_all_layers, self.block_bytes)

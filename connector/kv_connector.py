@@ -1,0 +1,126 @@
+"""KVLensConnector: the class vLLM loads. It builds the scheduler or the worker half by role
+and delegates each hook in a line or two."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from .config import load_config
+from .engine.jobs import CPU, DISK
+from .metadata import KVLensMetadata, KVLensWorkerMetadata
+from .scheduler import ConnectorScheduler
+from .vllm_compat import engine_facts, worker_rank
+from .worker import ConnectorWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvlens")
+
+_HIT_SOURCE = {CPU: CacheHitSource.HOST, DISK: CacheHitSource.DISK}
+
+
+class KVLensConnector(KVConnectorBase_V1):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = load_config(self._kv_transfer_config.kv_connector_extra_config or {})
+        facts = engine_facts(vllm_config, kv_cache_config)
+        self._num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
+        self._scheduler = ConnectorScheduler(config, facts) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = ConnectorWorker(config, facts, worker_rank()) if role == KVConnectorRole.WORKER else None
+        self._cache_hit_source = _HIT_SOURCE[CPU if config.local_cpu else DISK]
+        logger.info("KVLens %s ready: %s", role.name.lower(), config.model_dump(exclude_defaults=True))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped store is a future miss, never a lost result
+
+    # ---- worker side --------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches, self._num_blocks)
+
+    def _plan(self) -> Any:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVLensMetadata)
+        return meta.plan
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.load(self._plan())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish in start_load_kv, before any layer runs
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole chunks are stored once the step's KV exists, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.save(self._plan())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_failed_blocks()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self._worker is not None
+        report = self._worker.take_report()
+        return KVLensWorkerMetadata(report) if report is not None else None
+
+    # ---- scheduler side -----------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.lookup(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        assert self._scheduler is not None
+        by_tier = self._scheduler.external_tokens_by_tier(request.request_id, num_external_tokens)
+        return {_HIT_SOURCE[tier]: n for tier, n in by_tier.items() if n}
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return KVLensMetadata(self._scheduler.build_plan(scheduler_output))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVLensWorkerMetadata):
+            self._scheduler.on_worker_report(meta.report)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return False, self._scheduler.finish(request)
+
+    def reset_cache(self) -> bool | None:
+        assert self._scheduler is not None
+        self._scheduler.reset()
+        return None
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

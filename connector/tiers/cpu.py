@@ -1,0 +1,41 @@
+"""CPU-memory tier: payloads kept in this worker's memory.
+
+The scheduler's index decides what is admitted and evicted (budget, LRU, pins); this class
+only holds bytes, so it is as cheap as a dict.
+"""
+
+from __future__ import annotations
+
+from .base import ChunkMissing
+
+
+class CpuTier:
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._chunks: dict[str, memoryview] = {}
+        self.used_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def put(self, name: str, payload: memoryview) -> int:
+        self.delete(name)
+        self._chunks[name] = payload
+        self.used_bytes += payload.nbytes
+        return payload.nbytes
+
+    def get(self, name: str) -> memoryview:
+        try:
+            return self._chunks[name]
+        except KeyError:
+            raise ChunkMissing(name) from None
+
+    def delete(self, name: str) -> None:
+        old = self._chunks.pop(name, None)
+        if old is not None:
+            self.used_bytes -= old.nbytes
+
+    def clear(self) -> None:
+        self._chunks.clear()
+        self.used_bytes = 0
