@@ -1,0 +1,71 @@
+import pytest
+
+from connector.config import ConfigError, load_config
+
+
+def test_defaults_match_lmcache():
+    c = load_config({}, env={})
+    assert c.chunk_size == 256 and c.local_cpu and c.max_local_cpu_size == 5.0
+    assert c.local_disk is None and not c.save_unfull_chunk and not c.save_decode_cache
+    assert c.extra_config.enable_cache_usage_details_in_response
+
+
+def test_precedence_yaml_then_env_then_extra_config(tmp_path):
+    f = tmp_path / "lmcache.yaml"
+    f.write_text("chunk_size: 512\nmin_retrieve_tokens: 10\nsave_decode_cache: true\n")
+    env = {"LMCACHE_CONFIG_FILE": str(f), "LMCACHE_MIN_RETRIEVE_TOKENS": "20", "LMCACHE_CHUNK_SIZE": "1024"}
+    c = load_config({"lmcache.chunk_size": 128}, env=env)
+    assert c.chunk_size == 128  # extra config beats env beats yaml
+    assert c.min_retrieve_tokens == 20  # env beats yaml
+    assert c.save_decode_cache is True  # yaml beats default
+
+
+def test_extra_config_dict_merges_across_levels():
+    c = load_config(
+        {"lmcache.extra_config": {"enable_cache_usage_details_in_response": False}},
+        env={"LMCACHE_EXTRA_CONFIG": '{"disk_scan_interval_s": 5}'},
+    )
+    assert not c.extra_config.enable_cache_usage_details_in_response
+    assert c.extra_config.disk_scan_interval_s == 5
+
+
+@pytest.mark.parametrize(
+    "extra,env,key",
+    [
+        ({"lmcache.chunk_sise": 256}, {}, "chunk_sise"),
+        ({"lmcache.chunk_size": "big"}, {}, "chunk_size"),
+        ({"lmcache.chunk_size": 0}, {}, "chunk_size"),
+        ({}, {"LMCACHE_MAX_LOCAL_CPU_SIZE": "-1"}, "max_local_cpu_size"),
+        ({"lmcache.local_disk": "/tmp/x"}, {}, "max_local_disk_size"),
+        ({"lmcache.local_cpu": False}, {}, "local_disk"),
+        ({"lmcache.extra_config": {"nope": 1}}, {}, "extra_config.nope"),
+        ({"lmcache.remote_url": "redis://localhost:6379"}, {}, "remote_url"),
+    ],
+)
+def test_bad_config_fails_with_the_key_named(extra, env, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(extra, env=env)
+    assert key in str(e.value)
+
+
+def test_unknown_env_key_is_named_with_its_variable():
+    with pytest.raises(ConfigError) as e:
+        load_config({}, env={"LMCACHE_CHUNKSIZE": "256"})
+    assert "chunksize" in str(e.value) and "LMCACHE_CHUNKSIZE" in str(e.value)
+
+
+def test_chunk_size_must_be_a_multiple_of_the_block_size():
+    c = load_config({"lmcache.chunk_size": 192}, env={})
+    with pytest.raises(ConfigError, match="chunk_size"):
+        c.check_block_size(128)
+    c.check_block_size(64)
+
+
+def test_vllm_level_extra_keys_and_force_skip_env():
+    c = load_config({"discard_partial_chunks": True, "skip_last_n_tokens": 3}, env={"LMCACHE_FORCE_SKIP_SAVE": "1"})
+    assert c.discard_partial_chunks and c.skip_last_n_tokens == 3 and c.force_skip_save
+
+
+def test_missing_yaml_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="LMCACHE_CONFIG_FILE"):
+        load_config({}, env={"LMCACHE_CONFIG_FILE": str(tmp_path / "nope.yaml")})

@@ -1,0 +1,111 @@
+import os
+
+import pytest
+
+from connector.tiers import codec
+from connector.tiers import disk as disk_files
+from connector.tiers.base import ChunkCorrupt, ChunkMissing, Tier
+from connector.tiers.cpu import CpuTier
+from connector.tiers.disk import DiskTier
+
+NAME = "ab" * 16 + ".r0"
+
+
+@pytest.fixture(params=["cpu", "disk"])
+def tier(request, tmp_path) -> Tier:
+    return CpuTier() if request.param == "cpu" else DiskTier(str(tmp_path), "layout-1")
+
+
+def test_tier_contract_roundtrip_delete_clear(tier):
+    assert isinstance(tier, Tier)
+    payload = memoryview(bytearray(os.urandom(4096)))
+    tier.put(NAME, payload)
+    got = tier.get(NAME)
+    assert bytes(got) == bytes(payload) and not got.readonly
+    tier.delete(NAME)
+    tier.delete(NAME)  # deleting twice is fine
+    with pytest.raises(ChunkMissing):
+        tier.get(NAME)
+    tier.put(NAME, payload)
+    tier.clear()
+    with pytest.raises(ChunkMissing):
+        tier.get(NAME)
+
+
+def _record_path(tmp_path):
+    return tmp_path / (NAME + disk_files.SUFFIX)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "header", "empty"])
+def test_damaged_disk_records_are_rejected(tmp_path, damage):
+    t = DiskTier(str(tmp_path), "layout-1")
+    t.put(NAME, memoryview(bytearray(os.urandom(4096))))
+    path = _record_path(tmp_path)
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[:-100]
+    elif damage == "flip":
+        data[-1] ^= 0xFF
+    elif damage == "header":
+        data[10] ^= 0xFF
+    else:
+        data = bytearray()
+    path.write_bytes(data)
+    with pytest.raises(ChunkCorrupt):
+        t.get(NAME)
+
+
+def test_record_for_another_layout_or_name_is_rejected(tmp_path):
+    DiskTier(str(tmp_path), "layout-1").put(NAME, memoryview(b"x" * 64))
+    with pytest.raises(ChunkCorrupt):
+        DiskTier(str(tmp_path), "layout-2").get(NAME)
+    other = "cd" * 16 + ".r0"
+    os.rename(_record_path(tmp_path), tmp_path / (other + disk_files.SUFFIX))
+    with pytest.raises(ChunkCorrupt):
+        DiskTier(str(tmp_path), "layout-1").get(other)
+
+
+def test_failed_write_leaves_no_readable_chunk(tmp_path, monkeypatch):
+    t = DiskTier(str(tmp_path), "layout-1")
+
+    def boom(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        t.put(NAME, memoryview(b"x" * 64))
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ChunkMissing):
+        t.get(NAME)
+
+
+def test_scan_sees_complete_chunks_only(tmp_path):
+    t = DiskTier(str(tmp_path), "layout-1")
+    a, b = "aa" * 16, "bb" * 16
+    for rank in (0, 1):
+        t.put(f"{a}.r{rank}", memoryview(b"x" * 64))
+    t.put(f"{b}.r0", memoryview(b"x" * 64))
+    (tmp_path / ".tmp-half-written").write_bytes(b"junk")
+    found = disk_files.scan(str(tmp_path), world_size=2)
+    assert list(found) == [a] and found[a] > 64
+
+
+def test_sweep_removes_only_old_temp_files(tmp_path):
+    old, new = tmp_path / ".tmp-old", tmp_path / ".tmp-new"
+    old.write_bytes(b"x")
+    new.write_bytes(b"x")
+    os.utime(old, (1, 1))
+    assert disk_files.sweep_temp_files(str(tmp_path)) == 1
+    assert new.exists() and not old.exists()
+
+
+def test_codec_detects_every_single_byte_change():
+    payload = memoryview(bytearray(range(256)))
+    record = bytearray(codec.encode_header("n", "l", payload)) + bytes(payload)
+    assert bytes(codec.decode(record, "n", "l")) == bytes(payload)
+    for i in range(len(record)):
+        broken = bytearray(record)
+        broken[i] ^= 0x01
+        with pytest.raises(ChunkCorrupt):
+            codec.decode(broken, "n", "l")

@@ -1,0 +1,146 @@
+"""The worker half against real torch tensors laid out as vLLM lays them out (no vLLM)."""
+
+import os
+
+import pytest
+import torch
+
+from connector.config import load_config
+from connector.engine.facts import EngineFacts
+from connector.engine.jobs import CPU, DISK, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
+from connector.kv_blocks import BlockCopier
+from connector.tiers import disk as disk_files
+from connector.worker import ConnectorWorker
+
+NUM_BLOCKS, LAYERS, HEADS, BS, HEAD = 16, 3, 2, 16, 8
+
+
+def cpu_layout() -> dict[str, torch.Tensor]:
+    """vLLM 0.32 (CPU and GPU): [num_blocks, heads, block_size, 2*head], all layers one storage."""
+    storage = torch.randn(LAYERS, NUM_BLOCKS, HEADS, BS, 2 * HEAD).to(torch.bfloat16)
+    return {f"model.layers.{i}.self_attn.attn": storage[i] for i in range(LAYERS)}
+
+
+def kv_first_layout() -> dict[str, torch.Tensor]:
+    """Older flash-attn: [2, num_blocks, block_size, heads, head]."""
+    return {f"l{i}": torch.randn(2, NUM_BLOCKS, BS, HEADS, HEAD).to(torch.float16) for i in range(LAYERS)}
+
+
+def strided_layout() -> dict[str, torch.Tensor]:
+    """Block-first logical shape over a physical order where blocks are not outermost."""
+    phys = torch.randn(HEADS, NUM_BLOCKS, BS, 2 * HEAD)
+    return {f"l{i}": phys.clone().permute(1, 0, 2, 3) for i in range(LAYERS)}
+
+
+def block(kv: torch.Tensor, b: int) -> torch.Tensor:
+    return kv[:, b] if kv.shape[0] == 2 and kv.shape[1] == NUM_BLOCKS else kv[b]
+
+
+@pytest.mark.parametrize("make", [cpu_layout, kv_first_layout, strided_layout])
+def test_gather_then_scatter_moves_whole_blocks_exactly(make):
+    src, dst = make(), make()
+    cs, cd = BlockCopier(src, NUM_BLOCKS), BlockCopier(dst, NUM_BLOCKS)
+    payload = cs.gather([3, 7, 9])
+    assert payload.shape == (LAYERS, 3, cs.block_bytes)
+    untouched = {n: t.clone() for n, t in dst.items()}
+    cd.scatter(payload, [12, 1], first_block=1)  # blocks 7 and 9 of the source
+    for name in src:
+        assert torch.equal(block(dst[name], 12), block(src[name], 7))
+        assert torch.equal(block(dst[name], 1), block(src[name], 9))
+        for b in set(range(NUM_BLOCKS)) - {12, 1}:
+            assert torch.equal(block(dst[name], b), block(untouched[name], b))
+
+
+def facts(copier_caches, role="kv_both") -> EngineFacts:
+    c = BlockCopier(copier_caches, NUM_BLOCKS)
+    return EngineFacts("m", "bf16", BS, LAYERS, c.block_bytes, "layout", 1, role)
+
+
+def worker(caches, tmp_path=None, **extra) -> ConnectorWorker:
+    cfg = {"lmcache.chunk_size": 2 * BS, **{f"lmcache.{k}": v for k, v in extra.items()}}
+    if tmp_path is not None:
+        cfg.update({"lmcache.local_disk": str(tmp_path), "lmcache.max_local_disk_size": 1})
+    w = ConnectorWorker(load_config(cfg, env={}), facts(caches), rank=0)
+    w.register(caches, NUM_BLOCKS)
+    return w
+
+
+NAME = "ab" * 16
+
+
+def test_store_then_load_roundtrip_through_cpu_and_disk(tmp_path):
+    caches = cpu_layout()
+    w = worker(caches, tmp_path)
+    w.save(StepPlan(stores=[StoreJob("a", NAME, (2, 5), (CPU, DISK), 32)]))
+    assert os.path.exists(os.path.join(tmp_path, f"{NAME}.r0{disk_files.SUFFIX}"))
+    expected = [caches[n][[2, 5]].clone() for n in caches]
+    for tier in (CPU, DISK):
+        for t in caches.values():
+            t[[8, 9]] = 0
+        w.load(StepPlan(loads=[LoadJob("b", (ChunkLoad(NAME, tier, (8, 9), 0, 32),))]))
+        assert w.take_failed_blocks() == set()
+        for n, exp in zip(caches, expected):
+            assert torch.equal(caches[n][[8, 9]], exp)
+    report = w.take_report()
+    assert report.loads["b"].tokens_by_tier == {DISK: 32} and not report.loads["b"].failed_chunks
+
+
+def test_missing_chunk_falls_back_to_another_tier(tmp_path):
+    caches = cpu_layout()
+    w = worker(caches, tmp_path)
+    w.save(StepPlan(stores=[StoreJob("a", NAME, (2, 5), (CPU, DISK), 32)]))
+    w.save(StepPlan(evictions=[Eviction(CPU, NAME)]))
+    w.load(StepPlan(loads=[LoadJob("b", (ChunkLoad(NAME, CPU, (8, 9), 0, 32),))]))
+    assert w.take_failed_blocks() == set()
+    assert torch.equal(caches["model.layers.0.self_attn.attn"][8], caches["model.layers.0.self_attn.attn"][2])
+    report = w.take_report()
+    assert report.loads["b"].tokens_by_tier == {DISK: 32}
+    assert report.loads["b"].failed_chunks == [(NAME, CPU, "missing: " + NAME + ".r0")]
+
+
+def test_corrupt_chunk_fails_its_blocks_and_every_later_chunk(tmp_path):
+    caches = cpu_layout()
+    w = worker(caches, tmp_path, local_cpu=False)
+    second = "cd" * 16
+    w.save(StepPlan(stores=[StoreJob("a", NAME, (0, 1), (DISK,), 32), StoreJob("a", second, (2, 3), (DISK,), 32)]))
+    path = os.path.join(tmp_path, f"{NAME}.r0{disk_files.SUFFIX}")
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
+    before = {n: t.clone() for n, t in caches.items()}
+    w.load(StepPlan(loads=[LoadJob("b", (ChunkLoad(NAME, DISK, (8, 9), 0, 32), ChunkLoad(second, DISK, (10, 11), 0, 32)))]))
+    assert w.take_failed_blocks() == {8, 9, 10, 11}
+    assert w.take_failed_blocks() == set()  # reported once
+    for n in caches:  # nothing was written from a corrupt record
+        assert torch.equal(caches[n][8], before[n][8])
+    outcome = w.take_report().loads["b"]
+    assert outcome.failed_chunks[0][:2] == (NAME, DISK) and "corrupt" in outcome.failed_chunks[0][2]
+
+
+def test_short_payload_for_the_requested_blocks_is_a_failed_load():
+    caches = cpu_layout()
+    w = worker(caches)
+    w.save(StepPlan(stores=[StoreJob("a", NAME, (2,), (CPU,), 16)]))
+    w.load(StepPlan(loads=[LoadJob("b", (ChunkLoad(NAME, CPU, (8, 9), 0, 32),))]))
+    assert w.take_failed_blocks() == {8, 9}
+
+
+def test_store_failure_is_reported_not_raised(tmp_path, monkeypatch):
+    caches = cpu_layout()
+    w = worker(caches, tmp_path)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(w.tiers[DISK], "put", full)
+    w.save(StepPlan(stores=[StoreJob("a", NAME, (2, 5), (CPU, DISK), 32)]))
+    report = w.take_report()
+    assert [(n, t) for n, t, _ in report.store_failures] == [(NAME, DISK)]
+
+
+def test_register_rejects_a_layout_the_scheduler_did_not_plan_for():
+    caches = cpu_layout()
+    wrong = EngineFacts("m", "bf16", BS, LAYERS + 1, 64, "layout", 1, "kv_both")
+    w = ConnectorWorker(load_config({"lmcache.chunk_size": 2 * BS}, env={}), wrong, rank=0)
+    with pytest.raises(ValueError, match="layers"):
+        w.register(caches, NUM_BLOCKS)
