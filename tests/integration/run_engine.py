@@ -1,0 +1,103 @@
+"""Runs one offline vLLM engine through a scripted workload and prints JSON results.
+
+Used by the integration tests as a subprocess so that every engine gets a clean process.
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the connector
+halves can be inspected after the workload: trackers, pins, failed blocks.
+
+    python run_engine.py SPEC.json   ->   last stdout line: {"rounds": [...], "state": {...}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def damage(directory: str, corrupt: int, delete: int) -> list[str]:
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".kvlens"))
+    touched = []
+    for name in files[:corrupt]:
+        path = os.path.join(directory, name)
+        with open(path, "r+b") as f:
+            f.seek(-8, os.SEEK_END)
+            tail = f.read(8)
+            f.seek(-8, os.SEEK_END)
+            f.write(bytes(b ^ 0xFF for b in tail))
+        touched.append(name)
+    for name in files[corrupt : corrupt + delete]:
+        os.unlink(os.path.join(directory, name))
+        touched.append(name)
+    return touched
+
+
+def main() -> None:
+    spec = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs = dict(
+        model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, max_model_len=4096,
+        dtype="bfloat16", seed=0,
+    )
+    kwargs.update(spec.get("engine", {}))
+    if spec.get("kv") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVLensConnector", kv_connector_module_path="connector",
+            kv_role=spec.get("role", "kv_both"), kv_load_failure_policy="recompute",
+            kv_connector_extra_config=spec["kv"],
+        )
+    llm = LLM(**kwargs)
+    core = llm.llm_engine.engine_core.engine_core
+    connector = core.scheduler.connector
+    failed_blocks: list[int] = []
+    if connector is not None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker_connector = get_kv_transfer_group()
+        original = worker_connector.get_block_ids_with_load_errors
+
+        def recording() -> set[int]:
+            ids = original()
+            failed_blocks.extend(sorted(ids))
+            return ids
+
+        worker_connector.get_block_ids_with_load_errors = recording
+
+    preemptions = [0]
+    original_preempt = core.scheduler._preempt_request
+
+    def counting_preempt(*args, **kw):
+        preemptions[0] += 1
+        return original_preempt(*args, **kw)
+
+    core.scheduler._preempt_request = counting_preempt
+
+    rounds = []
+    for rnd in spec["rounds"]:
+        if rnd.get("damage"):
+            d = rnd["damage"]
+            damage(d["dir"], d.get("corrupt", 0), d.get("delete", 0))
+        params = SamplingParams(temperature=0.0, max_tokens=rnd.get("max_tokens", 8), detokenize=False,
+                                ignore_eos=True)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in rnd["prompts"]], params, use_tqdm=False)
+        rounds.append([
+            {"token_ids": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
+             "kv_transfer_params": o.kv_transfer_params}
+            for o in outs
+        ])
+        if rnd.get("reset_prefix_cache", True):
+            llm.reset_prefix_cache()
+    state = {"failed_blocks": failed_blocks, "preemptions": preemptions[0]}
+    if connector is not None:
+        sched = connector._scheduler
+        state.update(sched.sizes())
+        state["pinned_chunks"] = sum(t.pinned_keys for t in sched.tiers.values())
+    print(json.dumps({"rounds": rounds, "state": state}))
+    sys.stdout.flush()
+    os._exit(0)  # skip vLLM's slow teardown; nothing is left to flush
+
+
+if __name__ == "__main__":
+    main()

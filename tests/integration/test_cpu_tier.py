@@ -1,0 +1,60 @@
+"""KVLens's CPU tier inside real vLLM: shared prefixes come back after vLLM's cache is flushed."""
+
+import pytest
+
+from . import workloads as w
+from .conftest import cached_tokens, expected, lmcache_tokens, outputs, run_engine
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tiny_model, tmp_path_factory):
+    kv = {"lmcache.chunk_size": 256, "lmcache.max_local_cpu_size": 0.25, "lmcache.save_unfull_chunk": True}
+    rounds = [
+        {"prompts": [w.A, w.SHORT]},  # cold: stores A's chunks and its unfull tail
+        {"prompts": [w.A, w.B, w.SHORT]},  # vLLM's prefix cache was flushed: KVLens supplies
+        {"prompts": [w.C]},
+    ]
+    return run_engine({"model": tiny_model, "kv": kv, "rounds": rounds}, tmp_path_factory.mktemp("cpu"))
+
+
+def test_outputs_are_identical_to_vllm_without_kvlens(cpu_run, baseline):
+    r0, r1, r2 = cpu_run["rounds"]
+    assert outputs(r0) == expected(baseline, [w.A, w.SHORT])
+    assert outputs(r1) == expected(baseline, [w.A, w.B, w.SHORT])
+    assert outputs(r2) == expected(baseline, [w.C])
+
+
+def test_cold_round_hits_nothing(cpu_run):
+    assert lmcache_tokens(cpu_run["rounds"][0]) == [0, 0]
+    assert cached_tokens(cpu_run["rounds"][0]) == [0, 0]
+
+
+def test_repeated_prompt_is_served_whole_including_its_unfull_tail(cpu_run):
+    a = cpu_run["rounds"][1][0]
+    assert a["kv_transfer_params"]["num_lmcache_cached_tokens"] == 700
+    assert a["num_cached_tokens"] == 699  # the last token is always recomputed
+
+
+def test_shared_prefix_of_a_new_prompt_is_served_by_whole_chunks(cpu_run):
+    b = cpu_run["rounds"][1][1]
+    assert b["kv_transfer_params"]["num_lmcache_cached_tokens"] == 512
+    assert b["num_cached_tokens"] >= 512
+    c = cpu_run["rounds"][2][0]
+    assert c["kv_transfer_params"]["num_lmcache_cached_tokens"] == 256
+    assert c["num_cached_tokens"] >= 256
+
+
+def test_prompt_shorter_than_a_chunk_is_served_from_its_partial_chunk(cpu_run):
+    short = cpu_run["rounds"][1][2]
+    assert short["kv_transfer_params"]["num_lmcache_cached_tokens"] == 200
+    assert short["num_cached_tokens"] == 199
+
+
+def test_nothing_is_left_tracked_or_pinned_after_the_workload(cpu_run):
+    state = cpu_run["state"]
+    assert state["request_trackers"] == 0 and state["load_specs"] == 0
+    assert state["unfinished_requests"] == 0 and state["pinned_requests"] == 0
+    assert state["pinned_chunks"] == 0 and state["failed_blocks"] == []
+    assert state["cpu_chunks"] > 0

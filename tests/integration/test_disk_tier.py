@@ -1,0 +1,59 @@
+"""The local-disk tier alone, including loads that fail between lookup and load."""
+
+import os
+
+import pytest
+
+from . import workloads as w
+from .conftest import expected, lmcache_tokens, outputs, run_engine
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def disk_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("kvdisk"))
+
+
+@pytest.fixture(scope="module")
+def disk_run(tiny_model, tmp_path_factory, disk_dir):
+    kv = {
+        "lmcache.chunk_size": 256, "lmcache.local_cpu": False, "lmcache.local_disk": disk_dir,
+        "lmcache.max_local_disk_size": 0.5,
+        # The index must not notice the damage before the load does.
+        "lmcache.extra_config": {"disk_scan_interval_s": 3600},
+    }
+    rounds = [
+        {"prompts": [w.A]},
+        {"prompts": [w.A, w.B]},
+        # Between lookup and load, one chunk file turns corrupt and another vanishes.
+        {"prompts": [w.A, w.B], "damage": {"dir": disk_dir, "corrupt": 1, "delete": 1}},
+        {"prompts": [w.A, w.B]},
+    ]
+    return run_engine({"model": tiny_model, "kv": kv, "rounds": rounds}, tmp_path_factory.mktemp("disk"))
+
+
+def test_disk_tier_supplies_prefixes_with_identical_outputs(disk_run, baseline):
+    rounds = disk_run["rounds"]
+    assert lmcache_tokens(rounds[0]) == [0]
+    assert lmcache_tokens(rounds[1]) == [512, 512]  # no unfull tails by default
+    for r in rounds:
+        assert outputs(r) == expected(baseline, [w.A, w.B][: len(r)])
+
+
+def test_chunk_files_are_whole_records(disk_run, disk_dir):
+    files = os.listdir(disk_dir)
+    assert files and all(f.endswith(".kvlens") for f in files)  # no temp files left
+
+
+def test_failed_loads_are_reported_and_recomputed_without_leaks(disk_run, baseline):
+    state = disk_run["state"]
+    assert state["failed_blocks"], "the damaged chunks must be reported as failed blocks"
+    assert "Recovered from KV load failure" in disk_run["log"]
+    assert outputs(disk_run["rounds"][2]) == expected(baseline, [w.A, w.B])
+    assert state["pinned_chunks"] == 0 and state["pinned_requests"] == 0
+    assert state["request_trackers"] == 0 and state["unfinished_requests"] == 0
+
+
+def test_recomputed_chunks_are_stored_again(disk_run):
+    assert lmcache_tokens(disk_run["rounds"][3]) == [512, 512]

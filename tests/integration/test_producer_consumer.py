@@ -1,0 +1,44 @@
+"""A producer engine stores to a shared disk tier; a separate consumer engine only loads."""
+
+import os
+
+import pytest
+
+from . import workloads as w
+from .conftest import expected, lmcache_tokens, outputs, run_engine
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tiny_model, tmp_path_factory):
+    shared = str(tmp_path_factory.mktemp("shared-disk"))
+    kv = {"lmcache.chunk_size": 256, "lmcache.local_cpu": False, "lmcache.local_disk": shared,
+          "lmcache.max_local_disk_size": 0.5}
+    tmp = tmp_path_factory.mktemp("pc")
+    producer = run_engine(
+        {"model": tiny_model, "kv": kv, "role": "kv_producer", "rounds": [{"prompts": [w.A]}, {"prompts": [w.A]}]},
+        tmp,
+    )
+    files_after_producer = sorted(os.listdir(shared))
+    consumer = run_engine(
+        {"model": tiny_model, "kv": kv, "role": "kv_consumer", "rounds": [{"prompts": [w.A, w.C]}]}, tmp
+    )
+    return producer, consumer, files_after_producer, sorted(os.listdir(shared))
+
+
+def test_producer_stores_but_never_loads(shared_runs, baseline):
+    producer, _, files, _ = shared_runs
+    assert len(files) == 2
+    assert lmcache_tokens(producer["rounds"][1]) == [0]
+    assert outputs(producer["rounds"][1]) == expected(baseline, [w.A])
+
+
+def test_consumer_loads_what_the_producer_stored_and_stores_nothing(shared_runs, baseline):
+    _, consumer, before, after = shared_runs
+    (rnd,) = consumer["rounds"]
+    assert lmcache_tokens(rnd) == [512, 256]
+    assert rnd[0]["num_cached_tokens"] >= 512
+    assert outputs(rnd) == expected(baseline, [w.A, w.C])
+    assert after == before
+    assert consumer["state"]["pinned_chunks"] == 0
