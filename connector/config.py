@@ -86,11 +86,11 @@ class KVLensConfig(BaseModel):
 
     @property
     def cpu_budget_bytes(self) -> int:
-        return int(self.max_local_cpu_size * GB) if self.local_cpu else 0
+        return round(self.max_local_cpu_size * GB) if self.local_cpu else 0
 
     @property
     def disk_budget_bytes(self) -> int:
-        return int(self.max_local_disk_size * GB) if self.local_disk else 0
+        return round(self.max_local_disk_size * GB) if self.local_disk else 0
 
     @property
     def saves_partial_chunks(self) -> bool:
