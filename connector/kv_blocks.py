@@ -24,6 +24,26 @@ class LayerView:
     flat: torch.Tensor | None  # [num_blocks, block_bytes] uint8 view when blocks are contiguous
 
 
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(position in block_ids, first block id, length) for each run of consecutive ids."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, b in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            start, first, n = runs[-1]
+            runs[-1] = (start, first, n + 1)
+        else:
+            runs.append((pos, b, 1))
+    return runs
+
+
+def _widest_view(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as the widest integer type that divides a row: copies run far faster."""
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if t.shape[-1] % size == 0:
+            return t.view(dtype)
+    return t
+
+
 def _layer_view(kv: torch.Tensor, num_blocks: int) -> LayerView:
     if kv.shape[0] == num_blocks:
         block_dim = 0
@@ -33,7 +53,7 @@ def _layer_view(kv: torch.Tensor, num_blocks: int) -> LayerView:
         raise ValueError(f"KV tensor of shape {tuple(kv.shape)} has no dimension of {num_blocks} blocks")
     flat = None
     if block_dim == 0 and kv.is_contiguous():
-        flat = kv.view(torch.uint8).view(num_blocks, -1)
+        flat = _widest_view(kv.view(torch.uint8).view(num_blocks, -1))
     return LayerView(kv, block_dim, flat)
 
 
@@ -66,9 +86,12 @@ class BlockCopier:
         """A new CPU uint8 tensor ``[layers, len(block_ids), block_bytes]``."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         out = torch.empty((self.num_layers, len(block_ids), self.block_bytes), dtype=torch.uint8, device=self.device)
+        runs = _runs(block_ids)
         for i, layer in enumerate(self.layers):
             if layer.flat is not None:
-                torch.index_select(layer.flat, 0, idx, out=out[i])
+                dst = _widest_view(out[i])
+                for pos, first, n in runs:
+                    dst[pos : pos + n].copy_(layer.flat[first : first + n])
             else:
                 blocks = layer.tensor.index_select(layer.block_dim, idx)
                 if layer.block_dim == 1:
@@ -89,9 +112,12 @@ class BlockCopier:
         if self.device.type != "cpu":
             src = src.to(self.device, non_blocking=True)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        runs = _runs(block_ids)
         for i, layer in enumerate(self.layers):
             if layer.flat is not None:
-                layer.flat.index_copy_(0, idx, src[i])
+                rows = src[i] if layer.flat.dtype == torch.uint8 else src[i].contiguous().view(layer.flat.dtype)
+                for pos, first, n in runs:
+                    layer.flat[first : first + n].copy_(rows[pos : pos + n])
             else:
                 typed = src[i].contiguous().view(self.dtype).view(n, *self.block_shape)
                 if layer.block_dim == 1:

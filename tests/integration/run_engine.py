@@ -45,7 +45,7 @@ def main() -> None:
     if spec.get("kv") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVLensConnector", kv_connector_module_path="connector",
-            kv_role=spec.get("role", "kv_both"), kv_load_failure_policy="recompute",
+            kv_role=spec.get("role", "kv_both"), kv_load_failure_policy=spec.get("policy", "recompute"),
             kv_connector_extra_config=spec["kv"],
         )
     llm = LLM(**kwargs)
@@ -84,7 +84,7 @@ def main() -> None:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in rnd["prompts"]], params, use_tqdm=False)
         rounds.append([
             {"token_ids": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
-             "kv_transfer_params": o.kv_transfer_params}
+             "kv_transfer_params": o.kv_transfer_params, "finish_reason": o.outputs[0].finish_reason}
             for o in outs
         ])
         if rnd.get("reset_prefix_cache", True):

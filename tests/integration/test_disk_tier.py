@@ -57,3 +57,30 @@ def test_failed_loads_are_reported_and_recomputed_without_leaks(disk_run, baseli
 
 def test_recomputed_chunks_are_stored_again(disk_run):
     assert lmcache_tokens(disk_run["rounds"][3]) == [512, 512]
+
+
+@pytest.fixture(scope="module")
+def fail_policy_run(tiny_model, tmp_path_factory):
+    """Under vLLM's default policy a failed load fails the request; it never returns wrong text."""
+    disk = str(tmp_path_factory.mktemp("kvdisk-fail"))
+    kv = {
+        "lmcache.chunk_size": 256, "lmcache.local_cpu": False, "lmcache.local_disk": disk,
+        "lmcache.max_local_disk_size": 0.5, "lmcache.extra_config": {"disk_scan_interval_s": 3600},
+    }
+    rounds = [
+        {"prompts": [w.A]},
+        {"prompts": [w.A], "damage": {"dir": disk, "corrupt": 2}},
+        {"prompts": [w.A]},
+    ]
+    spec = {"model": tiny_model, "kv": kv, "policy": "fail", "rounds": rounds}
+    return run_engine(spec, tmp_path_factory.mktemp("disk-fail"))
+
+
+def test_fail_policy_fails_the_request_visibly_and_recovers(fail_policy_run, baseline):
+    r0, r1, r2 = fail_policy_run["rounds"]
+    assert r1[0]["finish_reason"] == "error" and r1[0]["token_ids"] == []
+    assert fail_policy_run["state"]["failed_blocks"]
+    # The corrupt chunks left the index: the next request recomputes and stores them again.
+    assert outputs(r2) == expected(baseline, [w.A])
+    assert fail_policy_run["state"]["pinned_chunks"] == 0
+    assert fail_policy_run["state"]["request_trackers"] == 0
