@@ -208,7 +208,11 @@ def test_writes_go_to_every_tier_and_lookups_prefer_cpu(tmp_path):
     _, plan = admit_fully(s, request("a", PROMPT), blocks(0, 5))
     assert all(j.tiers == (CPU, DISK) for j in plan.stores)
     s.tiers[CPU].remove(plan.stores[1].name)
-    _, plan = admit_fully(s, request("b", PROMPT), blocks(10, 5))
+    b = request("b", PROMPT)
+    assert s.lookup(b, 128) == 512 - 128
+    s.after_alloc(b, 512 - 128)
+    assert s.external_tokens_by_tier("b", 512 - 128) == {CPU: 128, DISK: 256}  # vLLM had 128
+    _, plan = admit_fully(s, request("c", PROMPT), blocks(10, 5))
     assert [c.tier for c in plan.loads[0].chunks] == [CPU, DISK]
     s.shutdown()
 
@@ -226,3 +230,15 @@ def test_reset_forgets_unpinned_chunks_and_tells_workers():
     plan = s.build_plan(step())
     assert len(plan.evictions) == 2
     assert s.lookup(request("b", PROMPT), 0) == 0
+
+
+def test_multimodal_embeds_and_dp_padding_requests_bypass_kvlens():
+    s = scheduler()
+    admit_fully(s, request("a", PROMPT), blocks(0, 5))
+    for r in (
+        request("mm", PROMPT, mm_features=[object()]),
+        request("emb", PROMPT, prompt_embeds=object()),
+        request("mock_req_0", PROMPT),
+    ):
+        need, plan = admit_fully(s, r, blocks(10, 5))
+        assert need == 0 and not plan.loads and not plan.stores
