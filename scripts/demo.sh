@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# The main job: set everything up, start vLLM with KVLens on the tiny model, run the
+# shared-prefix workload (scripts/workload.py) against it, stop the server.
+#
+#   bash scripts/demo.sh [workload.py options, e.g. --rounds 4 --reset request --expect-kvlens]
+#
+# Environment: PORT (default 8000); KVLENS_DEMO_NO_CONNECTOR=1 starts vLLM without
+# --kv-transfer-config (baseline); KVLENS_DEMO_STARTUP_TIMEOUT (default 300 s).
+# The server log is .run/serve.log.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash scripts/setup.sh
+# shellcheck source=scripts/env.sh
+source scripts/env.sh
+
+PY="$KVLENS_VENV/bin/python"
+PORT="${PORT:-8000}"
+BASE="http://127.0.0.1:$PORT"
+LOG="$KVLENS_RUN_DIR/serve.log"
+STARTUP_TIMEOUT="${KVLENS_DEMO_STARTUP_TIMEOUT:-300}"
+KV_CONFIG='{"kv_connector":"KVLensConnector","kv_connector_module_path":"connector","kv_role":"kv_both","kv_load_failure_policy":"recompute","kv_connector_extra_config":{"lmcache.chunk_size":256,"lmcache.max_local_cpu_size":1}}'
+
+SERVE_ARGS=(serve "$KVLENS_TINY_MODEL" --host 127.0.0.1 --port "$PORT" --enforce-eager
+    --max-model-len 4096 --enable-prompt-tokens-details)
+if [ "${KVLENS_DEMO_NO_CONNECTOR:-0}" = 1 ]; then
+    echo "[demo] KVLENS_DEMO_NO_CONNECTOR=1: vLLM without KVLens"
+else
+    SERVE_ARGS+=(--kv-transfer-config "$KV_CONFIG")
+fi
+
+# Health probe with the venv's Python (no curl needed); exit 0 when /health answers 200.
+health() {
+    "$PY" -c 'import sys, urllib.request
+try:
+    sys.exit(0 if urllib.request.urlopen(sys.argv[1] + "/health", timeout=2).status == 200 else 1)
+except Exception:
+    sys.exit(1)' "$BASE"
+}
+
+if health; then
+    echo "[demo] ERROR: something already serves $BASE; stop it or set PORT" >&2
+    exit 1
+fi
+
+SERVER_PID=""
+stop_server() {
+    [ -n "$SERVER_PID" ] || return 0
+    # vLLM's API server (the group leader) shuts its engine and worker processes down on
+    # SIGTERM; whatever is left of the process group after 30 s is killed.
+    if kill -0 -- "-$SERVER_PID" 2>/dev/null; then
+        echo "[demo] stopping vLLM (process group $SERVER_PID)"
+        kill -TERM "$SERVER_PID" 2>/dev/null || true
+        for _ in $(seq 1 60); do
+            kill -0 -- "-$SERVER_PID" 2>/dev/null || break
+            sleep 0.5
+        done
+        if kill -0 -- "-$SERVER_PID" 2>/dev/null; then
+            echo "[demo] vLLM did not stop in 30 s; killing its process group"
+            kill -KILL -- "-$SERVER_PID" 2>/dev/null || true
+        fi
+    fi
+    wait "$SERVER_PID" 2>/dev/null || true
+    SERVER_PID=""
+}
+trap stop_server EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+mkdir -p "$KVLENS_RUN_DIR"
+echo "[demo] starting vLLM on $BASE (log: $LOG)"
+START=$(date +%s.%N)
+# setsid: own process group, so the whole server (API server, engine core, worker) can be
+# stopped together.
+VLLM_SERVER_DEV_MODE=1 setsid "$PY" -m connector.launcher "${SERVE_ARGS[@]}" >"$LOG" 2>&1 &
+SERVER_PID=$!
+
+deadline=$(($(date +%s) + STARTUP_TIMEOUT))
+until health; do
+    if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+        echo "[demo] ERROR: vLLM exited during start-up; last lines of $LOG:" >&2
+        tail -n 40 "$LOG" >&2
+        exit 1
+    fi
+    if [ "$(date +%s)" -ge "$deadline" ]; then
+        echo "[demo] ERROR: vLLM not healthy after ${STARTUP_TIMEOUT}s; last lines of $LOG:" >&2
+        tail -n 40 "$LOG" >&2
+        exit 1
+    fi
+    sleep 1
+done
+echo "[demo] vLLM ready in $(awk -v s="$START" -v e="$(date +%s.%N)" 'BEGIN{printf "%.1f", e-s}') s"
+
+rc=0
+"$PY" scripts/workload.py --url "$BASE" "$@" || rc=$?
+if [ "$rc" -ne 0 ]; then
+    echo "[demo] workload failed (exit $rc); server log: $LOG" >&2
+fi
+exit "$rc"

