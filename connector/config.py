@@ -34,6 +34,9 @@ class ExtraConfig(BaseModel):
 
     # Report {"num_lmcache_cached_tokens": N} in each response's kv_transfer_params.
     enable_cache_usage_details_in_response: bool = True
+    # Also store a prompt's unfull last chunk cut to whole vLLM blocks, and let lookups take
+    # the longest stored whole-block prefix of a chunk: hits at block, not chunk, granularity.
+    block_granular_tails: bool = True
     # How often the scheduler rescans the disk tier for chunks written by other engines.
     disk_scan_interval_s: float = Field(1.0, gt=0)
 

@@ -20,7 +20,7 @@ from .config import ConfigError, KVLensConfig
 from .engine.facts import EngineFacts
 from .engine.index import PinTable, TierIndex
 from .engine.jobs import CPU, DISK, Eviction, LoadJob, StepPlan, StoreJob, WorkerReport
-from .engine.keys import PrefixHasher
+from .engine.keys import PrefixHasher, block_aligned_keys
 from .engine.requests import (
     BELOW_MIN_RETRIEVE,
     PRODUCER_ROLE,
@@ -147,6 +147,8 @@ class ConnectorScheduler:
                 first_missing = None if partial else key.hex
                 break
             hits.append(ChunkHit(key, tier.name))
+        if self.config.extra_config.block_granular_tails:
+            self._extend_by_blocks(rid, tokens, hits)
         hit_tokens = hits[-1].key.end if hits else 0
         need = external_tokens(hit_tokens, num_computed_tokens, request.num_tokens)
         reason = miss_reason(
@@ -161,6 +163,19 @@ class ConnectorScheduler:
         else:
             self.pins.release(rid)
         return need
+
+    def _extend_by_blocks(self, rid: str, tokens: Any, hits: list[ChunkHit]) -> None:
+        """After the last whole-chunk hit, take the longest stored whole-block prefix of the next chunk."""
+        last = hits[-1].key if hits else None
+        if last is not None and last.num_tokens < self.config.chunk_size:
+            return  # the hit already ends in an unfull chunk
+        start = last.end if last is not None else 0
+        parent = self.hashers[rid].parent_of(last)
+        for key in block_aligned_keys(parent, tokens, start, self.config.chunk_size, self.facts.block_size):
+            tier = next((t for t in self.tiers.values() if key.hex in t), None)
+            if tier is not None:
+                hits.append(ChunkHit(key, tier.name))
+                return
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -257,7 +272,8 @@ class ConnectorScheduler:
 
     def _plan_stores(self, plan: StepPlan, tracker: RequestTracker) -> None:
         candidates = tracker.store_candidates(
-            self.config.chunk_size, self.config.saves_partial_chunks, self.config.save_decode_cache
+            self.config.chunk_size, self.config.saves_partial_chunks, self.config.save_decode_cache,
+            self.facts.block_size if self.config.extra_config.block_granular_tails else 0,
         )
         for key in candidates:
             blocks = tracker.blocks_of(key, self.facts.block_size)

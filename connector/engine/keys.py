@@ -116,6 +116,23 @@ def chunk_keys(
     return keys
 
 
+def block_aligned_keys(
+    parent: bytes, tokens: Sequence[int], start: int, chunk_size: int, block_size: int
+) -> list[ChunkKey]:
+    """Keys for the whole-block prefixes of the chunk at ``start``, longest first.
+
+    A chunk that is not (yet) complete can still be shared block by block: a later prompt
+    that extends this one finds the blocks it has in common instead of recomputing up to a
+    whole chunk.
+    """
+    end = min(len(tokens), start + chunk_size)
+    keys = []
+    for length in range((end - start) // block_size * block_size, 0, -block_size):
+        if length < chunk_size:
+            keys.append(ChunkKey(chain(parent, tokens[start : start + length]), start, length))
+    return keys
+
+
 class PrefixHasher:
     """Incremental chunk keys for one request, so growing token lists hash each chunk once."""
 
@@ -130,6 +147,10 @@ class PrefixHasher:
     @property
     def namespace(self) -> Namespace:
         return self._namespace
+
+    def parent_of(self, key: ChunkKey | None) -> bytes:
+        """The chain value a chunk following ``key`` (or the first chunk) hashes from."""
+        return key.digest if key is not None else self._namespace.seed()
 
     def keys(self, tokens: Sequence[int], include_partial: bool) -> list[ChunkKey]:
         size = self._chunk_size

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .jobs import ChunkLoad
-from .keys import ChunkKey, PrefixHasher
+from .keys import ChunkKey, PrefixHasher, block_aligned_keys
 
 
 def cdiv(a: int, b: int) -> int:
@@ -118,18 +118,31 @@ class RequestTracker:
         self.saved_tokens = hit_tokens
         self.hit_tokens = max(self.hit_tokens, hit_tokens)
 
-    def store_candidates(self, chunk_size: int, save_partial: bool, save_decode: bool) -> list[ChunkKey]:
-        """Chunks whose KV is complete after this step and not yet stored."""
+    def store_candidates(
+        self, chunk_size: int, save_partial: bool, save_decode: bool, block_size: int = 0
+    ) -> list[ChunkKey]:
+        """Chunks whose KV is complete after this step and not yet stored.
+
+        At the end of the prompt, its unfull tail is stored too: cut to whole blocks when
+        ``block_size`` is given (shareable by longer prompts), whole when ``save_partial``.
+        """
         if self.save_skip_reason is not None:
             return []
         tokens: Sequence[int] = self.tokens if save_decode else self.tokens[: self.prompt_len]
         keys = self.hasher.keys(tokens, include_partial=False)
-        if save_partial and self.prefill_done and self.prompt_len % chunk_size:
-            # The prompt's own unfull tail, stored once; decode tokens only fill whole chunks.
-            tail = self.hasher.keys(self.tokens[: self.prompt_len], include_partial=True)[-1]
-            keys = [k for k in keys if k.end <= tail.start] + [tail] + [
-                k for k in keys if k.start > tail.start
-            ]
+        tail_start = self.prompt_len - self.prompt_len % chunk_size
+        if self.prefill_done and tail_start < self.prompt_len:
+            prompt = self.tokens[: self.prompt_len]
+            full = [k for k in self.hasher.keys(prompt, include_partial=False)]
+            parent = self.hasher.parent_of(full[-1] if full else None)
+            tails: list[ChunkKey] = []
+            if block_size:
+                tails += block_aligned_keys(parent, prompt, tail_start, chunk_size, block_size)[:1]
+            if save_partial:
+                exact = self.hasher.keys(prompt, include_partial=True)[-1]
+                tails = [k for k in tails if k.num_tokens < exact.num_tokens] + [exact]
+            # Decode tokens only ever fill whole chunks; the prompt's tails go in start order.
+            keys = [k for k in keys if k.end <= tail_start] + tails + [k for k in keys if k.start >= tail_start]
         return [k for k in keys if k.end > self.saved_tokens]
 
     def blocks_of(self, key: ChunkKey, block_size: int) -> tuple[int, ...] | None:

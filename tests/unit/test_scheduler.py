@@ -242,3 +242,35 @@ def test_multimodal_embeds_and_dp_padding_requests_bypass_kvlens():
     ):
         need, plan = admit_fully(s, r, blocks(10, 5))
         assert need == 0 and not plan.loads and not plan.stores
+
+
+LONG = list(range(2000, 2700))  # 700 tokens: two chunks, then a 188-token tail (one whole block)
+
+
+def test_unfull_tail_is_stored_as_whole_blocks_and_shared_by_longer_prompts():
+    s = scheduler()
+    _, plan = admit_fully(s, request("a", LONG), blocks(0, 6))
+    assert [(j.block_ids, j.num_tokens) for j in plan.stores] == [((0, 1), 256), ((2, 3), 256), ((4,), 128)]
+    assert s.lookup(request("same", LONG), 0) == 640
+    longer = request("longer", LONG + list(range(300)))
+    assert s.lookup(longer, 0) == 640
+    s.after_alloc(longer, 640)
+    plan = s.build_plan(step(new=[(longer, blocks(20, 8), 640)], num_scheduled={"longer": 360}))
+    assert [(c.block_ids, c.num_tokens) for c in plan.loads[0].chunks] == [((20, 21), 256), ((22, 23), 256), ((24,), 128)]
+    # Its own full third chunk and its 232-token tail cut to one block are stored.
+    assert [(j.block_ids, j.num_tokens) for j in plan.stores] == [((24, 25), 256), ((26,), 128)]
+
+
+def test_block_granular_tails_can_be_turned_off():
+    s = scheduler(extra_config={"block_granular_tails": False})
+    _, plan = admit_fully(s, request("a", LONG), blocks(0, 6))
+    assert [j.num_tokens for j in plan.stores] == [256, 256]
+    assert s.lookup(request("b", LONG), 0) == 512
+
+
+def test_exact_unfull_tail_and_its_block_cut_are_both_stored():
+    s = scheduler(save_unfull_chunk=True)
+    _, plan = admit_fully(s, request("a", LONG), blocks(0, 6))
+    assert [(j.block_ids, j.num_tokens) for j in plan.stores][2:] == [((4,), 128), ((4, 5), 188)]
+    assert s.lookup(request("b", LONG), 0) == 699
+    assert s.lookup(request("c", LONG[:650]), 0) == 640

@@ -1,0 +1,65 @@
+"""Fixtures for the telemetry tests: an in-memory span exporter for the unit tests and the
+tiny model for the tests that run a real ``vllm serve``."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from telemetry import tracing
+
+from .serve import build_tiny_model
+
+_EXPORTER = InMemorySpanExporter()
+
+
+@pytest.fixture
+def spans():
+    """Finished spans of the global provider (installed once per test process)."""
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, trace.ProxyTracerProvider):
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
+        trace.set_tracer_provider(provider)
+    tracing.reset_for_tests()
+    _EXPORTER.clear()
+    yield _EXPORTER
+    _EXPORTER.clear()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def serve_stack(request, tiny_model, tmp_path_factory):
+    """One ``vllm serve`` with KVLens plus a real OTLP/HTTP receiver, shared by a test module.
+
+    The module sets ``KV_CONFIG`` (the --kv-transfer-config dict, ``{tmp}`` is replaced by a
+    temporary directory) and may set ``SERVE_ARGS``.
+    """
+    import json
+    from types import SimpleNamespace
+
+    from .otlp_receiver import OtlpReceiver
+    from .serve import VllmServer, base_env
+
+    tmp = tmp_path_factory.mktemp("serve")
+    kv_config = json.loads(json.dumps(request.module.KV_CONFIG).replace("{tmp}", str(tmp)))
+    with OtlpReceiver() as receiver:
+        env = base_env(
+            OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
+            OTEL_BSP_SCHEDULE_DELAY="200",
+            KVLENS_EVENT_LOG=str(tmp / "events.jsonl"),
+        )
+        args = ("--otlp-traces-endpoint", receiver.endpoint, *getattr(request.module, "SERVE_ARGS", ()))
+        server = VllmServer(tiny_model, kv_config, tmp / "serve.log", env, args)
+        try:
+            server.wait_ready()
+            yield SimpleNamespace(server=server, receiver=receiver, tmp=tmp, kv_config=kv_config)
+        finally:
+            server.stop()

@@ -1,0 +1,174 @@
+"""Starts a real ``vllm serve`` (CPU) with KVLens for the telemetry tests, and talks to it.
+
+The server runs in its own process group so that teardown can stop the API server, the
+engine core and the workers together. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 240.0
+REQUEST_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_tiny_model(out: Path) -> str:
+    subprocess.run(
+        [sys.executable, "-m", "connector.tiny_model", str(out)], cwd=REPO, check=True,
+        capture_output=True, timeout=300,
+    )
+    return str(out)
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVLENS_", "LMCACHE_"))}
+    env.update({
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
+        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
+    })
+    env.update(extra)
+    return env
+
+
+class VllmServer:
+    def __init__(self, model: str, kv_config: dict[str, Any], log_path: Path, env: dict[str, str],
+                 extra_args: tuple[str, ...] = ()) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model
+        self.log_path = log_path
+        cmd = [
+            sys.executable, "-m", "connector.launcher", "serve", model,
+            "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny",
+            "--enforce-eager", "--max-model-len", "4096", "--dtype", "bfloat16", "--seed", "0",
+            "--kv-transfer-config", json.dumps(kv_config), *extra_args,
+        ]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vllm serve not ready after {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 8000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:  # the API server stops its engine core and workers itself
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+        try:  # stragglers of the group (engine core, workers)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._log.close()
+
+    # ---- HTTP ---------------------------------------------------------------------------
+    def post(self, path: str, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
+             timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(self.url + path, data=data, method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+        return json.loads(raw) if raw.strip() else {}
+
+    def complete(self, prompt: list[int], max_tokens: int = 4, traceparent: str | None = None,
+                 **extra: Any) -> dict[str, Any]:
+        headers = {"traceparent": traceparent} if traceparent else {}
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, **extra}
+        return self.post("/v1/completions", body, headers)
+
+    def reset_prefix_cache(self) -> None:
+        self.post("/reset_prefix_cache")
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def samples(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample on /metrics keyed by (name, sorted labels without model_name/engine)."""
+        out = {}
+        for family in text_string_to_metric_families(self.metrics_text()):
+            for s in family.samples:
+                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine")))
+                out[(s.name, labels)] = s.value
+        return out
+
+
+def sample(samples: dict, name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+def sum_samples(samples: dict, name: str, **labels: str) -> float:
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.25, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise TimeoutError(f"{what} not met within {timeout}s (last: {last!r})")
+
+
+def traceparent(trace_id: str, span_id: str = "00f067aa0ba902b7") -> str:
+    return f"00-{trace_id}-{span_id}-01"
+
+
+def prompt_tokens(n: int, seed: int) -> list[int]:
+    """Deterministic token ids inside the tiny model's vocabulary (no text, no tokenizer)."""
+    x = seed * 7919 + 17
+    out = []
+    for _ in range(n):
+        x = (x * 1103515245 + 12345) % (2**31)
+        out.append(20 + x % 1200)
+    return out

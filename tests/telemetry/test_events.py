@@ -1,0 +1,69 @@
+"""The failed-load event log: whole lines, readable while written, rotated at a size limit."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+
+from telemetry.events import EventLog, load_failed_event, read_events
+
+
+def event(i: int) -> dict:
+    return load_failed_event(f"req-{i}", ["disk"], [3, 1, 2], 384, "corrupt: checksum", True, "0", "tiny")
+
+
+def test_event_has_the_fields_operators_need():
+    e = event(1)
+    assert {"time", "request_id", "tier", "block_ids", "tokens_affected", "reason", "recomputed"} <= set(e)
+    assert e["block_ids"] == [1, 2, 3] and e["tier"] == "disk" and e["recomputed"] is True
+
+
+def test_each_event_is_one_json_line(tmp_path):
+    log = EventLog(str(tmp_path / "sub" / "events.jsonl"))
+    for i in range(3):
+        assert log.append(event(i))
+    lines = (tmp_path / "sub" / "events.jsonl").read_text().splitlines()
+    assert [json.loads(line)["request_id"] for line in lines] == ["req-0", "req-1", "req-2"]
+
+
+def test_rotation_keeps_backups_and_never_splits_a_line(tmp_path):
+    path = str(tmp_path / "events.jsonl")
+    line_len = len(json.dumps(event(0), separators=(",", ":"))) + 1
+    log = EventLog(path, max_bytes=line_len * 3, backups=2)
+    for i in range(10):
+        log.append(event(i))
+    assert os.path.getsize(path) <= line_len * 3
+    assert os.path.exists(path + ".1") and os.path.exists(path + ".2") and not os.path.exists(path + ".3")
+    ids = [e["request_id"] for e in read_events(path)]
+    assert ids == [f"req-{i}" for i in range(10 - len(ids), 10)]  # oldest dropped, order kept
+
+
+def _writer(path: str, start: int, n: int) -> None:
+    log = EventLog(path, max_bytes=20_000, backups=50)
+    for i in range(start, start + n):
+        log.append(event(i))
+
+
+def test_concurrent_writers_and_a_reader_see_only_whole_events(tmp_path):
+    path = str(tmp_path / "events.jsonl")
+    ctx = mp.get_context("fork")
+    writers = [ctx.Process(target=_writer, args=(path, k * 1000, 200)) for k in range(3)]
+    for w in writers:
+        w.start()
+    seen_while_writing = 0
+    while any(w.is_alive() for w in writers):
+        seen_while_writing = max(seen_while_writing, len(list(read_events(path))))
+    for w in writers:
+        w.join(timeout=60)
+        assert w.exitcode == 0
+    files = [path] + [f"{path}.{i}" for i in range(1, 51) if os.path.exists(f"{path}.{i}")]
+    raw = [line for f in files for line in open(f).read().splitlines()]
+    assert len(raw) == 600 and all(json.loads(line)["event"] == "load_failed" for line in raw)
+    assert len({json.loads(line)["request_id"] for line in raw}) == 600
+
+
+def test_unwritable_log_does_not_raise(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert EventLog(str(blocker / "events.jsonl")).append(event(0)) is False

@@ -1,0 +1,192 @@
+"""Scheduler-side telemetry around the real scheduler half, with stand-in vLLM requests."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from connector.config import load_config
+from connector.engine.facts import EngineFacts
+from connector.engine.jobs import CPU, LoadOutcome, WorkerReport
+from connector.scheduler import ConnectorScheduler
+from telemetry import tracing
+from telemetry.scheduler import SchedulerTelemetry
+from telemetry.settings import TelemetrySettings
+
+BLOCK, BLOCK_BYTES, LAYERS = 128, 1000, 2
+PROMPT = list(range(1000, 1600))  # 600 tokens: two whole 256-token chunks and a tail
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def make(tmp_path, tracing_on=False, metrics=True, recompute=True):
+    config = load_config({}, env={})
+    sched = ConnectorScheduler(config, EngineFacts("tiny", "bf16", BLOCK, LAYERS, BLOCK_BYTES, "l", 1, "kv_both"))
+    settings = TelemetrySettings.from_env(None, {
+        "KVLENS_TRACING": "1" if tracing_on else "0", "KVLENS_METRICS": "1" if metrics else "0",
+        "KVLENS_EVENT_LOG": str(tmp_path / "events.jsonl"),
+    })
+    return sched, SchedulerTelemetry(sched, settings, "tiny", "0", BLOCK, recompute)
+
+
+def request(rid, tokens, **kw):
+    r = SimpleNamespace(request_id=rid, all_token_ids=list(tokens), prompt_token_ids=list(tokens),
+                        num_prompt_tokens=len(tokens), num_tokens=len(tokens), kv_transfer_params=None,
+                        priority=0, cache_salt=None, lora_request=None, mm_features=None, prompt_embeds=None,
+                        trace_headers=None)
+    r.__dict__.update(kw)
+    return r
+
+
+def step(req, block_ids, num_computed, num_scheduled):
+    new = SimpleNamespace(req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                          block_ids=(list(block_ids),), num_computed_tokens=num_computed)
+    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={req.request_id: num_scheduled})
+
+
+def admit(sched, tel, req, block_ids):
+    """What the connector does for one request's first step; returns the step's plan."""
+    with tel.lookup(req):
+        need = sched.lookup(req, 0)
+    sched.after_alloc(req, need)
+    tel.after_alloc(req)
+    plan = sched.build_plan(step(req, block_ids, need, req.num_tokens - need))
+    tel.on_plan(plan)
+    return plan
+
+
+def finish(sched, tel, req):
+    return tel.finished(req, sched.finish(req))
+
+
+def loaded(plan, failed=()):
+    job = plan.loads[0]
+    tokens = sum(c.num_tokens for c in job.chunks)
+    if failed:
+        return WorkerReport(loads={job.request_id: LoadOutcome(
+            {}, [(job.chunks[0].name, CPU, "missing: gone")], list(failed), 0, 0.001)})
+    return WorkerReport(loads={job.request_id: LoadOutcome({CPU: tokens}, [], [], 4096, 0.002)})
+
+
+def test_response_carries_the_kvlens_breakdown(tmp_path):
+    sched, tel = make(tmp_path)
+    a = request("a", PROMPT)
+    admit(sched, tel, a, range(10, 15))
+    params = finish(sched, tel, a)
+    assert params["kvlens"]["miss_reason"] == "not_stored" and params["kvlens"]["loaded_tokens"] == {}
+    b = request("b", PROMPT[:512] + [7] * 40)
+    plan = admit(sched, tel, b, range(20, 25))
+    tel.on_worker_report(loaded(plan))
+    params = finish(sched, tel, b)
+    assert params["num_lmcache_cached_tokens"] == 512
+    assert params["kvlens"] == {
+        "vllm_cached_tokens": 0, "hit_tokens": 512, "loaded_tokens": {"cpu": 512}, "load_ms": 2.0,
+        "failed_blocks": 0, "recomputed_tokens": 0, "miss_reason": "partial_chunk", "save_skip_reason": None,
+    }
+
+
+def test_a_request_finished_before_its_load_report_still_gets_the_breakdown(tmp_path):
+    """vLLM frees a one-token request before it processes that step's worker report."""
+    sched, tel = make(tmp_path)
+    admit(sched, tel, request("a", PROMPT), range(10, 15))
+    finish(sched, tel, request("a", PROMPT))
+    b = request("b", PROMPT)
+    plan = admit(sched, tel, b, range(20, 25))
+    params = finish(sched, tel, b)
+    assert params["kvlens"]["loaded_tokens"] == {}
+    tel.on_worker_report(loaded(plan))  # same update_from_output, before the output is sent
+    assert params["kvlens"]["loaded_tokens"] == {"cpu": 512}
+
+
+def test_failed_load_is_written_to_the_event_log_and_counted(tmp_path):
+    sched, tel = make(tmp_path)
+    admit(sched, tel, request("a", PROMPT), range(10, 15))
+    finish(sched, tel, request("a", PROMPT))
+    tel.stats()
+    b = request("b", PROMPT)
+    plan = admit(sched, tel, b, range(20, 25))
+    tel.on_worker_report(loaded(plan, failed=[20, 21, 22, 23]))
+    params = finish(sched, tel, b)
+    assert params["kvlens"]["failed_blocks"] == 4 and params["kvlens"]["recomputed_tokens"] == 512
+    (line,) = (tmp_path / "events.jsonl").read_text().splitlines()
+    event = json.loads(line)
+    assert event["request_id"] == "b" and event["tier"] == "cpu" and event["block_ids"] == [20, 21, 22, 23]
+    assert event["tokens_affected"] == 512 and event["recomputed"] is True and "missing" in event["reason"]
+    counters = tel.stats()["counters"]
+    assert counters["failed_blocks|missing"] == 4 and counters["recomputed_tokens"] == 512
+    assert counters["failed_chunks|load|cpu|missing"] == 1 and counters["failed_load_requests"] == 1
+
+
+def test_lookup_metrics_and_gauges_return_to_zero_when_drained(tmp_path):
+    sched, tel = make(tmp_path)
+    a = request("a", PROMPT)
+    admit(sched, tel, a, range(10, 15))
+    first = tel.stats()
+    assert first["counters"]["lookup_requests"] == 1 and first["counters"]["lookup_tokens"] == 600
+    assert first["counters"]["miss_requests|not_stored"] == 1
+    assert first["gauges"]["request_trackers"] == 1 and first["gauges"]["tier_chunks|cpu"] == 2
+    assert len(first["histograms"]["operation_seconds|lookup"]) == 1
+    finish(sched, tel, a)
+    b = request("b", PROMPT)
+    plan = admit(sched, tel, b, range(20, 25))
+    during = tel.stats()
+    assert during["gauges"]["pinned_chunks|cpu"] == 2 and during["counters"]["hit_tokens|cpu"] == 512
+    tel.on_worker_report(loaded(plan))
+    sched.on_worker_report(loaded(plan))
+    finish(sched, tel, b)
+    drained = tel.stats()["gauges"]
+    for key in ("request_trackers", "unfinished_requests", "pinned_requests", "pinned_chunks|cpu",
+                "pinned_bytes|cpu", "load_specs", "telemetry_open_requests"):
+        assert drained.get(key, 0) == 0, key
+    assert tel.stats() is None  # nothing changed since: nothing to ship
+
+
+def test_request_never_scheduled_gets_its_lookup_span_at_finish(tmp_path, spans):
+    sched, tel = make(tmp_path, tracing_on=True)
+    a = request("a", PROMPT, trace_headers={"traceparent": TRACEPARENT})
+    for _ in range(3):  # vLLM asks again each step while the request waits
+        with tel.lookup(a):
+            sched.lookup(a, 0)
+    finish(sched, tel, a)
+    (span,) = spans.get_finished_spans()
+    assert span.name == "kvlens.lookup"
+    assert span.attributes[tracing.A_ATTEMPTS] == 3 and span.attributes[tracing.A_SCHEDULED] is False
+    assert format(span.context.trace_id, "032x") == TRACEPARENT[3:35]
+
+
+def test_lookup_span_attributes_and_trace_context_reaches_the_plan(tmp_path, spans):
+    sched, tel = make(tmp_path, tracing_on=True)
+    headers = {"traceparent": TRACEPARENT}
+    a = request("a", PROMPT, trace_headers=headers)
+    plan = admit(sched, tel, a, range(10, 15))
+    assert plan.stores and all(j.trace_context == headers for j in plan.stores)
+    finish(sched, tel, a)
+    b = request("b", PROMPT, trace_headers=headers)
+    plan = admit(sched, tel, b, range(20, 25))
+    assert plan.loads[0].trace_context == headers
+    span = spans.get_finished_spans()[-1]
+    attrs = span.attributes
+    assert span.name == "kvlens.lookup" and attrs[tracing.A_REQUEST_ID] == "b"
+    assert attrs[tracing.A_PROMPT_TOKENS] == 600 and attrs[tracing.A_HIT_TOKENS] == 512
+    assert attrs[tracing.A_VLLM_CACHED_TOKENS] == 0 and attrs[tracing.A_EXTERNAL_TOKENS] == 512
+    assert list(attrs[tracing.A_TIERS]) == ["cpu"] and attrs[tracing.A_CHUNKS] == 2
+    assert attrs[tracing.A_MISS_REASON] == "partial_chunk"
+    assert not any(isinstance(v, (list, tuple)) and len(v) > 8 for v in attrs.values())  # no token ids
+
+
+def test_with_telemetry_off_lookups_are_not_timed_and_nothing_is_shipped(tmp_path, spans):
+    sched, tel = make(tmp_path, tracing_on=False, metrics=False)
+    a = request("a", PROMPT, trace_headers={"traceparent": TRACEPARENT})
+    plan = admit(sched, tel, a, range(10, 15))
+    assert not tel._lookups and all(j.trace_context is None for j in plan.stores)
+    assert tel.stats() is None and not spans.get_finished_spans()
+    assert "kvlens" in finish(sched, tel, a)  # the response breakdown is not telemetry
+
+
+def test_evictions_are_counted_per_tier(tmp_path):
+    sched, tel = make(tmp_path)
+    index = sched.tiers[CPU]
+    index.evictions += 3
+    assert tel.stats()["counters"]["evictions|cpu"] == 3
+    assert "evictions|cpu" not in (tel.stats() or {}).get("counters", {})

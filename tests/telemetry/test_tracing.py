@@ -1,0 +1,52 @@
+"""Span emission: client trace context, explicit times, attributes only when sampled."""
+
+from __future__ import annotations
+
+from opentelemetry.trace import StatusCode
+
+from telemetry import tracing
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT = "00f067aa0ba902b7"
+
+
+def test_span_joins_the_clients_trace_with_explicit_times(spans):
+    headers = {"traceparent": f"00-{TRACE_ID}-{PARENT}-01"}
+    tracing.emit(tracing.LOAD, headers, 1_000, 5_000, lambda: {tracing.A_LOADED_TOKENS: 512})
+    (span,) = spans.get_finished_spans()
+    assert span.name == "kvlens.load"
+    assert format(span.context.trace_id, "032x") == TRACE_ID
+    assert format(span.parent.span_id, "016x") == PARENT
+    assert (span.start_time, span.end_time) == (1_000, 5_000)
+    assert span.attributes[tracing.A_LOADED_TOKENS] == 512
+
+
+def test_span_without_context_is_a_root(spans):
+    tracing.emit(tracing.LOOKUP, None, 10, 20, dict)
+    (span,) = spans.get_finished_spans()
+    assert span.parent is None
+
+
+def test_attributes_are_not_computed_for_unsampled_traces(spans):
+    called = []
+    headers = {"traceparent": f"00-{TRACE_ID}-{PARENT}-00"}  # the client did not sample
+    tracing.emit(tracing.STORE, headers, 10, 20, lambda: called.append(1) or {})
+    assert not called and not spans.get_finished_spans()
+
+
+def test_failure_sets_error_status_and_records_the_event(spans):
+    tracing.emit(tracing.LOAD, None, 10, 20, dict, error="corrupt",
+                 events=[("kvlens.load_failed", {tracing.A_BLOCK_IDS: [4, 5]})])
+    (span,) = spans.get_finished_spans()
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.attributes[tracing.A_ERROR_TYPE] == "corrupt"
+    assert span.events[0].name == "kvlens.load_failed"
+    assert list(span.events[0].attributes[tracing.A_BLOCK_IDS]) == [4, 5]
+
+
+def test_only_w3c_headers_are_taken_from_a_request():
+    class Req:
+        trace_headers = {"traceparent": "00-x-y-01", "tracestate": "a=b", "authorization": "secret"}
+
+    assert tracing.trace_headers(Req()) == {"traceparent": "00-x-y-01", "tracestate": "a=b"}
+    assert tracing.trace_headers(object()) is None
