@@ -85,7 +85,9 @@ class BlockCopier:
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A new CPU uint8 tensor ``[layers, len(block_ids), block_bytes]``."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        out = torch.empty((self.num_layers, len(block_ids), self.block_bytes), dtype=torch.uint8, device=self.device)
+        out = torch.empty(
+            (self.num_layers, len(block_ids), self.block_bytes), dtype=torch.uint8, device=self.device
+        )
         runs = _runs(block_ids)
         for i, layer in enumerate(self.layers):
             if layer.flat is not None:
@@ -115,7 +117,9 @@ class BlockCopier:
         runs = _runs(block_ids)
         for i, layer in enumerate(self.layers):
             if layer.flat is not None:
-                rows = src[i] if layer.flat.dtype == torch.uint8 else src[i].contiguous().view(layer.flat.dtype)
+                rows = (
+                    src[i] if layer.flat.dtype == torch.uint8 else src[i].contiguous().view(layer.flat.dtype)
+                )
                 for pos, first, n in runs:
                     layer.flat[first : first + n].copy_(rows[pos : pos + n])
             else:

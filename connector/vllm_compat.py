@@ -32,9 +32,7 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
         raise ConfigError("KVLens needs vLLM's kv_cache_config (vLLM >= 0.11)")
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        raise ConfigError(
-            f"KVLens supports models with one KV cache group; this model has {len(groups)}"
-        )
+        raise ConfigError(f"KVLens supports models with one KV cache group; this model has {len(groups)}")
     spec = groups[0].kv_cache_spec
     parallel = vllm_config.parallel_config
     layout = getattr(kv_cache_config, "kv_cache_layout", None) or "default"

@@ -54,9 +54,7 @@ class Namespace:
             h.update(data)
         return h.digest()
 
-    def with_request(
-        self, lora: str | None, cache_salt: str | None, tags: Mapping[str, str]
-    ) -> Namespace:
+    def with_request(self, lora: str | None, cache_salt: str | None, tags: Mapping[str, str]) -> Namespace:
         return Namespace(
             self.model,
             self.dtype,

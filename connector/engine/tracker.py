@@ -67,9 +67,7 @@ def plan_chunk_loads(
         if hi > len(block_ids):
             raise ValueError(f"load needs block {hi - 1} but only {len(block_ids)} are allocated")
         tokens = min(hit.key.end, load_end) - max(hit.key.start, lo * block_size)
-        loads.append(
-            ChunkLoad(hit.key.hex, hit.tier, tuple(block_ids[lo:hi]), lo - chunk_first, tokens)
-        )
+        loads.append(ChunkLoad(hit.key.hex, hit.tier, tuple(block_ids[lo:hi]), lo - chunk_first, tokens))
     return loads
 
 
@@ -109,8 +107,12 @@ class RequestTracker:
             self.tokens.extend(all_token_ids[len(self.tokens) : target])
 
     def resume(
-        self, all_token_ids: Sequence[int], block_ids: Sequence[int], num_computed: int,
-        num_scheduled: int, hit_tokens: int,
+        self,
+        all_token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        num_computed: int,
+        num_scheduled: int,
+        hit_tokens: int,
     ) -> None:
         """A preempted request came back with new blocks; its KV must be rebuilt from there."""
         self.block_ids = list(block_ids)
@@ -142,7 +144,9 @@ class RequestTracker:
                 exact = self.hasher.keys(prompt, include_partial=True)[-1]
                 tails = [k for k in tails if k.num_tokens < exact.num_tokens] + [exact]
             # Decode tokens only ever fill whole chunks; the prompt's tails go in start order.
-            keys = [k for k in keys if k.end <= tail_start] + tails + [k for k in keys if k.start >= tail_start]
+            keys = (
+                [k for k in keys if k.end <= tail_start] + tails + [k for k in keys if k.start >= tail_start]
+            )
         return [k for k in keys if k.end > self.saved_tokens]
 
     def blocks_of(self, key: ChunkKey, block_size: int) -> tuple[int, ...] | None:

@@ -37,8 +37,12 @@ def run_engine(spec: dict, tmp_path: Path, timeout: float = 420) -> dict:
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
     }
     proc = subprocess.run(
-        [sys.executable, str(RUNNER), str(spec_file)], cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=timeout,
+        [sys.executable, str(RUNNER), str(spec_file)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"rounds"')]
     if proc.returncode != 0 or not lines:
@@ -58,8 +62,8 @@ def baseline(tiny_model, tmp_path_factory) -> dict[tuple[tuple[int, ...], int], 
     rounds = [{"prompts": ps, "max_tokens": mt} for mt, ps in sorted(groups.items())]
     result = run_engine({"model": tiny_model, "kv": None, "rounds": rounds}, tmp_path_factory.mktemp("base"))
     outputs = {}
-    for rnd, outs in zip(rounds, result["rounds"]):
-        for prompt, out in zip(rnd["prompts"], outs):
+    for rnd, outs in zip(rounds, result["rounds"], strict=True):
+        for prompt, out in zip(rnd["prompts"], outs, strict=True):
             outputs[(tuple(prompt), rnd["max_tokens"])] = out["token_ids"]
     return outputs
 

@@ -38,14 +38,20 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     kwargs = dict(
-        model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, max_model_len=4096,
-        dtype="bfloat16", seed=0,
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=4096,
+        dtype="bfloat16",
+        seed=0,
     )
     kwargs.update(spec.get("engine", {}))
     if spec.get("kv") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVLensConnector", kv_connector_module_path="connector",
-            kv_role=spec.get("role", "kv_both"), kv_load_failure_policy=spec.get("policy", "recompute"),
+            kv_connector="KVLensConnector",
+            kv_connector_module_path="connector",
+            kv_role=spec.get("role", "kv_both"),
+            kv_load_failure_policy=spec.get("policy", "recompute"),
             kv_connector_extra_config=spec["kv"],
         )
     llm = LLM(**kwargs)
@@ -79,14 +85,23 @@ def main() -> None:
         if rnd.get("damage"):
             d = rnd["damage"]
             damage(d["dir"], d.get("corrupt", 0), d.get("delete", 0))
-        params = SamplingParams(temperature=0.0, max_tokens=rnd.get("max_tokens", 8), detokenize=False,
-                                ignore_eos=True)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in rnd["prompts"]], params, use_tqdm=False)
-        rounds.append([
-            {"token_ids": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
-             "kv_transfer_params": o.kv_transfer_params, "finish_reason": o.outputs[0].finish_reason}
-            for o in outs
-        ])
+        params = SamplingParams(
+            temperature=0.0, max_tokens=rnd.get("max_tokens", 8), detokenize=False, ignore_eos=True
+        )
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in rnd["prompts"]], params, use_tqdm=False
+        )
+        rounds.append(
+            [
+                {
+                    "token_ids": list(o.outputs[0].token_ids),
+                    "num_cached_tokens": o.num_cached_tokens,
+                    "kv_transfer_params": o.kv_transfer_params,
+                    "finish_reason": o.outputs[0].finish_reason,
+                }
+                for o in outs
+            ]
+        )
         if rnd.get("reset_prefix_cache", True):
             llm.reset_prefix_cache()
     state = {"failed_blocks": failed_blocks, "preemptions": preemptions[0]}

@@ -18,7 +18,9 @@ def disk_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def disk_run(tiny_model, tmp_path_factory, disk_dir):
     kv = {
-        "lmcache.chunk_size": 256, "lmcache.local_cpu": False, "lmcache.local_disk": disk_dir,
+        "lmcache.chunk_size": 256,
+        "lmcache.local_cpu": False,
+        "lmcache.local_disk": disk_dir,
         "lmcache.max_local_disk_size": 0.5,
         # The index must not notice the damage before the load does.
         "lmcache.extra_config": {"disk_scan_interval_s": 3600},
@@ -65,8 +67,11 @@ def fail_policy_run(tiny_model, tmp_path_factory):
     """Under vLLM's default policy a failed load fails the request; it never returns wrong text."""
     disk = str(tmp_path_factory.mktemp("kvdisk-fail"))
     kv = {
-        "lmcache.chunk_size": 256, "lmcache.local_cpu": False, "lmcache.local_disk": disk,
-        "lmcache.max_local_disk_size": 0.5, "lmcache.extra_config": {"disk_scan_interval_s": 3600},
+        "lmcache.chunk_size": 256,
+        "lmcache.local_cpu": False,
+        "lmcache.local_disk": disk,
+        "lmcache.max_local_disk_size": 0.5,
+        "lmcache.extra_config": {"disk_scan_interval_s": 3600},
     }
     rounds = [
         {"prompts": [w.A]},

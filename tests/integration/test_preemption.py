@@ -8,19 +8,26 @@ from .conftest import lmcache_tokens, outputs, run_engine
 pytestmark = pytest.mark.integration
 
 
-ENGINE = {"num_gpu_blocks_override": 9, "max_num_seqs": 4, "enable_chunked_prefill": True,
-          "max_num_batched_tokens": 1024, "max_model_len": 1024,
-          # float32: a resumed request recomputes decode-time KV in a prefill; in bf16 that alone
-          # can flip a later greedy token, with or without KVLens.
-          "dtype": "float32"}
+ENGINE = {
+    "num_gpu_blocks_override": 9,
+    "max_num_seqs": 4,
+    "enable_chunked_prefill": True,
+    "max_num_batched_tokens": 1024,
+    "max_model_len": 1024,
+    # float32: a resumed request recomputes decode-time KV in a prefill; in bf16 that alone
+    # can flip a later greedy token, with or without KVLens.
+    "dtype": "float32",
+}
 
 
 @pytest.fixture(scope="module")
 def preempt_baseline(tiny_model, tmp_path_factory):
     """The same engine settings without KVLens: long greedy runs depend on batch shapes."""
     rounds = [{"prompts": [p], "max_tokens": w.PREEMPT_MAX_TOKENS} for p in w.PREEMPT]
-    result = run_engine({"model": tiny_model, "kv": None, "engine": ENGINE, "rounds": rounds},
-                        tmp_path_factory.mktemp("pre-base"))
+    result = run_engine(
+        {"model": tiny_model, "kv": None, "engine": ENGINE, "rounds": rounds},
+        tmp_path_factory.mktemp("pre-base"),
+    )
     return [r[0]["token_ids"] for r in result["rounds"]]
 
 

@@ -13,11 +13,20 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def shared_runs(tiny_model, tmp_path_factory):
     shared = str(tmp_path_factory.mktemp("shared-disk"))
-    kv = {"lmcache.chunk_size": 256, "lmcache.local_cpu": False, "lmcache.local_disk": shared,
-          "lmcache.max_local_disk_size": 0.5}
+    kv = {
+        "lmcache.chunk_size": 256,
+        "lmcache.local_cpu": False,
+        "lmcache.local_disk": shared,
+        "lmcache.max_local_disk_size": 0.5,
+    }
     tmp = tmp_path_factory.mktemp("pc")
     producer = run_engine(
-        {"model": tiny_model, "kv": kv, "role": "kv_producer", "rounds": [{"prompts": [w.A]}, {"prompts": [w.A]}]},
+        {
+            "model": tiny_model,
+            "kv": kv,
+            "role": "kv_producer",
+            "rounds": [{"prompts": [w.A]}, {"prompts": [w.A]}],
+        },
         tmp,
     )
     files_after_producer = sorted(os.listdir(shared))

@@ -28,9 +28,15 @@ def scheduler(role: str = "kv_both", **extra) -> ConnectorScheduler:
 
 def request(rid: str, tokens: list[int], **kw) -> SimpleNamespace:
     r = SimpleNamespace(
-        request_id=rid, all_token_ids=list(tokens), prompt_token_ids=list(tokens),
-        kv_transfer_params=None, priority=0, cache_salt=None, lora_request=None,
-        mm_features=None, prompt_embeds=None,
+        request_id=rid,
+        all_token_ids=list(tokens),
+        prompt_token_ids=list(tokens),
+        kv_transfer_params=None,
+        priority=0,
+        cache_salt=None,
+        lora_request=None,
+        mm_features=None,
+        prompt_embeds=None,
     )
     r.__dict__.update(kw)
     r.num_tokens = len(r.all_token_ids)
@@ -41,8 +47,12 @@ def step(new=(), cached=(), num_scheduled=None):
     """A SchedulerOutput: ``new`` = [(request, block_ids, num_computed)],
     ``cached`` = [(rid, new_block_ids | None, num_computed, resumed)]."""
     new_reqs = [
-        SimpleNamespace(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids, block_ids=(list(b),),
-                        num_computed_tokens=c)
+        SimpleNamespace(
+            req_id=r.request_id,
+            prompt_token_ids=r.prompt_token_ids,
+            block_ids=(list(b),),
+            num_computed_tokens=c,
+        )
         for r, b, c in new
     ]
     cached_reqs = SimpleNamespace(
@@ -51,8 +61,11 @@ def step(new=(), cached=(), num_scheduled=None):
         new_block_ids=[(list(c[1]),) if c[1] is not None else None for c in cached],
         num_computed_tokens=[c[2] for c in cached],
     )
-    return SimpleNamespace(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
-                           num_scheduled_tokens=num_scheduled or {})
+    return SimpleNamespace(
+        scheduled_new_reqs=new_reqs,
+        scheduled_cached_reqs=cached_reqs,
+        num_scheduled_tokens=num_scheduled or {},
+    )
 
 
 def blocks(first: int, n: int) -> list[int]:
@@ -64,6 +77,9 @@ def admit_fully(sched: ConnectorScheduler, req, block_ids, local_hit: int = 0):
     need = sched.lookup(req, local_hit)
     sched.after_alloc(req, need)
     plan = sched.build_plan(
-        step(new=[(req, block_ids, local_hit + need)], num_scheduled={req.request_id: req.num_tokens - local_hit - need})
+        step(
+            new=[(req, block_ids, local_hit + need)],
+            num_scheduled={req.request_id: req.num_tokens - local_hit - need},
+        )
     )
     return need, plan

@@ -62,7 +62,9 @@ def test_chunk_size_must_be_a_multiple_of_the_block_size():
 
 
 def test_vllm_level_extra_keys_and_force_skip_env():
-    c = load_config({"discard_partial_chunks": True, "skip_last_n_tokens": 3}, env={"LMCACHE_FORCE_SKIP_SAVE": "1"})
+    c = load_config(
+        {"discard_partial_chunks": True, "skip_last_n_tokens": 3}, env={"LMCACHE_FORCE_SKIP_SAVE": "1"}
+    )
     assert c.discard_partial_chunks and c.skip_last_n_tokens == 3 and c.force_skip_save
 
 

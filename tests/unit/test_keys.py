@@ -52,8 +52,12 @@ def test_keys_are_stable_across_processes():
     )
     outs = {
         subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, check=True,
-            env={"PYTHONHASHSEED": seed, "PATH": ""}, cwd=Path(__file__).parents[2],
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed, "PATH": ""},
+            cwd=Path(__file__).parents[2],
         ).stdout.strip()
         for seed in ("1", "2")
     }

@@ -1,7 +1,7 @@
 from connector.engine.jobs import CPU, DISK, LoadOutcome, WorkerReport
 from connector.engine.requests import BELOW_MIN_RETRIEVE, EVICTED, NOT_STORED
 
-from .fakes import BLOCK_BYTES, LAYERS, admit_fully, gb, blocks, request, scheduler, step
+from .fakes import BLOCK_BYTES, LAYERS, admit_fully, blocks, gb, request, scheduler, step
 
 PROMPT = list(range(1000, 1600))  # 600 tokens: two full chunks and an 88-token tail
 
@@ -11,7 +11,8 @@ def test_cold_request_stores_whole_chunks_only():
     need, plan = admit_fully(s, request("a", PROMPT), blocks(10, 5))
     assert need == 0 and not plan.loads
     assert [(j.block_ids, j.num_tokens, j.tiers) for j in plan.stores] == [
-        ((10, 11), 256, (CPU,)), ((12, 13), 256, (CPU,)),
+        ((10, 11), 256, (CPU,)),
+        ((12, 13), 256, (CPU,)),
     ]
     assert s.tiers[CPU].used_bytes == 2 * 2 * BLOCK_BYTES * LAYERS
 
@@ -24,7 +25,10 @@ def test_shared_prefix_is_loaded_into_the_new_requests_blocks():
     need, plan = admit_fully(s, b, blocks(40, 5))
     assert need == 512
     (job,) = plan.loads
-    assert [(c.block_ids, c.first_block, c.num_tokens) for c in job.chunks] == [((40, 41), 0, 256), ((42, 43), 0, 256)]
+    assert [(c.block_ids, c.first_block, c.num_tokens) for c in job.chunks] == [
+        ((40, 41), 0, 256),
+        ((42, 43), 0, 256),
+    ]
     assert not plan.stores  # its chunks are already stored
     assert s.finish(b) == {"num_lmcache_cached_tokens": 512}
 
@@ -112,13 +116,19 @@ def test_roles_producer_never_loads_consumer_never_stores():
 
 def test_request_params_skip_save_priority_and_invalid_tags():
     s = scheduler(priority_limit=5)
-    _, plan = admit_fully(s, request("a", PROMPT, kv_transfer_params={"lmcache.skip_save": True}), blocks(0, 5))
+    _, plan = admit_fully(
+        s, request("a", PROMPT, kv_transfer_params={"lmcache.skip_save": True}), blocks(0, 5)
+    )
     assert not plan.stores
     _, plan = admit_fully(s, request("b", PROMPT, priority=9), blocks(0, 5))
     assert not plan.stores
-    _, plan = admit_fully(s, request("c", PROMPT, kv_transfer_params={"lmcache.tag.user": ["x"]}), blocks(0, 5))
+    _, plan = admit_fully(
+        s, request("c", PROMPT, kv_transfer_params={"lmcache.tag.user": ["x"]}), blocks(0, 5)
+    )
     assert not plan.stores and not plan.loads  # a bad tag: served without KVLens, not crashed
-    _, plan = admit_fully(s, request("d", PROMPT, kv_transfer_params={"lmcache.skip_save": "maybe"}), blocks(0, 5))
+    _, plan = admit_fully(
+        s, request("d", PROMPT, kv_transfer_params={"lmcache.skip_save": "maybe"}), blocks(0, 5)
+    )
     assert not plan.stores
 
 
@@ -166,9 +176,17 @@ def test_failed_load_drops_chunk_and_rollback_stores_it_again():
     b = request("b", PROMPT)
     need, plan = admit_fully(s, b, blocks(10, 5))
     second = plan.loads[0].chunks[1]
-    s.on_worker_report(WorkerReport(loads={"b": LoadOutcome(
-        tokens_by_tier={CPU: 256}, failed_chunks=[(second.name, CPU, "corrupt")],
-        failed_block_ids=list(second.block_ids))}))
+    s.on_worker_report(
+        WorkerReport(
+            loads={
+                "b": LoadOutcome(
+                    tokens_by_tier={CPU: 256},
+                    failed_chunks=[(second.name, CPU, "corrupt")],
+                    failed_block_ids=list(second.block_ids),
+                )
+            }
+        )
+    )
     assert second.name not in s.tiers[CPU]
     # vLLM rolls b back to the first failed block and recomputes from there.
     plan = s.build_plan(step(cached=[("b", None, 256, False)], num_scheduled={"b": 344}))
@@ -256,7 +274,11 @@ def test_unfull_tail_is_stored_as_whole_blocks_and_shared_by_longer_prompts():
     assert s.lookup(longer, 0) == 640
     s.after_alloc(longer, 640)
     plan = s.build_plan(step(new=[(longer, blocks(20, 8), 640)], num_scheduled={"longer": 360}))
-    assert [(c.block_ids, c.num_tokens) for c in plan.loads[0].chunks] == [((20, 21), 256), ((22, 23), 256), ((24,), 128)]
+    assert [(c.block_ids, c.num_tokens) for c in plan.loads[0].chunks] == [
+        ((20, 21), 256),
+        ((22, 23), 256),
+        ((24,), 128),
+    ]
     # Its own full third chunk and its 232-token tail cut to one block are stored.
     assert [(j.block_ids, j.num_tokens) for j in plan.stores] == [((24, 25), 256), ((26,), 128)]
 

@@ -79,7 +79,7 @@ def test_store_then_load_roundtrip_through_cpu_and_disk(tmp_path):
             t[[8, 9]] = 0
         w.load(StepPlan(loads=[LoadJob("b", (ChunkLoad(NAME, tier, (8, 9), 0, 32),))]))
         assert w.take_failed_blocks() == set()
-        for n, exp in zip(caches, expected):
+        for n, exp in zip(caches, expected, strict=True):
             assert torch.equal(caches[n][[8, 9]], exp)
     report = w.take_report()
     assert report.loads["b"].tokens_by_tier == {DISK: 32} and not report.loads["b"].failed_chunks
@@ -102,13 +102,23 @@ def test_corrupt_chunk_fails_its_blocks_and_every_later_chunk(tmp_path):
     caches = cpu_layout()
     w = worker(caches, tmp_path, local_cpu=False)
     second = "cd" * 16
-    w.save(StepPlan(stores=[StoreJob("a", NAME, (0, 1), (DISK,), 32), StoreJob("a", second, (2, 3), (DISK,), 32)]))
+    w.save(
+        StepPlan(
+            stores=[StoreJob("a", NAME, (0, 1), (DISK,), 32), StoreJob("a", second, (2, 3), (DISK,), 32)]
+        )
+    )
     path = os.path.join(tmp_path, f"{NAME}.r0{disk_files.SUFFIX}")
     with open(path, "r+b") as f:
         f.seek(-1, os.SEEK_END)
         f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
     before = {n: t.clone() for n, t in caches.items()}
-    w.load(StepPlan(loads=[LoadJob("b", (ChunkLoad(NAME, DISK, (8, 9), 0, 32), ChunkLoad(second, DISK, (10, 11), 0, 32)))]))
+    w.load(
+        StepPlan(
+            loads=[
+                LoadJob("b", (ChunkLoad(NAME, DISK, (8, 9), 0, 32), ChunkLoad(second, DISK, (10, 11), 0, 32)))
+            ]
+        )
+    )
     assert w.take_failed_blocks() == {8, 9, 10, 11}
     assert w.take_failed_blocks() == set()  # reported once
     for n in caches:  # nothing was written from a corrupt record
