@@ -27,6 +27,18 @@ def _attention_packing(vllm_config: Any, spec: Any) -> str:
     return f"{current_platform.device_name}-{backend or 'auto'}"
 
 
+def _check_full_attention(spec: Any) -> None:
+    """Only full-attention managers keep every block of a prefix. Sliding-window and chunked
+    local managers hand out placeholder blocks; copying those would store garbage. (A
+    FullAttentionSpec that carries a window keeps all blocks, so it is fine.)"""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+        raise ConfigError(
+            f"KVLens supports full-attention KV caches only; this model's is {type(spec).__name__}"
+        )
+
+
 def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
     if kv_cache_config is None:
         raise ConfigError("KVLens needs vLLM's kv_cache_config (vLLM >= 0.11)")
@@ -34,6 +46,7 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
     if len(groups) != 1:
         raise ConfigError(f"KVLens supports models with one KV cache group; this model has {len(groups)}")
     spec = groups[0].kv_cache_spec
+    _check_full_attention(spec)
     parallel = vllm_config.parallel_config
     layout = getattr(kv_cache_config, "kv_cache_layout", None) or "default"
     kernel = _attention_packing(vllm_config, spec)
