@@ -61,6 +61,10 @@ class KVLensConfig(BaseModel):
     skip_last_n_tokens: int = Field(0, ge=0)
     discard_partial_chunks: bool = False
     force_skip_save: bool = False
+    # LMCache features KVLens does not have: accepted when off, a start-up error when on.
+    use_layerwise: Literal[False] = False
+    enable_async_loading: Literal[False] = False
+    enable_blending: Literal[False] = False
     extra_config: ExtraConfig = ExtraConfig()
 
     @field_validator("local_disk")

@@ -71,3 +71,9 @@ def test_vllm_level_extra_keys_and_force_skip_env():
 def test_missing_yaml_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="LMCACHE_CONFIG_FILE"):
         load_config({}, env={"LMCACHE_CONFIG_FILE": str(tmp_path / "nope.yaml")})
+
+
+def test_lmcache_features_kvlens_lacks_are_accepted_off_and_refused_on():
+    load_config({"lmcache.use_layerwise": False, "lmcache.enable_async_loading": False}, env={})
+    with pytest.raises(ConfigError, match="use_layerwise"):
+        load_config({"lmcache.use_layerwise": True}, env={})
