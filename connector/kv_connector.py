@@ -15,6 +15,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from telemetry import vllm_stats as telemetry
+
 from .config import load_config
 from .engine.jobs import CPU, DISK
 from .metadata import KVLensMetadata, KVLensWorkerMetadata
@@ -49,6 +51,12 @@ class KVLensConnector(KVConnectorBase_V1):
         self._scheduler = ConnectorScheduler(config, facts) if role == KVConnectorRole.SCHEDULER else None
         self._worker = ConnectorWorker(config, facts, worker_rank()) if role == KVConnectorRole.WORKER else None
         self._cache_hit_source = _HIT_SOURCE[CPU if config.local_cpu else DISK]
+        self._scheduler_telemetry = (
+            telemetry.scheduler_telemetry(vllm_config, self._scheduler, facts) if self._scheduler else None
+        )
+        self._worker_telemetry = (
+            telemetry.worker_telemetry(vllm_config, self._worker, facts) if self._worker else None
+        )
         logger.info("KVLens %s ready: %s", role.name.lower(), config.model_dump(exclude_defaults=True))
 
     @property
@@ -66,8 +74,9 @@ class KVLensConnector(KVConnectorBase_V1):
         return meta.plan
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self._worker is not None
-        self._worker.load(self._plan())
+        assert self._worker is not None and self._worker_telemetry is not None
+        plan, started = self._plan(), self._worker_telemetry.now()
+        self._worker_telemetry.loaded(plan, self._worker.load(plan), started)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv, before any layer runs
@@ -76,8 +85,14 @@ class KVLensConnector(KVConnectorBase_V1):
         return  # whole chunks are stored once the step's KV exists, in wait_for_save
 
     def wait_for_save(self) -> None:
-        assert self._worker is not None
-        self._worker.save(self._plan())
+        assert self._worker is not None and self._worker_telemetry is not None
+        plan, started = self._plan(), self._worker_telemetry.now()
+        self._worker_telemetry.saved(plan, started, self._worker.save(plan))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker_telemetry is not None
+        self._worker_telemetry.finished(finished_req_ids)
+        return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
@@ -90,12 +105,14 @@ class KVLensConnector(KVConnectorBase_V1):
 
     # ---- scheduler side -----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
-        return self._scheduler.lookup(request, num_computed_tokens), False
+        assert self._scheduler is not None and self._scheduler_telemetry is not None
+        with self._scheduler_telemetry.lookup(request):
+            return self._scheduler.lookup(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
-        assert self._scheduler is not None
+        assert self._scheduler is not None and self._scheduler_telemetry is not None
         self._scheduler.after_alloc(request, num_external_tokens)
+        self._scheduler_telemetry.after_alloc(request)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         assert self._scheduler is not None
@@ -103,18 +120,23 @@ class KVLensConnector(KVConnectorBase_V1):
         return {_HIT_SOURCE[tier]: n for tier, n in by_tier.items() if n}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self._scheduler is not None
-        return KVLensMetadata(self._scheduler.build_plan(scheduler_output))
+        assert self._scheduler is not None and self._scheduler_telemetry is not None
+        plan = self._scheduler.build_plan(scheduler_output)
+        self._scheduler_telemetry.on_plan(plan)
+        return KVLensMetadata(plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        assert self._scheduler is not None
+        assert self._scheduler is not None and self._scheduler_telemetry is not None
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVLensWorkerMetadata):
             self._scheduler.on_worker_report(meta.report)
+            self._scheduler_telemetry.on_worker_report(meta.report)
+        stats = connector_output.kv_connector_stats
+        self._scheduler_telemetry.on_worker_stats(stats.data if stats is not None else None)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
-        return False, self._scheduler.finish(request)
+        assert self._scheduler is not None and self._scheduler_telemetry is not None
+        return False, self._scheduler_telemetry.finished(request, self._scheduler.finish(request))
 
     def reset_cache(self) -> bool | None:
         assert self._scheduler is not None
@@ -124,3 +146,25 @@ class KVLensConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.shutdown()
+        for part in (self._scheduler_telemetry, self._worker_telemetry):
+            if part is not None:
+                part.shutdown()
+
+    # ---- telemetry: vLLM's connector-stats path to /metrics ----------------------------
+    def get_kv_connector_stats(self) -> telemetry.KVLensStats | None:
+        part = self._scheduler_telemetry or self._worker_telemetry
+        return telemetry.wrap(part.stats()) if part is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> telemetry.KVLensStats:
+        return telemetry.KVLensStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> telemetry.KVLensPromMetrics:
+        return telemetry.KVLensPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -62,11 +62,15 @@ class ConnectorWorker:
         self.copier = copier
 
     # ---- loads --------------------------------------------------------------------------
-    def load(self, plan: StepPlan) -> None:
+    def load(self, plan: StepPlan) -> list[LoadOutcome]:
+        """Runs the step's load jobs in order; their outcomes, in the same order."""
+        outcomes = []
         for job in plan.loads:
             outcome = self._load_job(job)
             self._report.loads[job.request_id] = outcome
             self._failed_blocks.update(outcome.failed_block_ids)
+            outcomes.append(outcome)
+        return outcomes
 
     def _load_job(self, job: LoadJob) -> LoadOutcome:
         started = time.perf_counter()
@@ -116,7 +120,9 @@ class ConnectorWorker:
         return failed
 
     # ---- stores -------------------------------------------------------------------------
-    def save(self, plan: StepPlan) -> None:
+    def save(self, plan: StepPlan) -> list[tuple[str, str, str]]:
+        """Evicts, then stores; returns this step's failed writes (name, tier, reason)."""
+        failures_before = len(self._report.store_failures)
         for eviction in plan.evictions:
             tier = self.tiers.get(eviction.tier)
             if tier is not None:
@@ -126,6 +132,7 @@ class ConnectorWorker:
                     logger.warning("KVLens: evicting %s from %s failed: %s", eviction.name[:12], eviction.tier, e)
         for job in plan.stores:
             self._store(job)
+        return self._report.store_failures[failures_before:]
 
     def _store(self, job: StoreJob) -> None:
         assert self.copier is not None
@@ -151,6 +158,10 @@ class ConnectorWorker:
             return None
         report, self._report = self._report, WorkerReport()
         return report
+
+    def sizes(self) -> dict[str, int]:
+        """Internal sizes, for leak-spotting gauges."""
+        return {"invalid_block_ids": len(self._failed_blocks)}
 
     def reset(self) -> None:
         for tier in self.tiers.values():

@@ -260,8 +260,8 @@ def summarize(results: list[dict], args) -> int:
         speedup = (sum(first) / len(first)) / max(sum(rest) / len(rest), 1e-9)
         print(
             f"  rounds 2..{rounds[-1]}: reused {cached} of {prompt} prompt tokens "
-            f"({100.0 * cached / max(prompt, 1):.0f}%); KVLens provided "
-            f"{sum(kv) if kv else '-'} tokens; mean latency {speedup:.2f}x faster than round 1"
+            f"({100.0 * cached / max(prompt, 1):.0f}%); KVLens had "
+            f"{sum(kv) if kv else '-'} tokens of them; mean latency {speedup:.2f}x faster than round 1"
         )
 
     if args.json:

@@ -32,6 +32,7 @@ class StoreJob:
     block_ids: tuple[int, ...]  # every block of the chunk, in order
     tiers: tuple[str, ...]
     num_tokens: int
+    trace_context: dict[str, str] | None = None  # the request's W3C traceparent/tracestate
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,14 @@ from .serve import build_tiny_model
 _EXPORTER = InMemorySpanExporter()
 
 
+class _Spans:
+    """The in-memory exporter, reading only after KVLens built the spans it queued."""
+
+    def get_finished_spans(self):
+        tracing.drain()
+        return _EXPORTER.get_finished_spans()
+
+
 @pytest.fixture
 def spans():
     """Finished spans of the global provider (installed once per test process)."""
@@ -24,9 +32,11 @@ def spans():
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
         trace.set_tracer_provider(provider)
+    tracing.drain()
     tracing.reset_for_tests()
     _EXPORTER.clear()
-    yield _EXPORTER
+    yield _Spans()
+    tracing.drain()
     _EXPORTER.clear()
 
 

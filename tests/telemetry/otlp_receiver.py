@@ -1,8 +1,8 @@
 """A real OTLP/HTTP trace receiver for tests: decodes ExportTraceServiceRequest protobufs.
 
-    with OtlpReceiver() as receiver:
-        ... point OTEL_EXPORTER_OTLP_TRACES_ENDPOINT at receiver.endpoint ...
-        spans = receiver.wait_for(lambda spans: ..., timeout=30)
+with OtlpReceiver() as receiver:
+    ... point OTEL_EXPORTER_OTLP_TRACES_ENDPOINT at receiver.endpoint ...
+    spans = receiver.wait_for(lambda spans: ..., timeout=30)
 """
 
 from __future__ import annotations
@@ -60,14 +60,22 @@ def decode(body: bytes) -> list[ReceivedSpan]:
         resource = _attrs(rs.resource.attributes)
         for ss in rs.scope_spans:
             for s in ss.spans:
-                spans.append(ReceivedSpan(
-                    name=s.name, trace_id=s.trace_id.hex(), span_id=s.span_id.hex(),
-                    parent_span_id=s.parent_span_id.hex(), start_ns=s.start_time_unix_nano,
-                    end_ns=s.end_time_unix_nano, attributes=_attrs(s.attributes),
-                    status_code=s.status.code, status_message=s.status.message,
-                    events=[(e.name, _attrs(e.attributes)) for e in s.events],
-                    resource=resource, scope=ss.scope.name,
-                ))
+                spans.append(
+                    ReceivedSpan(
+                        name=s.name,
+                        trace_id=s.trace_id.hex(),
+                        span_id=s.span_id.hex(),
+                        parent_span_id=s.parent_span_id.hex(),
+                        start_ns=s.start_time_unix_nano,
+                        end_ns=s.end_time_unix_nano,
+                        attributes=_attrs(s.attributes),
+                        status_code=s.status.code,
+                        status_message=s.status.message,
+                        events=[(e.name, _attrs(e.attributes)) for e in s.events],
+                        resource=resource,
+                        scope=ss.scope.name,
+                    )
+                )
     return spans
 
 

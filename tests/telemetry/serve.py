@@ -33,42 +33,74 @@ def free_port() -> int:
 
 def build_tiny_model(out: Path) -> str:
     subprocess.run(
-        [sys.executable, "-m", "connector.tiny_model", str(out)], cwd=REPO, check=True,
-        capture_output=True, timeout=300,
+        [sys.executable, "-m", "connector.tiny_model", str(out)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     return str(out)
 
 
 def base_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVLENS_", "LMCACHE_"))}
-    env.update({
-        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
-        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-        "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
-    })
+    env.update(
+        {
+            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
+        }
+    )
     env.update(extra)
     return env
 
 
 class VllmServer:
-    def __init__(self, model: str, kv_config: dict[str, Any], log_path: Path, env: dict[str, str],
-                 extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        model: str,
+        kv_config: dict[str, Any],
+        log_path: Path,
+        env: dict[str, str],
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
         self.log_path = log_path
         cmd = [
-            sys.executable, "-m", "connector.launcher", "serve", model,
-            "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny",
-            "--enforce-eager", "--max-model-len", "4096", "--dtype", "bfloat16", "--seed", "0",
-            "--kv-transfer-config", json.dumps(kv_config), *extra_args,
+            sys.executable,
+            "-m",
+            "connector.launcher",
+            "serve",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            "tiny",
+            "--enforce-eager",
+            "--max-model-len",
+            "4096",
+            "--dtype",
+            "bfloat16",
+            "--seed",
+            "0",
+            "--kv-transfer-config",
+            json.dumps(kv_config),
+            *extra_args,
         ]
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
@@ -107,20 +139,36 @@ class VllmServer:
         self._log.close()
 
     # ---- HTTP ---------------------------------------------------------------------------
-    def post(self, path: str, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
-             timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+    def post(
+        self,
+        path: str,
+        body: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = REQUEST_TIMEOUT_S,
+    ) -> dict[str, Any]:
         data = json.dumps(body or {}).encode()
-        req = urllib.request.Request(self.url + path, data=data, method="POST",
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+        req = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method="POST",
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
         return json.loads(raw) if raw.strip() else {}
 
-    def complete(self, prompt: list[int], max_tokens: int = 4, traceparent: str | None = None,
-                 **extra: Any) -> dict[str, Any]:
+    def complete(
+        self, prompt: list[int], max_tokens: int = 4, traceparent: str | None = None, **extra: Any
+    ) -> dict[str, Any]:
         headers = {"traceparent": traceparent} if traceparent else {}
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, **extra}
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            **extra,
+        }
         return self.post("/v1/completions", body, headers)
 
     def reset_prefix_cache(self) -> None:
@@ -135,7 +183,9 @@ class VllmServer:
         out = {}
         for family in text_string_to_metric_families(self.metrics_text()):
             for s in family.samples:
-                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine")))
+                labels = tuple(
+                    sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine"))
+                )
                 out[(s.name, labels)] = s.value
         return out
 

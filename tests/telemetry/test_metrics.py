@@ -34,7 +34,8 @@ def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
     text = generate_latest(registry).decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text) for s in fam.samples
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
     }
 
 

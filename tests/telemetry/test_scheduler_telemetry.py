@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import urllib.request
 from types import SimpleNamespace
 
 from connector.config import load_config
@@ -13,36 +14,62 @@ from telemetry import tracing
 from telemetry.scheduler import SchedulerTelemetry
 from telemetry.settings import TelemetrySettings
 
+from .serve import free_port
+
 BLOCK, BLOCK_BYTES, LAYERS = 128, 1000, 2
 PROMPT = list(range(1000, 1600))  # 600 tokens: two whole 256-token chunks and a tail
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
-def make(tmp_path, tracing_on=False, metrics=True, recompute=True):
+def make(tmp_path, tracing_on=False, metrics=True, recompute=True, **env):
     config = load_config({}, env={})
-    sched = ConnectorScheduler(config, EngineFacts("tiny", "bf16", BLOCK, LAYERS, BLOCK_BYTES, "l", 1, "kv_both"))
-    settings = TelemetrySettings.from_env(None, {
-        "KVLENS_TRACING": "1" if tracing_on else "0", "KVLENS_METRICS": "1" if metrics else "0",
-        "KVLENS_EVENT_LOG": str(tmp_path / "events.jsonl"),
-    })
+    sched = ConnectorScheduler(
+        config, EngineFacts("tiny", "bf16", BLOCK, LAYERS, BLOCK_BYTES, "l", 1, "kv_both")
+    )
+    settings = TelemetrySettings.from_env(
+        None,
+        {
+            "KVLENS_TRACING": "1" if tracing_on else "0",
+            "KVLENS_METRICS": "1" if metrics else "0",
+            "KVLENS_EVENT_LOG": str(tmp_path / "events.jsonl"),
+            **env,
+        },
+    )
     return sched, SchedulerTelemetry(sched, settings, "tiny", "0", BLOCK, recompute)
 
 
 def request(rid, tokens, **kw):
-    r = SimpleNamespace(request_id=rid, all_token_ids=list(tokens), prompt_token_ids=list(tokens),
-                        num_prompt_tokens=len(tokens), num_tokens=len(tokens), kv_transfer_params=None,
-                        priority=0, cache_salt=None, lora_request=None, mm_features=None, prompt_embeds=None,
-                        trace_headers=None)
+    r = SimpleNamespace(
+        request_id=rid,
+        all_token_ids=list(tokens),
+        prompt_token_ids=list(tokens),
+        num_prompt_tokens=len(tokens),
+        num_tokens=len(tokens),
+        kv_transfer_params=None,
+        priority=0,
+        cache_salt=None,
+        lora_request=None,
+        mm_features=None,
+        prompt_embeds=None,
+        trace_headers=None,
+    )
     r.__dict__.update(kw)
     return r
 
 
 def step(req, block_ids, num_computed, num_scheduled):
-    new = SimpleNamespace(req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                          block_ids=(list(block_ids),), num_computed_tokens=num_computed)
+    new = SimpleNamespace(
+        req_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        block_ids=(list(block_ids),),
+        num_computed_tokens=num_computed,
+    )
     cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
-    return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
-                           num_scheduled_tokens={req.request_id: num_scheduled})
+    return SimpleNamespace(
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={req.request_id: num_scheduled},
+    )
 
 
 def admit(sched, tel, req, block_ids):
@@ -64,8 +91,13 @@ def loaded(plan, failed=()):
     job = plan.loads[0]
     tokens = sum(c.num_tokens for c in job.chunks)
     if failed:
-        return WorkerReport(loads={job.request_id: LoadOutcome(
-            {}, [(job.chunks[0].name, CPU, "missing: gone")], list(failed), 0, 0.001)})
+        return WorkerReport(
+            loads={
+                job.request_id: LoadOutcome(
+                    {}, [(job.chunks[0].name, CPU, "missing: gone")], list(failed), 0, 0.001
+                )
+            }
+        )
     return WorkerReport(loads={job.request_id: LoadOutcome({CPU: tokens}, [], [], 4096, 0.002)})
 
 
@@ -81,8 +113,14 @@ def test_response_carries_the_kvlens_breakdown(tmp_path):
     params = finish(sched, tel, b)
     assert params["num_lmcache_cached_tokens"] == 512
     assert params["kvlens"] == {
-        "vllm_cached_tokens": 0, "hit_tokens": 512, "loaded_tokens": {"cpu": 512}, "load_ms": 2.0,
-        "failed_blocks": 0, "recomputed_tokens": 0, "miss_reason": "partial_chunk", "save_skip_reason": None,
+        "vllm_cached_tokens": 0,
+        "hit_tokens": 512,
+        "loaded_tokens": {"cpu": 512},
+        "load_ms": 2.0,
+        "failed_blocks": 0,
+        "recomputed_tokens": 0,
+        "miss_reason": "partial_chunk",
+        "save_skip_reason": None,
     }
 
 
@@ -118,7 +156,8 @@ def test_failed_load_is_written_to_the_event_log_and_counted(tmp_path):
     assert counters["failed_chunks|load|cpu|missing"] == 1 and counters["failed_load_requests"] == 1
 
 
-def test_lookup_metrics_and_gauges_return_to_zero_when_drained(tmp_path):
+def test_lookup_metrics_and_gauges_return_to_zero_when_drained(tmp_path, monkeypatch):
+    monkeypatch.setattr("telemetry.scheduler.GAUGE_INTERVAL_S", 0.0)
     sched, tel = make(tmp_path)
     a = request("a", PROMPT)
     admit(sched, tel, a, range(10, 15))
@@ -136,8 +175,15 @@ def test_lookup_metrics_and_gauges_return_to_zero_when_drained(tmp_path):
     sched.on_worker_report(loaded(plan))
     finish(sched, tel, b)
     drained = tel.stats()["gauges"]
-    for key in ("request_trackers", "unfinished_requests", "pinned_requests", "pinned_chunks|cpu",
-                "pinned_bytes|cpu", "load_specs", "telemetry_open_requests"):
+    for key in (
+        "request_trackers",
+        "unfinished_requests",
+        "pinned_requests",
+        "pinned_chunks|cpu",
+        "pinned_bytes|cpu",
+        "load_specs",
+        "telemetry_open_requests",
+    ):
         assert drained.get(key, 0) == 0, key
     assert tel.stats() is None  # nothing changed since: nothing to ship
 
@@ -190,3 +236,45 @@ def test_evictions_are_counted_per_tier(tmp_path):
     index.evictions += 3
     assert tel.stats()["counters"]["evictions|cpu"] == 3
     assert "evictions|cpu" not in (tel.stats() or {}).get("counters", {})
+
+
+def test_offline_exporter_serves_scheduler_and_worker_metrics_on_localhost(tmp_path):
+    port = free_port()
+    sched, tel = make(tmp_path, metrics=False, KVLENS_METRICS_PORT=str(port))
+    try:
+        admit(sched, tel, request("a", PROMPT), range(10, 15))
+        assert tel.stats() is None  # not handed to vLLM: only the exporter gets it
+        tel.on_worker_stats({"counters": {"store_tokens|cpu": 512}})
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert 'vllm:kvlens_lookup_requests_total{engine="0",model_name="tiny"} 1.0' in text
+        assert 'vllm:kvlens_store_tokens_total{engine="0",model_name="tiny",tier="cpu"} 512.0' in text
+        assert 'vllm:kvlens_request_trackers{engine="0",model_name="tiny"} 1.0' in text
+    finally:
+        tel.shutdown()
+
+
+def test_gauges_are_sampled_at_intervals_while_busy_and_exactly_when_idle(tmp_path, monkeypatch):
+    monkeypatch.setattr("telemetry.scheduler.GAUGE_INTERVAL_S", 3600.0)
+    sched, tel = make(tmp_path)
+    a = request("a", PROMPT)
+    admit(sched, tel, a, range(10, 15))
+    assert tel.stats()["gauges"]["request_trackers"] == 1  # first sample
+    admit(sched, tel, request("b", PROMPT[:300]), range(20, 23))
+    busy = tel.stats()
+    assert busy["counters"]["lookup_requests"] == 1 and busy["gauges"] == {}  # not sampled yet
+    finish(sched, tel, a)
+    finish(sched, tel, request("b", PROMPT[:300]))
+    assert tel.stats()["gauges"]["request_trackers"] == 0  # nothing runs: sampled at once
+
+
+def test_a_busy_exporter_port_does_not_stop_the_engine(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        sched, tel = make(tmp_path, KVLENS_METRICS_PORT=str(busy.getsockname()[1]))
+        admit(sched, tel, request("a", PROMPT), range(10, 15))
+        assert tel.stats()["counters"]["lookup_requests"] == 1  # vLLM's path still works
+        tel.shutdown()

@@ -17,11 +17,15 @@ from .serve import prompt_tokens, sample, sum_samples, traceparent, wait_until
 pytestmark = pytest.mark.integration
 
 KV_CONFIG = {
-    "kv_connector": "KVLensConnector", "kv_connector_module_path": "connector", "kv_role": "kv_both",
+    "kv_connector": "KVLensConnector",
+    "kv_connector_module_path": "connector",
+    "kv_role": "kv_both",
     "kv_load_failure_policy": "recompute",
     "kv_connector_extra_config": {
-        "lmcache.chunk_size": 256, "lmcache.local_cpu": False,
-        "lmcache.local_disk": "{tmp}/kv", "lmcache.max_local_disk_size": 1,
+        "lmcache.chunk_size": 256,
+        "lmcache.local_cpu": False,
+        "lmcache.local_disk": "{tmp}/kv",
+        "lmcache.max_local_disk_size": 1,
     },
 }
 
@@ -49,15 +53,18 @@ def test_disk_hits_are_credited_to_the_disk_tier(serve_stack):
 
     def credited():
         s = srv.samples()
-        d = (sum_samples(s, "vllm:prompt_tokens_cached_by_source_total", source="disk")
-             - sum_samples(before, "vllm:prompt_tokens_cached_by_source_total", source="disk"))
+        d = sum_samples(s, "vllm:prompt_tokens_cached_by_source_total", source="disk") - sum_samples(
+            before, "vllm:prompt_tokens_cached_by_source_total", source="disk"
+        )
         return d if d == 512 else None
 
     wait_until(credited, what="vllm:prompt_tokens_cached_by_source{source=disk} += 512")
     after = srv.samples()
     assert sample(after, "vllm:kvlens_tier_chunks", tier="disk") >= 2
-    assert (sum_samples(after, "vllm:kvlens_load_tokens_total", tier="disk")
-            - sum_samples(before, "vllm:kvlens_load_tokens_total", tier="disk")) == 512
+    assert (
+        sum_samples(after, "vllm:kvlens_load_tokens_total", tier="disk")
+        - sum_samples(before, "vllm:kvlens_load_tokens_total", tier="disk")
+    ) == 512
 
 
 def test_failed_load_is_an_event_a_metric_an_error_span_and_a_recompute(serve_stack):
@@ -83,7 +90,8 @@ def test_failed_load_is_an_event_a_metric_an_error_span_and_a_recompute(serve_st
 
     events = wait_until(
         lambda: [e for e in read_events(events_path) if e["request_id"].startswith(failed["id"])],
-        what="the failed-load event")
+        what="the failed-load event",
+    )
     (event,) = events
     assert event["tier"] == "disk" and len(event["block_ids"]) == 4 and event["tokens_affected"] == 512
     assert event["reason"].startswith("corrupt") and event["recomputed"] is True
@@ -105,9 +113,15 @@ def test_failed_load_is_an_event_a_metric_an_error_span_and_a_recompute(serve_st
 
     def no_pins():
         s = srv.samples()
-        return all(sample(s, n, **lbl) == 0 for n, lbl in (
-            ("vllm:kvlens_pinned_requests", {}), ("vllm:kvlens_pinned_chunks", {"tier": "disk"}),
-            ("vllm:kvlens_request_trackers", {}), ("vllm:kvlens_invalid_block_ids", {})))
+        return all(
+            sample(s, n, **lbl) == 0
+            for n, lbl in (
+                ("vllm:kvlens_pinned_requests", {}),
+                ("vllm:kvlens_pinned_chunks", {"tier": "disk"}),
+                ("vllm:kvlens_request_trackers", {}),
+                ("vllm:kvlens_invalid_block_ids", {}),
+            )
+        )
 
     wait_until(no_pins, what="pins released after the failed load")
     assert json.loads(Path(events_path).read_text().splitlines()[-1])["event"] == "load_failed"

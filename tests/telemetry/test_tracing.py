@@ -31,12 +31,19 @@ def test_attributes_are_not_computed_for_unsampled_traces(spans):
     called = []
     headers = {"traceparent": f"00-{TRACE_ID}-{PARENT}-00"}  # the client did not sample
     tracing.emit(tracing.STORE, headers, 10, 20, lambda: called.append(1) or {})
-    assert not called and not spans.get_finished_spans()
+    assert not spans.get_finished_spans() and not called
 
 
 def test_failure_sets_error_status_and_records_the_event(spans):
-    tracing.emit(tracing.LOAD, None, 10, 20, dict, error="corrupt",
-                 events=[("kvlens.load_failed", {tracing.A_BLOCK_IDS: [4, 5]})])
+    tracing.emit(
+        tracing.LOAD,
+        None,
+        10,
+        20,
+        dict,
+        error="corrupt",
+        events=[("kvlens.load_failed", {tracing.A_BLOCK_IDS: [4, 5]})],
+    )
     (span,) = spans.get_finished_spans()
     assert span.status.status_code is StatusCode.ERROR
     assert span.attributes[tracing.A_ERROR_TYPE] == "corrupt"

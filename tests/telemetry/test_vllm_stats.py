@@ -56,7 +56,9 @@ def test_build_prom_metrics_registers_on_vllms_registry_and_observes():
     unregister_vllm_metrics()
     try:
         prom = KVLensConnector.build_prom_metrics(
-            Config, {Counter: Counter, Gauge: Gauge, Histogram: Histogram}, ["model_name", "engine"],
+            Config,
+            {Counter: Counter, Gauge: Gauge, Histogram: Histogram},
+            ["model_name", "engine"],
             {0: ["tiny", "0"]},
         )
         prom.observe(payload(**{wire_key("load_tokens", "disk").replace("|", "__"): 384}), 0)

@@ -14,8 +14,9 @@ HEADERS = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-
 
 
 def make(rank=0, tracing_on=True, metrics=True, sizes=None):
-    settings = TelemetrySettings.from_env(None, {"KVLENS_TRACING": str(int(tracing_on)),
-                                                 "KVLENS_METRICS": str(int(metrics))})
+    settings = TelemetrySettings.from_env(
+        None, {"KVLENS_TRACING": str(int(tracing_on)), "KVLENS_METRICS": str(int(metrics))}
+    )
     return WorkerTelemetry(settings, rank, BLOCK_NBYTES, sizes)
 
 
@@ -44,10 +45,17 @@ def test_stores_over_several_steps_become_one_span_when_the_request_finishes(spa
 
 def test_failed_store_marks_the_span_and_is_not_counted_as_stored(spans):
     tel = make()
-    tel.saved(StepPlan(stores=[store("a", "c0", [1, 2], ("cpu", "disk"))]), tel.now(),
-              [("c0", "disk", "OSError: disk full")])
+    tel.saved(
+        StepPlan(stores=[store("a", "c0", [1, 2], ("cpu", "disk"))]),
+        tel.now(),
+        [("c0", "disk", "OSError: disk full")],
+    )
     data = tel.stats()
-    assert data["counters"] == {"store_bytes|cpu": 2 * BLOCK_NBYTES, "store_chunks|cpu": 1, "store_tokens|cpu": 256}
+    assert data["counters"] == {
+        "store_bytes|cpu": 2 * BLOCK_NBYTES,
+        "store_chunks|cpu": 1,
+        "store_tokens|cpu": 256,
+    }
     tel.finished(["a"])
     (span,) = spans.get_finished_spans()
     assert span.status.status_code is StatusCode.ERROR and span.attributes[tracing.A_FAILED_CHUNKS] == 1
@@ -68,7 +76,10 @@ def test_load_span_per_request_with_failure_details(spans):
     assert first.parent is not None and second.parent is None
     assert second.start_time == first.end_time == start + 1_000_000
     assert second.status.status_code is StatusCode.ERROR
-    assert second.attributes[tracing.A_FAILED_BLOCKS] == 4 and second.attributes[tracing.A_ERROR_TYPE] == "corrupt"
+    assert (
+        second.attributes[tracing.A_FAILED_BLOCKS] == 4
+        and second.attributes[tracing.A_ERROR_TYPE] == "corrupt"
+    )
     (event,) = second.events
     assert list(event.attributes[tracing.A_BLOCK_IDS]) == [5, 6, 7, 8]
 
@@ -86,7 +97,8 @@ def test_off_means_no_records_and_no_stats(spans):
     assert not tel.stores and tel.stats() is None and not spans.get_finished_spans()
 
 
-def test_worker_gauges_are_shipped_when_they_change():
+def test_worker_gauges_are_shipped_when_they_change(monkeypatch):
+    monkeypatch.setattr("telemetry.worker.GAUGE_INTERVAL_S", 0.0)
     sizes = {"invalid_block_ids": 0}
     tel = make(tracing_on=False, sizes=lambda: dict(sizes))
     assert tel.stats()["gauges"] == {"invalid_block_ids": 0}

@@ -1,0 +1,125 @@
+"""The failed-load event log: one JSON object per line, appended, rotated at a size limit.
+
+Each line is written with a single ``write`` on a file opened with ``O_APPEND``, so a reader
+(the dashboard, ``tail -f``) never sees half a line, and several processes can append to the
+same file. When the file would pass ``max_bytes`` it is renamed to ``<file>.1`` (older ones
+shift to ``.2`` ...) under an exclusive lock, and a new file starts; a reader that follows the
+file should reopen it when its inode changes. Writing never raises into the engine.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+logger = logging.getLogger("kvlens")
+
+LOAD_FAILED = "load_failed"
+
+
+def load_failed_event(
+    request_id: str,
+    tiers: Sequence[str],
+    block_ids: Sequence[int],
+    tokens_affected: int,
+    reason: str,
+    recomputed: bool,
+    engine: str,
+    model: str,
+) -> dict[str, Any]:
+    now = time.time()
+    return {
+        "time": dt.datetime.fromtimestamp(now, dt.timezone.utc).isoformat(timespec="milliseconds"),
+        "ts": round(now, 6),
+        "event": LOAD_FAILED,
+        "request_id": request_id,
+        "tier": tiers[0] if tiers else None,
+        "tiers": list(tiers),
+        "block_ids": sorted(block_ids),
+        "num_blocks": len(block_ids),
+        "tokens_affected": tokens_affected,
+        "reason": reason,
+        "recomputed": recomputed,
+        "engine": engine,
+        "model": model,
+    }
+
+
+class EventLog:
+    def __init__(self, path: str, max_bytes: int = 10 * 1024 * 1024, backups: int = 3) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.backups = max(backups, 1)
+        self._lock = threading.Lock()
+        self._warned = False
+
+    def append(self, event: dict[str, Any]) -> bool:
+        line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
+        try:
+            with self._lock:
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                self._rotate_if_needed(len(line))
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, line)
+                finally:
+                    os.close(fd)
+            return True
+        except OSError as e:
+            if not self._warned:
+                self._warned = True
+                logger.warning("KVLens: cannot write event log %s: %s", self.path, e)
+            return False
+
+    def _rotate_if_needed(self, incoming: int) -> None:
+        if _size(self.path) + incoming <= self.max_bytes:
+            return
+        lock_fd = os.open(self.path + ".lock", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            if _size(self.path) + incoming <= self.max_bytes:
+                return  # another process rotated meanwhile
+            for i in range(self.backups - 1, 0, -1):
+                older = f"{self.path}.{i}"
+                if os.path.exists(older):
+                    os.replace(older, f"{self.path}.{i + 1}")
+            if os.path.exists(self.path):
+                os.replace(self.path, f"{self.path}.1")
+        finally:
+            os.close(lock_fd)  # releases the flock
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def read_events(path: str, include_rotated: bool = True) -> Iterator[dict[str, Any]]:
+    """Events oldest first, from the rotated files and then the live one; bad lines skipped."""
+    paths = [path]
+    if include_rotated:
+        i = 1
+        while os.path.exists(f"{path}.{i}"):
+            paths.insert(0, f"{path}.{i}")
+            i += 1
+    for p in paths:
+        try:
+            with open(p, encoding="utf-8") as f:
+                for line in f:
+                    if not line.endswith("\n"):
+                        break  # a line still being written (never happens with one write)
+                    try:
+                        yield json.loads(line)
+                    except ValueError:
+                        continue
+        except FileNotFoundError:
+            continue

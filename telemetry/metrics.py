@@ -1,0 +1,331 @@
+"""Every KVLens metric in one place, the plain-dict stats payload, and its Prometheus side.
+
+Hot paths only add numbers to a ``StatsBuffer`` (plain dicts). vLLM carries the buffer's
+payload from the workers and the scheduler to the API server (``get_kv_connector_stats``),
+where ``PromRecorder`` turns it into ``vllm:kvlens_*`` series on vLLM's own ``/metrics``.
+
+Payload layout (string keys only, so it survives pickle and msgpack)::
+
+    {"counters": {"load_tokens|cpu": 512, ...},      # summed when merged
+     "gauges": {"request_trackers": 0, ...},          # the latest value wins
+     "histograms": {"operation_seconds|load": [0.002, ...]}}   # observations, concatenated
+
+A wire key is the metric's short key, then its extra label values, joined by ``|``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("kvlens")
+
+COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+SEP = "|"
+
+# Latency buckets from 10 us to ~20 s: lookups are microseconds, loads and stores milliseconds.
+SECONDS_BUCKETS = (
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+)
+RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    key: str  # short key used in the stats payload
+    kind: str  # COUNTER, GAUGE or HISTOGRAM
+    doc: str
+    labels: tuple[str, ...] = ()  # bounded labels beyond model_name and engine
+    buckets: tuple[float, ...] | None = None
+
+    @property
+    def name(self) -> str:
+        return "vllm:kvlens_" + self.key
+
+
+_DEFINITIONS = (
+    # lookups (scheduler)
+    Metric("lookup_requests", COUNTER, "Requests whose prefix KVLens looked up (final lookups)."),
+    Metric("lookup_tokens", COUNTER, "Prompt tokens of the requests looked up."),
+    Metric("vllm_hit_tokens", COUNTER, "Prompt tokens vLLM's own prefix cache already had at lookup."),
+    Metric("hit_tokens", COUNTER, "Prompt tokens KVLens held at lookup, by tier.", ("tier",)),
+    Metric("hit_requests", COUNTER, "Looked-up requests of which KVLens held at least one chunk."),
+    Metric(
+        "miss_requests", COUNTER, "Looked-up requests KVLens could not fully serve, by reason.", ("reason",)
+    ),
+    Metric("save_skipped_requests", COUNTER, "Requests KVLens does not store, by reason.", ("reason",)),
+    Metric(
+        "request_hit_ratio",
+        HISTOGRAM,
+        "Per request: fraction of the prompt KVLens held.",
+        buckets=RATIO_BUCKETS,
+    ),
+    # loads (scheduler, from the workers' merged reports)
+    Metric("load_requests", COUNTER, "Requests for which KVLens loaded KV into vLLM."),
+    Metric("load_tokens", COUNTER, "Tokens whose KV KVLens loaded into vLLM, by tier.", ("tier",)),
+    Metric("load_bytes", COUNTER, "Bytes of KV KVLens loaded into vLLM (all ranks)."),
+    Metric("failed_load_requests", COUNTER, "Requests whose load failed, in part or whole."),
+    Metric("failed_blocks", COUNTER, "vLLM blocks KVLens failed to load, by reason.", ("reason",)),
+    Metric(
+        "recomputed_tokens",
+        COUNTER,
+        "Tokens vLLM recomputed because a KVLens load failed (kv_load_failure_policy=recompute).",
+    ),
+    Metric(
+        "failed_chunks",
+        COUNTER,
+        "Chunk reads or writes that failed, by operation, tier and reason.",
+        ("operation", "tier", "reason"),
+    ),
+    # stores (workers)
+    Metric("store_chunks", COUNTER, "Chunks KVLens stored, by tier.", ("tier",)),
+    Metric("store_tokens", COUNTER, "Tokens whose KV KVLens stored, by tier.", ("tier",)),
+    Metric("store_bytes", COUNTER, "Bytes of KV KVLens stored, by tier (all ranks).", ("tier",)),
+    # both
+    Metric(
+        "operation_seconds",
+        HISTOGRAM,
+        "Time per request and operation (lookup, load, store).",
+        ("operation",),
+        SECONDS_BUCKETS,
+    ),
+    Metric("evictions", COUNTER, "Chunks evicted to make room, by tier.", ("tier",)),
+    # gauges: internal sizes, so that leaks show
+    Metric("request_trackers", GAUGE, "Requests the scheduler half tracks."),
+    Metric("load_specs", GAUGE, "Lookup results waiting for vLLM to schedule their request."),
+    Metric("pending_saves", GAUGE, "Requests still in prefill whose KV KVLens will store."),
+    Metric("unfinished_requests", GAUGE, "Requests KVLens saw allocated and not yet finished."),
+    Metric("invalid_block_ids", GAUGE, "Failed block ids not yet handed to vLLM."),
+    Metric("pinned_requests", GAUGE, "Requests holding pins on cached chunks."),
+    Metric("pinned_chunks", GAUGE, "Chunks pinned (not evictable) by pending loads, by tier.", ("tier",)),
+    Metric("pinned_bytes", GAUGE, "Bytes pinned by pending loads, by tier.", ("tier",)),
+    Metric("tier_chunks", GAUGE, "Chunks each tier holds.", ("tier",)),
+    Metric("tier_used_bytes", GAUGE, "Bytes each tier holds (one rank's share).", ("tier",)),
+    Metric("tier_capacity_bytes", GAUGE, "Byte budget of each tier (one rank's share).", ("tier",)),
+    Metric("telemetry_open_requests", GAUGE, "Requests KVLens telemetry keeps state for."),
+)
+
+METRICS: dict[str, Metric] = {m.key: m for m in _DEFINITIONS}
+NAMES = frozenset(m.name for m in _DEFINITIONS)
+
+
+def wire_key(key: str, *labels: str) -> str:
+    return SEP.join((key, *labels)) if labels else key
+
+
+class StatsBuffer:
+    """Numbers collected between two ``take()`` calls, as plain dicts."""
+
+    __slots__ = ("counters", "gauges", "histograms")
+
+    def __init__(self) -> None:
+        self.counters: dict[str, float] = {}
+        self.gauges: dict[str, float] = {}
+        self.histograms: dict[str, list[float]] = {}
+
+    def inc(self, key: str, value: float = 1) -> None:
+        if value:
+            self.counters[key] = self.counters.get(key, 0) + value
+
+    def observe(self, key: str, value: float) -> None:
+        bucket = self.histograms.get(key)
+        if bucket is None:
+            self.histograms[key] = [value]
+        else:
+            bucket.append(value)
+
+    def set(self, key: str, value: float) -> None:
+        self.gauges[key] = value
+
+    def is_empty(self) -> bool:
+        return not (self.counters or self.gauges or self.histograms)
+
+    def take(self) -> dict[str, Any] | None:
+        if self.is_empty():
+            return None
+        data = {"counters": self.counters, "gauges": self.gauges, "histograms": self.histograms}
+        self.counters, self.gauges, self.histograms = {}, {}, {}
+        return data
+
+
+def empty_payload() -> dict[str, Any]:
+    return {"counters": {}, "gauges": {}, "histograms": {}}
+
+
+def merge_payload(into: dict[str, Any], other: Mapping[str, Any]) -> dict[str, Any]:
+    """Counters add, gauges take the other's value, histogram observations concatenate."""
+    counters = into.setdefault("counters", {})
+    for k, v in other.get("counters", {}).items():
+        counters[k] = counters.get(k, 0) + v
+    into.setdefault("gauges", {}).update(other.get("gauges", {}))
+    histograms = into.setdefault("histograms", {})
+    for k, values in other.get("histograms", {}).items():
+        histograms.setdefault(k, []).extend(values)
+    return into
+
+
+def payload_is_empty(data: Mapping[str, Any]) -> bool:
+    return not (data.get("counters") or data.get("gauges") or data.get("histograms"))
+
+
+def reduce_payload(data: Mapping[str, Any]) -> dict[str, int | float]:
+    """A short summary for vLLM's periodic 'KV Transfer metrics:' log line."""
+    totals: dict[str, float] = {}
+    for k, v in data.get("counters", {}).items():
+        key = k.split(SEP, 1)[0]
+        totals[key] = totals.get(key, 0) + v
+    out: dict[str, int | float] = {k: _num(v) for k, v in sorted(totals.items())}
+    lookup_tokens = totals.get("lookup_tokens", 0)
+    if lookup_tokens:
+        out["hit_rate"] = round(totals.get("hit_tokens", 0) / lookup_tokens, 4)
+    for k, values in sorted(data.get("histograms", {}).items()):
+        if values and k.startswith("operation_seconds" + SEP):
+            op = k.split(SEP, 1)[1]
+            out[f"{op}_count"] = len(values)
+            out[f"{op}_avg_ms"] = round(1000 * sum(values) / len(values), 3)
+    for k, v in sorted(data.get("gauges", {}).items()):
+        out[k.replace(SEP, ":")] = _num(v)
+    return out
+
+
+def _num(v: float) -> int | float:
+    return int(v) if float(v).is_integer() else round(v, 6)
+
+
+class PromRecorder:
+    """Prometheus families for every KVLens metric, fed with stats payloads.
+
+    ``metric_types`` maps prometheus_client's Counter/Gauge/Histogram to the classes to
+    instantiate (vLLM passes its own; the offline exporter passes registry-bound ones).
+    Registration is idempotent: a family that already exists (a second connector instance
+    in the same process) is reused instead of raising "Duplicated timeseries".
+    """
+
+    def __init__(
+        self,
+        metric_types: Mapping[type, Callable[..., Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: Mapping[int, list[object]],
+        tiers: Iterable[str] = (),
+        registry: Any = None,
+    ) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self._per_engine = {e: [str(v) for v in vals] for e, vals in per_engine_labelvalues.items()}
+        self._families: dict[str, Any] = {}
+        self._children: dict[tuple[int, str], Any] = {}
+        self._warned: set[str] = set()
+        cls = {COUNTER: metric_types[Counter], GAUGE: metric_types[Gauge], HISTOGRAM: metric_types[Histogram]}
+        for metric in _DEFINITIONS:
+            kwargs: dict[str, Any] = {
+                "name": metric.name,
+                "documentation": metric.doc,
+                "labelnames": list(labelnames) + list(metric.labels),
+            }
+            if metric.kind == GAUGE:
+                kwargs["multiprocess_mode"] = "mostrecent"
+            if metric.buckets is not None:
+                kwargs["buckets"] = metric.buckets
+            self._families[metric.key] = _register(cls[metric.kind], kwargs, registry)
+        self._prebind(tuple(tiers))
+
+    def _prebind(self, tiers: tuple[str, ...]) -> None:
+        """Create the series operators expect to see at zero before any traffic."""
+        for engine in self._per_engine:
+            for metric in _DEFINITIONS:
+                if not metric.labels:
+                    self._child(engine, metric.key)
+                elif metric.labels == ("tier",):
+                    for tier in tiers:
+                        self._child(engine, wire_key(metric.key, tier))
+
+    def _child(self, engine: int, key: str) -> Any:
+        child = self._children.get((engine, key))
+        if child is not None:
+            return child
+        short, *labels = key.split(SEP)
+        metric = METRICS.get(short)
+        if metric is None or len(labels) != len(metric.labels) or engine not in self._per_engine:
+            if key not in self._warned:
+                self._warned.add(key)
+                logger.warning("KVLens: ignoring unknown stats key %r (engine %s)", key, engine)
+            return None
+        child = self._families[short].labels(*self._per_engine[engine], *labels)
+        self._children[(engine, key)] = child
+        return child
+
+    def observe(self, data: Mapping[str, Any], engine: int = 0) -> None:
+        for key, value in data.get("counters", {}).items():
+            child = self._child(engine, key)
+            if child is not None and value > 0:
+                child.inc(value)
+        for key, value in data.get("gauges", {}).items():
+            child = self._child(engine, key)
+            if child is not None:
+                child.set(value)
+        for key, values in data.get("histograms", {}).items():
+            child = self._child(engine, key)
+            if child is not None:
+                for v in values:
+                    child.observe(v)
+
+
+def _register(factory: Callable[..., Any], kwargs: dict[str, Any], registry: Any) -> Any:
+    try:
+        return factory(**kwargs)
+    except ValueError as e:
+        if "Duplicated timeseries" not in str(e):
+            raise
+    if registry is None:
+        from prometheus_client import REGISTRY as registry
+    existing = registry._names_to_collectors.get(kwargs["name"])  # noqa: SLF001
+    if existing is None:
+        raise RuntimeError(f"KVLens: metric {kwargs['name']} is registered under another name")
+    return existing
+
+
+class LocalExporter:
+    """KVLens metrics on 127.0.0.1:``port`` from a private registry, for engines whose stats
+    vLLM does not publish (the offline ``vllm.LLM``). Lives in the engine-core process."""
+
+    def __init__(self, port: int, model_name: str, engine: str, tiers: Iterable[str] = ()) -> None:
+        from functools import partial
+
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+        self.registry = CollectorRegistry()
+        types = {c: partial(c, registry=self.registry) for c in (Counter, Gauge, Histogram)}
+        self._recorder = PromRecorder(
+            types, ["model_name", "engine"], {0: [model_name, engine]}, tiers, self.registry
+        )
+        self._server, _thread = start_http_server(port, addr="127.0.0.1", registry=self.registry)
+        self.port = self._server.server_address[1]
+        logger.info("KVLens: metrics on http://127.0.0.1:%d/metrics", self.port)
+
+    def observe(self, data: Mapping[str, Any]) -> None:
+        self._recorder.observe(data, 0)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,241 @@
+"""Telemetry of a worker: load and store spans, store metrics.
+
+A load span is cut per request out of the step's loads. A request's stores spread over
+several steps (chunked prefill, decode saves); they accumulate into one record that becomes
+one ``kvlens.store`` span when the worker learns the request finished (``get_finished``) or
+at shutdown. Token and chunk counters come from rank 0 only, so tensor parallelism does not
+multiply them; bytes come from every rank (each moves its own share).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from . import tracing as tr
+from .metrics import StatsBuffer, wire_key
+from .settings import TelemetrySettings
+
+if TYPE_CHECKING:
+    from connector.engine.jobs import LoadJob, LoadOutcome, StepPlan
+
+MAX_OPEN_STORE_RECORDS = 100_000  # safety net: a request never reported finished
+GAUGE_INTERVAL_S = 0.1
+
+
+@dataclass(slots=True)
+class StoreRecord:
+    start_ns: int
+    end_ns: int
+    headers: dict[str, str] | None
+    chunks: int = 0
+    tokens: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    failed_chunks: int = 0
+    tiers: set[str] = field(default_factory=set)
+
+
+class WorkerTelemetry:
+    def __init__(
+        self,
+        settings: TelemetrySettings,
+        rank: int,
+        block_nbytes: int,
+        sizes: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
+        self._settings = settings
+        self._tracing = settings.tracing
+        self._metrics = settings.metrics
+        self._on = self._tracing or self._metrics
+        self._rank = rank
+        self._counts_tokens = rank == 0
+        self._block_nbytes = block_nbytes  # one block of every layer, this rank
+        self._sizes = sizes
+        self._buffer = StatsBuffer()
+        self._last_gauges: dict[str, float] = {}
+        self._gauges_at = float("-inf")
+        self.stores: dict[str, StoreRecord] = {}
+
+    def configure(self, tracing: bool, metrics: bool) -> None:
+        """Switch telemetry at run time (the overhead benchmark compares both in one engine)."""
+        self._tracing, self._metrics = tracing, metrics
+        self._on = tracing or metrics
+
+    def now(self) -> int:
+        return time.time_ns() if self._on else 0
+
+    # ---- loads --------------------------------------------------------------------------
+    def loaded(self, plan: StepPlan, outcomes: Sequence[LoadOutcome] | None, started_ns: int) -> None:
+        """One span per load job; the jobs ran one after another from ``started_ns``."""
+        if not self._tracing or not plan.loads or not outcomes:
+            return
+        t = started_ns
+        for job, outcome in zip(plan.loads, outcomes, strict=False):
+            end = t + int(outcome.seconds * 1e9)
+            self._load_span(job, outcome, t, end)
+            t = end
+
+    def _load_span(self, job: LoadJob, outcome: LoadOutcome, start: int, end: int) -> None:
+        failed = len(outcome.failed_block_ids)
+        reasons = list(dict.fromkeys(r for _n, _t, r in outcome.failed_chunks))
+
+        def attributes() -> dict[str, Any]:
+            attrs: dict[str, Any] = {
+                tr.A_REQUEST_ID: job.request_id,
+                tr.A_PLANNED_TOKENS: sum(c.num_tokens for c in job.chunks),
+                tr.A_LOADED_TOKENS: sum(outcome.tokens_by_tier.values()),
+                tr.A_BYTES: outcome.nbytes,
+                tr.A_CHUNKS: len(job.chunks),
+                tr.A_BLOCKS: sum(len(c.block_ids) for c in job.chunks),
+                tr.A_TIERS: sorted(outcome.tokens_by_tier),
+                tr.A_FAILED_BLOCKS: failed,
+            }
+            if len(outcome.tokens_by_tier) > 1:
+                for tier, n in outcome.tokens_by_tier.items():
+                    attrs[f"{tr.A_LOADED_TOKENS}.{tier}"] = n
+            if outcome.failed_chunks:
+                attrs[tr.A_FAILED_CHUNKS] = len(outcome.failed_chunks)
+            if self._rank:
+                attrs[tr.A_RANK] = self._rank
+            return attrs
+
+        events = []
+        error = None
+        if failed:
+            error = reasons[0].split(":", 1)[0] if reasons else "error"
+            events.append(
+                (
+                    "kvlens.load_failed",
+                    {
+                        tr.A_BLOCK_IDS: list(outcome.failed_block_ids),
+                        tr.A_REASON: "; ".join(reasons) or "error",
+                        tr.A_TIERS: sorted({t for _n, t, _r in outcome.failed_chunks}),
+                    },
+                )
+            )
+        tr.emit(
+            tr.LOAD,
+            job.trace_context,
+            start,
+            end,
+            attributes,
+            error,
+            events,
+            otlp_endpoint=self._settings.otlp_endpoint,
+        )
+
+    # ---- stores -------------------------------------------------------------------------
+    def saved(self, plan: StepPlan, started_ns: int, failures: Iterable[tuple[str, str, str]] | None) -> None:
+        """Account the step's stores; the step's time is shared among its jobs by bytes."""
+        if not self._on or not plan.stores:
+            return
+        end_ns = time.time_ns()
+        failed = {(name, tier) for name, tier, _reason in failures or ()}
+        sizes = [len(job.block_ids) * self._block_nbytes for job in plan.stores]
+        total = sum(sizes) or 1
+        elapsed = max(end_ns - started_ns, 0)
+        per_request: dict[str, float] = {}
+        t = started_ns
+        for job, nbytes in zip(plan.stores, sizes, strict=True):
+            duration = elapsed * nbytes // total
+            ok = [tier for tier in job.tiers if (job.name, tier) not in failed]
+            per_request[job.request_id] = per_request.get(job.request_id, 0.0) + duration / 1e9
+            if self._metrics:
+                self._count_store(job.num_tokens, nbytes, ok)
+            if self._tracing:
+                self._record_store(job, nbytes, ok, t, t + duration)
+            t += duration
+        if self._metrics:
+            for seconds in per_request.values():
+                self._buffer.observe("operation_seconds|store", seconds)
+        if self._tracing:
+            for rid in per_request:
+                self.stores[rid].steps += 1
+
+    def _count_store(self, tokens: int, nbytes: int, tiers: list[str]) -> None:
+        b = self._buffer
+        for tier in tiers:
+            b.inc(wire_key("store_bytes", tier), nbytes)
+            if self._counts_tokens:
+                b.inc(wire_key("store_chunks", tier))
+                b.inc(wire_key("store_tokens", tier), tokens)
+
+    def _record_store(self, job: Any, nbytes: int, ok: list[str], start: int, end: int) -> None:
+        record = self.stores.get(job.request_id)
+        if record is None:
+            if len(self.stores) >= MAX_OPEN_STORE_RECORDS:
+                oldest = next(iter(self.stores))
+                self._store_span(oldest, self.stores.pop(oldest))
+            record = self.stores[job.request_id] = StoreRecord(start, end, job.trace_context)
+        if record.headers is None:
+            record.headers = job.trace_context
+        record.end_ns = end
+        record.seconds += (end - start) / 1e9
+        if ok:
+            record.chunks += 1
+            record.tokens += job.num_tokens
+            record.nbytes += nbytes * len(ok)
+            record.tiers.update(ok)
+        if len(ok) < len(job.tiers):
+            record.failed_chunks += 1
+
+    def finished(self, request_ids: Iterable[str] | None) -> None:
+        """Requests vLLM finished: their store spans are complete."""
+        if not self.stores or not request_ids:
+            return
+        for rid in request_ids:
+            record = self.stores.pop(rid, None)
+            if record is not None:
+                self._store_span(rid, record)
+
+    def _store_span(self, rid: str, record: StoreRecord) -> None:
+        def attributes() -> dict[str, Any]:
+            attrs: dict[str, Any] = {
+                tr.A_REQUEST_ID: rid,
+                tr.A_STORED_TOKENS: record.tokens,
+                tr.A_CHUNKS: record.chunks,
+                tr.A_BYTES: record.nbytes,
+                tr.A_TIERS: sorted(record.tiers),
+                tr.A_STEPS: record.steps,
+                tr.A_STORE_SECONDS: round(record.seconds, 6),
+            }
+            if record.failed_chunks:
+                attrs[tr.A_FAILED_CHUNKS] = record.failed_chunks
+            if self._rank:
+                attrs[tr.A_RANK] = self._rank
+            return attrs
+
+        error = "store_failed" if record.failed_chunks else None
+        tr.emit(
+            tr.STORE,
+            record.headers,
+            record.start_ns,
+            record.end_ns,
+            attributes,
+            error,
+            otlp_endpoint=self._settings.otlp_endpoint,
+        )
+
+    # ---- stats and shutdown -------------------------------------------------------------
+    def stats(self) -> dict[str, Any] | None:
+        if not self._metrics:
+            return None
+        now = time.monotonic()
+        if self._sizes is not None and now - self._gauges_at >= GAUGE_INTERVAL_S:
+            self._gauges_at = now
+            for key, value in self._sizes().items():
+                if self._last_gauges.get(key) != value:
+                    self._last_gauges[key] = value
+                    self._buffer.set(key, value)
+        return self._buffer.take()
+
+    def shutdown(self) -> None:
+        if not self._tracing:
+            return
+        for rid in list(self.stores):
+            self._store_span(rid, self.stores.pop(rid))
+        tr.flush()
