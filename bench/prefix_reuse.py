@@ -29,11 +29,19 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(
-        model=args.model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=args.tokens + 64,
+        model=args.model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=args.tokens + 64,
         dtype="bfloat16",
         kv_transfer_config=KVTransferConfig(
-            kv_connector="KVLensConnector", kv_connector_module_path="connector", kv_role="kv_both",
-            kv_connector_extra_config={"lmcache.chunk_size": args.chunk_size, "lmcache.max_local_cpu_size": 2},
+            kv_connector="KVLensConnector",
+            kv_connector_module_path="connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "lmcache.chunk_size": args.chunk_size,
+                "lmcache.max_local_cpu_size": 2,
+            },
         ),
     )
     vocab = llm.llm_engine.model_config.get_vocab_size()
@@ -55,7 +63,10 @@ def main() -> None:
         t, cached = ttft(prompt)
         hit.append(t)
         llm.reset_prefix_cache()
-        print(f"prompt {i}: cold {cold[-1]:.3f}s  vLLM hit {floor[-1]:.3f}s  KVLens hit {t:.3f}s ({cached} tokens)")
+        print(
+            f"prompt {i}: cold {cold[-1]:.3f}s  vLLM hit {floor[-1]:.3f}s"
+            f"  KVLens hit {t:.3f}s ({cached} tokens)"
+        )
     c, f, h = (statistics.median(x) for x in (cold, floor, hit))
     print(f"median TTFT: cold {c:.3f}s, vLLM prefix hit {f:.3f}s, KVLens hit {h:.3f}s")
     print(f"KVLens hit / vLLM hit = {h / f:.2f}   cold / KVLens hit = {c / h:.1f}x")

@@ -49,7 +49,9 @@ class KVLensConnector(KVConnectorBase_V1):
         facts = engine_facts(vllm_config, kv_cache_config)
         self._num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
         self._scheduler = ConnectorScheduler(config, facts) if role == KVConnectorRole.SCHEDULER else None
-        self._worker = ConnectorWorker(config, facts, worker_rank()) if role == KVConnectorRole.WORKER else None
+        self._worker = (
+            ConnectorWorker(config, facts, worker_rank()) if role == KVConnectorRole.WORKER else None
+        )
         self._cache_hit_source = _HIT_SOURCE[CPU if config.local_cpu else DISK]
         self._scheduler_telemetry = (
             telemetry.scheduler_telemetry(vllm_config, self._scheduler, facts) if self._scheduler else None
@@ -81,7 +83,9 @@ class KVLensConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv, before any layer runs
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return  # whole chunks are stored once the step's KV exists, in wait_for_save
 
     def wait_for_save(self) -> None:
@@ -104,7 +108,9 @@ class KVLensConnector(KVConnectorBase_V1):
         return KVLensWorkerMetadata(report) if report is not None else None
 
     # ---- scheduler side -----------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self._scheduler is not None and self._scheduler_telemetry is not None
         with self._scheduler_telemetry.lookup(request):
             return self._scheduler.lookup(request, num_computed_tokens), False
@@ -114,7 +120,9 @@ class KVLensConnector(KVConnectorBase_V1):
         self._scheduler.after_alloc(request, num_external_tokens)
         self._scheduler_telemetry.after_alloc(request)
 
-    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
         assert self._scheduler is not None
         by_tier = self._scheduler.external_tokens_by_tier(request.request_id, num_external_tokens)
         return {_HIT_SOURCE[tier]: n for tier, n in by_tier.items() if n}

@@ -152,8 +152,12 @@ class ConnectorScheduler:
         hit_tokens = hits[-1].key.end if hits else 0
         need = external_tokens(hit_tokens, num_computed_tokens, request.num_tokens)
         reason = miss_reason(
-            len(tokens), hit_tokens, num_computed_tokens, self.config.chunk_size,
-            first_missing, self.recently_evicted,
+            len(tokens),
+            hit_tokens,
+            num_computed_tokens,
+            self.config.chunk_size,
+            first_missing,
+            self.recently_evicted,
         )
         if 0 < need < self.config.min_retrieve_tokens:
             need, reason = 0, BELOW_MIN_RETRIEVE
@@ -186,7 +190,9 @@ class ConnectorScheduler:
         if num_external_tokens > result.num_external_tokens:
             logger.error(
                 "KVLens: vLLM allocated %d external tokens for %s but only %d can be loaded",
-                num_external_tokens, rid, result.num_external_tokens,
+                num_external_tokens,
+                rid,
+                result.num_external_tokens,
             )
         result.num_external_tokens = min(num_external_tokens, result.num_external_tokens)
         result.can_load = result.num_external_tokens > 0
@@ -224,15 +230,19 @@ class ConnectorScheduler:
             if rid in cached.resumed_req_ids:
                 result = self.lookups.pop(rid, None)
                 tracker.resume(
-                    request.all_token_ids, new_blocks[0] if new_blocks else [],
-                    cached.num_computed_tokens[i], num_scheduled.get(rid, 0),
+                    request.all_token_ids,
+                    new_blocks[0] if new_blocks else [],
+                    cached.num_computed_tokens[i],
+                    num_scheduled.get(rid, 0),
                     result.hit_tokens if result else 0,
                 )
                 self._plan_load(plan, tracker, result)
             else:
                 if new_blocks:
                     tracker.block_ids.extend(new_blocks[0])
-                tracker.advance(request.all_token_ids, cached.num_computed_tokens[i], num_scheduled.get(rid, 0))
+                tracker.advance(
+                    request.all_token_ids, cached.num_computed_tokens[i], num_scheduled.get(rid, 0)
+                )
             self._plan_stores(plan, tracker)
         return plan
 
@@ -262,8 +272,11 @@ class ConnectorScheduler:
         if result is None or not result.can_load:
             return
         chunks = plan_chunk_loads(
-            result.hits, tracker.block_ids, self.facts.block_size,
-            result.vllm_cached_tokens, result.load_end,
+            result.hits,
+            tracker.block_ids,
+            self.facts.block_size,
+            result.vllm_cached_tokens,
+            result.load_end,
         )
         for chunk in chunks:
             self.tiers[chunk.tier].touch(chunk.name)
@@ -272,7 +285,9 @@ class ConnectorScheduler:
 
     def _plan_stores(self, plan: StepPlan, tracker: RequestTracker) -> None:
         candidates = tracker.store_candidates(
-            self.config.chunk_size, self.config.saves_partial_chunks, self.config.save_decode_cache,
+            self.config.chunk_size,
+            self.config.saves_partial_chunks,
+            self.config.save_decode_cache,
             self.facts.block_size if self.config.extra_config.block_granular_tails else 0,
         )
         for key in candidates:

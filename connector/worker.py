@@ -90,7 +90,8 @@ class ConnectorWorker:
         if failed:
             logger.warning(
                 "KVLens: request %s: load failed for %d blocks (%s); vLLM recomputes them",
-                job.request_id, len(outcome.failed_block_ids),
+                job.request_id,
+                len(outcome.failed_block_ids),
                 "; ".join(reason for _, _, reason in outcome.failed_chunks),
             )
         return outcome
@@ -129,7 +130,9 @@ class ConnectorWorker:
                 try:
                     tier.delete(f"{eviction.name}.r{self.rank}")
                 except OSError as e:
-                    logger.warning("KVLens: evicting %s from %s failed: %s", eviction.name[:12], eviction.tier, e)
+                    logger.warning(
+                        "KVLens: evicting %s from %s failed: %s", eviction.name[:12], eviction.tier, e
+                    )
         for job in plan.stores:
             self._store(job)
         return self._report.store_failures[failures_before:]
