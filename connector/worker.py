@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .config import KVLensConfig
+from .config import ConfigError, KVLensConfig
 from .engine.facts import EngineFacts
 from .engine.jobs import (
     CPU,
@@ -46,7 +46,10 @@ class ConnectorWorker:
         if config.local_cpu:
             self.tiers[CPU] = CpuTier()
         if config.local_disk:
-            self.tiers[DISK] = DiskTier(config.local_disk, facts.kv_layout)
+            try:
+                self.tiers[DISK] = DiskTier(config.local_disk, facts.kv_layout)
+            except OSError as e:
+                raise ConfigError(f"KVLens config key 'local_disk' = {config.local_disk!r}: {e}") from e
             disk_files.sweep_temp_files(config.local_disk)
         self.copier: BlockCopier | None = None
         self._failed_blocks: set[int] = set()

@@ -154,3 +154,13 @@ def test_register_rejects_a_layout_the_scheduler_did_not_plan_for():
     w = ConnectorWorker(load_config({"lmcache.chunk_size": 2 * BS}, env={}), wrong, rank=0)
     with pytest.raises(ValueError, match="layers"):
         w.register(caches, NUM_BLOCKS)
+
+
+def test_unusable_disk_directory_is_a_config_error_naming_the_key(tmp_path):
+    from connector.config import ConfigError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    cfg = {"lmcache.local_disk": str(blocker / "kv"), "lmcache.max_local_disk_size": 1}
+    with pytest.raises(ConfigError, match="local_disk"):
+        ConnectorWorker(load_config(cfg, env={}), facts(cpu_layout()), rank=0)
