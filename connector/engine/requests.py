@@ -40,6 +40,8 @@ def _bool_param(params: Mapping[str, Any], name: str) -> bool:
     value = params.get(name, False)
     if isinstance(value, bool):
         return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     raise ValueError(f"{name} must be a boolean, got {value!r}")
