@@ -26,6 +26,18 @@ def tiny_model(tmp_path_factory) -> str:
     return str(out)
 
 
+def disk_kv(directory: str, **extra) -> dict:
+    """KVLens extra config for a disk-only tier in ``directory`` (plus ``lmcache.*`` overrides)."""
+    kv = {
+        "lmcache.chunk_size": 256,
+        "lmcache.local_cpu": False,
+        "lmcache.local_disk": directory,
+        "lmcache.max_local_disk_size": 0.5,
+    }
+    kv.update({f"lmcache.{k}": v for k, v in extra.items()})
+    return kv
+
+
 def run_engine(spec: dict, tmp_path: Path, timeout: float = 420) -> dict:
     """Run one engine in a fresh process; returns {"rounds": [...], "state": {...}}."""
     spec_file = tmp_path / f"spec-{os.getpid()}-{id(spec)}.json"

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from . import workloads as w
-from .conftest import expected, lmcache_tokens, outputs, run_engine
+from .conftest import disk_kv, expected, lmcache_tokens, outputs, run_engine
 
 pytestmark = pytest.mark.integration
 
@@ -17,14 +17,8 @@ def disk_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def disk_run(tiny_model, tmp_path_factory, disk_dir):
-    kv = {
-        "lmcache.chunk_size": 256,
-        "lmcache.local_cpu": False,
-        "lmcache.local_disk": disk_dir,
-        "lmcache.max_local_disk_size": 0.5,
-        # The index must not notice the damage before the load does.
-        "lmcache.extra_config": {"disk_scan_interval_s": 3600},
-    }
+    # The index must not notice the damage before the load does.
+    kv = disk_kv(disk_dir, extra_config={"disk_scan_interval_s": 3600})
     rounds = [
         {"prompts": [w.A]},
         {"prompts": [w.A, w.B]},
@@ -66,13 +60,7 @@ def test_recomputed_chunks_are_stored_again(disk_run):
 def fail_policy_run(tiny_model, tmp_path_factory):
     """Under vLLM's default policy a failed load fails the request; it never returns wrong text."""
     disk = str(tmp_path_factory.mktemp("kvdisk-fail"))
-    kv = {
-        "lmcache.chunk_size": 256,
-        "lmcache.local_cpu": False,
-        "lmcache.local_disk": disk,
-        "lmcache.max_local_disk_size": 0.5,
-        "lmcache.extra_config": {"disk_scan_interval_s": 3600},
-    }
+    kv = disk_kv(disk, extra_config={"disk_scan_interval_s": 3600})
     rounds = [
         {"prompts": [w.A]},
         {"prompts": [w.A], "damage": {"dir": disk, "corrupt": 2}},

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from . import workloads as w
-from .conftest import expected, lmcache_tokens, outputs, run_engine
+from .conftest import disk_kv, expected, lmcache_tokens, outputs, run_engine
 
 pytestmark = pytest.mark.integration
 
@@ -13,12 +13,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def shared_runs(tiny_model, tmp_path_factory):
     shared = str(tmp_path_factory.mktemp("shared-disk"))
-    kv = {
-        "lmcache.chunk_size": 256,
-        "lmcache.local_cpu": False,
-        "lmcache.local_disk": shared,
-        "lmcache.max_local_disk_size": 0.5,
-    }
+    kv = disk_kv(shared)
     tmp = tmp_path_factory.mktemp("pc")
     producer = run_engine(
         {

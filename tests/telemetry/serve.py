@@ -25,6 +25,17 @@ STARTUP_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 120.0
 
 
+def kv_transfer_config(**extra_config: Any) -> dict[str, Any]:
+    """A --kv-transfer-config for KVLens with the recompute policy and ``lmcache.*`` settings."""
+    return {
+        "kv_connector": "KVLensConnector",
+        "kv_connector_module_path": "connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {f"lmcache.{k}": v for k, v in extra_config.items()},
+    }
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,6 +14,7 @@ from telemetry import tracing
 from telemetry.scheduler import SchedulerTelemetry
 from telemetry.settings import TelemetrySettings
 
+from ..unit import fakes
 from .serve import free_port
 
 BLOCK, BLOCK_BYTES, LAYERS = 128, 1000, 2
@@ -39,22 +40,7 @@ def make(tmp_path, tracing_on=False, metrics=True, recompute=True, **env):
 
 
 def request(rid, tokens, **kw):
-    r = SimpleNamespace(
-        request_id=rid,
-        all_token_ids=list(tokens),
-        prompt_token_ids=list(tokens),
-        num_prompt_tokens=len(tokens),
-        num_tokens=len(tokens),
-        kv_transfer_params=None,
-        priority=0,
-        cache_salt=None,
-        lora_request=None,
-        mm_features=None,
-        prompt_embeds=None,
-        trace_headers=None,
-    )
-    r.__dict__.update(kw)
-    return r
+    return fakes.request(rid, tokens, **{"num_prompt_tokens": len(tokens), "trace_headers": None, **kw})
 
 
 def step(req, block_ids, num_computed, num_scheduled):

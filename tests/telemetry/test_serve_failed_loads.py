@@ -12,22 +12,11 @@ import pytest
 
 from telemetry.events import read_events
 
-from .serve import prompt_tokens, sample, sum_samples, traceparent, wait_until
+from .serve import kv_transfer_config, prompt_tokens, sample, sum_samples, traceparent, wait_until
 
 pytestmark = pytest.mark.integration
 
-KV_CONFIG = {
-    "kv_connector": "KVLensConnector",
-    "kv_connector_module_path": "connector",
-    "kv_role": "kv_both",
-    "kv_load_failure_policy": "recompute",
-    "kv_connector_extra_config": {
-        "lmcache.chunk_size": 256,
-        "lmcache.local_cpu": False,
-        "lmcache.local_disk": "{tmp}/kv",
-        "lmcache.max_local_disk_size": 1,
-    },
-}
+KV_CONFIG = kv_transfer_config(chunk_size=256, local_cpu=False, local_disk="{tmp}/kv", max_local_disk_size=1)
 
 
 def chunk_files(directory: str) -> set[str]:
