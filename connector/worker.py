@@ -169,10 +169,6 @@ class ConnectorWorker:
         """Internal sizes, for leak-spotting gauges."""
         return {"invalid_block_ids": len(self._failed_blocks)}
 
-    def reset(self) -> None:
-        for tier in self.tiers.values():
-            tier.clear()
-
 
 def _reason(error: BaseException) -> str:
     kind = {ChunkMissing: "missing", ChunkCorrupt: "corrupt"}.get(type(error), type(error).__name__)

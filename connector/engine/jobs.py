@@ -48,10 +48,6 @@ class StepPlan:
     loads: list[LoadJob] = field(default_factory=list)
     evictions: list[Eviction] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
-    reset: bool = False  # drop everything the workers hold before this step's work
-
-    def is_empty(self) -> bool:
-        return not (self.loads or self.evictions or self.stores or self.reset)
 
 
 @dataclass(slots=True)

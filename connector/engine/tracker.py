@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .jobs import ChunkLoad
 from .keys import ChunkKey, PrefixHasher, block_aligned_keys
@@ -87,7 +87,6 @@ class RequestTracker:
     loaded_tokens: int = 0
     failed_blocks: int = 0
     miss_reason: str | None = None
-    tiers_used: dict[str, int] = field(default_factory=dict)
 
     @property
     def prefill_done(self) -> bool:
