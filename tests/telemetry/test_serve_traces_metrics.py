@@ -131,6 +131,28 @@ def test_chat_completion_responses_carry_the_breakdown(serve_stack):
     assert second["kvlens"]["loaded_tokens"]["cpu"] == second["num_lmcache_cached_tokens"]
 
 
+def test_cache_salt_and_request_params_from_the_http_body(serve_stack):
+    srv = serve_stack.server
+    p = prompt_tokens(600, 77)
+    srv.complete(p, cache_salt="tenant-a")
+    srv.reset_prefix_cache()
+    other = srv.complete(p, cache_salt="tenant-b")["kv_transfer_params"]
+    assert other["num_lmcache_cached_tokens"] == 0  # salted tenants never share KV
+    srv.reset_prefix_cache()
+    assert srv.complete(p, cache_salt="tenant-a")["kv_transfer_params"]["num_lmcache_cached_tokens"] == 512
+
+    q = prompt_tokens(600, 78)
+    skipped = srv.complete(q, kv_transfer_params={"lmcache.skip_save": True})["kv_transfer_params"]
+    assert skipped["kvlens"]["save_skip_reason"] == "skip_save"
+    srv.reset_prefix_cache()
+    assert srv.complete(q)["kv_transfer_params"]["num_lmcache_cached_tokens"] == 0
+    srv.reset_prefix_cache()
+    # A malformed per-request parameter: the request is served, without KVLens.
+    bad = srv.complete(q, kv_transfer_params={"lmcache.tag.user": {"not": "a string"}})
+    assert len(bad["choices"][0]["text"]) > 0
+    assert bad["kv_transfer_params"]["num_lmcache_cached_tokens"] == 0
+
+
 def test_kvlens_series_are_on_vllms_metrics_endpoint(serve_stack):
     srv = serve_stack.server
     text = srv.metrics_text()
