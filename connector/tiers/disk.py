@@ -33,7 +33,11 @@ class DiskTier:
 
     def put(self, name: str, payload: memoryview) -> int:
         header = codec.encode_header(name, self._layout, payload)
-        fd, tmp = tempfile.mkstemp(prefix=_TEMP_PREFIX, dir=self.root)
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=_TEMP_PREFIX, dir=self.root)
+        except FileNotFoundError:  # the directory was removed under us: recreate it once
+            os.makedirs(self.root, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=_TEMP_PREFIX, dir=self.root)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(header)

@@ -109,3 +109,11 @@ def test_codec_detects_every_single_byte_change():
         broken[i] ^= 0x01
         with pytest.raises(ChunkCorrupt):
             codec.decode(broken, "n", "l")
+
+
+def test_disk_tier_recreates_a_removed_directory(tmp_path):
+    root = tmp_path / "kv"
+    t = DiskTier(str(root), "layout-1")
+    root.rmdir()
+    t.put(NAME, memoryview(b"x" * 64))
+    assert bytes(t.get(NAME)) == b"x" * 64
