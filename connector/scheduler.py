@@ -12,11 +12,10 @@ import vLLM and is tested with plain stand-ins.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from typing import Any
 
 from .config import ConfigError, KVLensConfig
+from .disk_sync import DiskWatcher, SharedDiskView
 from .engine.facts import EngineFacts
 from .engine.index import PinTable, TierIndex
 from .engine.jobs import CPU, DISK, Eviction, LoadJob, StepPlan, StoreJob, WorkerReport
@@ -36,35 +35,8 @@ from .engine.tracker import (
     external_tokens,
     plan_chunk_loads,
 )
-from .tiers import disk as disk_files
 
 logger = logging.getLogger("kvlens")
-
-
-class DiskWatcher:
-    """Rescans the shared disk directory in the background; the scheduler merges results."""
-
-    def __init__(self, root: str, world_size: int, interval_s: float) -> None:
-        self._root, self._world, self._interval = root, world_size, interval_s
-        self.latest: tuple[float, dict[str, int]] | None = (time.time(), disk_files.scan(root, world_size))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvlens-disk-scan", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            started = time.time()
-            try:
-                self.latest = (started, disk_files.scan(self._root, self._world))
-            except OSError as e:  # keep serving from the last good view
-                logger.warning("KVLens: disk scan of %s failed: %s", self._root, e)
-
-    def take(self) -> tuple[float, dict[str, int]] | None:
-        latest, self.latest = self.latest, None
-        return latest
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 class ConnectorScheduler:
@@ -75,13 +47,13 @@ class ConnectorScheduler:
         self.tiers: dict[str, TierIndex] = {}
         if config.local_cpu:
             self.tiers[CPU] = TierIndex(CPU, config.cpu_budget_bytes)
-        self._disk_watcher: DiskWatcher | None = None
-        self._disk_changed: dict[str, float] = {}  # digest -> when we last admitted/evicted it
+        self._disk_view: SharedDiskView | None = None
         if config.local_disk:
             self.tiers[DISK] = TierIndex(DISK, config.disk_budget_bytes)
-            self._disk_watcher = DiskWatcher(
+            watcher = DiskWatcher(
                 config.local_disk, facts.world_size, config.extra_config.disk_scan_interval_s
             )
+            self._disk_view = SharedDiskView(self.tiers[DISK], watcher)
         smallest = min(t.capacity_bytes for t in self.tiers.values())
         if facts.stores and facts.chunk_nbytes(config.chunk_size) > smallest:
             cpu = self.tiers.get(CPU)
@@ -306,8 +278,8 @@ class ConnectorScheduler:
                     continue  # everything left in this tier is pinned
                 self._evict(plan, tier.name, victims)
                 written.append(tier.name)
-                if tier.name == DISK:
-                    self._disk_changed[key.hex] = time.time()
+                if tier.name == DISK and self._disk_view is not None:
+                    self._disk_view.note_changed([key.hex])
                 self.recently_evicted.discard(key.hex)
             if written:
                 plan.stores.append(
@@ -321,31 +293,12 @@ class ConnectorScheduler:
             return
         plan.evictions.extend(Eviction(tier, n) for n in names)
         self.recently_evicted.add(names)
-        if tier == DISK:
-            now = time.time()
-            for n in names:
-                self._disk_changed[n] = now
+        if tier == DISK and self._disk_view is not None:
+            self._disk_view.note_changed(names)
 
     def _merge_disk_scan(self) -> None:
-        if self._disk_watcher is None:
-            return
-        latest = self._disk_watcher.take()
-        if latest is None:
-            return
-        started, on_disk = latest
-        index = self.tiers[DISK]
-        settle = started - 1.0
-        self._disk_changed = {k: t for k, t in self._disk_changed.items() if t > started - 60}
-        for name in index.keys():
-            if name not in on_disk and self._disk_changed.get(name, 0) < settle:
-                index.remove(name)  # deleted by another engine
-        for name, nbytes in on_disk.items():
-            if name not in index and self._disk_changed.get(name, 0) < settle:
-                index.add_known(name, nbytes)
-        victims = index.overflow_victims()
-        if victims:
-            self._pending_evictions.extend(Eviction(DISK, n) for n in victims)
-            self.recently_evicted.add(victims)
+        if self._disk_view is not None:
+            self._evict_later(DISK, self._disk_view.merge())
 
     # ---- feedback and finish ------------------------------------------------------------
     def on_worker_report(self, report: WorkerReport) -> None:
@@ -389,8 +342,8 @@ class ConnectorScheduler:
         self.recently_evicted.add(names)
 
     def shutdown(self) -> None:
-        if self._disk_watcher is not None:
-            self._disk_watcher.stop()
+        if self._disk_view is not None:
+            self._disk_view.stop()
 
     def sizes(self) -> dict[str, int]:
         """Internal sizes, for leak-spotting gauges."""
