@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from .engine.index import TierIndex
 from .tiers import disk as disk_files
 
-logger = logging.getLogger("kvlens")
+logger = logging.getLogger("vllm.kvlens")
 
 _SETTLE_S = 1.0  # a local change this much older than a scan is visible in it
 _FORGET_S = 60.0

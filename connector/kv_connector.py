@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger("kvlens")
+logger = logging.getLogger("vllm.kvlens")
 
 _HIT_SOURCE = {CPU: CacheHitSource.HOST, DISK: CacheHitSource.DISK}
 

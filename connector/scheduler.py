@@ -36,7 +36,7 @@ from .engine.tracker import (
     plan_chunk_loads,
 )
 
-logger = logging.getLogger("kvlens")
+logger = logging.getLogger("vllm.kvlens")
 
 
 class ConnectorScheduler:

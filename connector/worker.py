@@ -31,7 +31,7 @@ from .tiers.base import ChunkCorrupt, ChunkMissing, Tier
 from .tiers.cpu import CpuTier
 from .tiers.disk import DiskTier
 
-logger = logging.getLogger("kvlens")
+logger = logging.getLogger("vllm.kvlens")
 
 _LOAD_ERRORS = (ChunkMissing, ChunkCorrupt, OSError, ValueError, RuntimeError)
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-logger = logging.getLogger("kvlens")
+logger = logging.getLogger("vllm.kvlens")
 
 LOAD_FAILED = "load_failed"
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger("kvlens")
+logger = logging.getLogger("vllm.kvlens")
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 SEP = "|"

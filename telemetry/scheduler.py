@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from connector.engine.tracker import LookupResult
     from connector.scheduler import ConnectorScheduler
 
-logger = logging.getLogger("kvlens")
+logger = logging.getLogger("vllm.kvlens")
 
 _NOOP = contextlib.nullcontext()
 GAUGE_INTERVAL_S = 0.1  # gauges are sampled at most this often while requests run

@@ -31,7 +31,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-logger = logging.getLogger("kvlens")
+logger = logging.getLogger("vllm.kvlens")
 
 TRACER_NAME = "kvlens"
 

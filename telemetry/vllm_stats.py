@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from .metrics import PromRecorder, empty_payload, merge_payload, payload_is_empty, reduce_payload
 
-logger = logging.getLogger("kvlens")
+logger = logging.getLogger("vllm.kvlens")
 
 
 @dataclass

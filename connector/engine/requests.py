@@ -10,7 +10,7 @@ from typing import Any
 
 from .keys import Namespace, parse_tags
 
-logger = logging.getLogger("kvlens")
+logger = logging.getLogger("vllm.kvlens")
 
 # Miss / skip reasons, stable names shared with telemetry.
 NOT_STORED = "not_stored"
