@@ -113,7 +113,7 @@ class ConnectorScheduler:
         hits: list[ChunkHit] = []
         first_missing: str | None = None
         for key in keys:
-            tier = next((t for t in self.tiers.values() if key.hex in t), None)
+            tier = self._tier_holding(key.hex)
             if tier is None:
                 partial = key.num_tokens < self.config.chunk_size
                 first_missing = None if partial else key.hex
@@ -127,7 +127,6 @@ class ConnectorScheduler:
             len(tokens),
             hit_tokens,
             num_computed_tokens,
-            self.config.chunk_size,
             first_missing,
             self.recently_evicted,
         )
@@ -140,6 +139,10 @@ class ConnectorScheduler:
             self.pins.release(rid)
         return need
 
+    def _tier_holding(self, name: str) -> TierIndex | None:
+        """The fastest tier that holds the chunk."""
+        return next((t for t in self.tiers.values() if name in t), None)
+
     def _extend_by_blocks(self, rid: str, tokens: Any, hits: list[ChunkHit]) -> None:
         """After the last whole-chunk hit, take the longest stored whole-block prefix of the next chunk."""
         last = hits[-1].key if hits else None
@@ -148,7 +151,7 @@ class ConnectorScheduler:
         start = last.end if last is not None else 0
         parent = self.hashers[rid].parent_of(last)
         for key in block_aligned_keys(parent, tokens, start, self.config.chunk_size, self.facts.block_size):
-            tier = next((t for t in self.tiers.values() if key.hex in t), None)
+            tier = self._tier_holding(key.hex)
             if tier is not None:
                 hits.append(ChunkHit(key, tier.name))
                 return

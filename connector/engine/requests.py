@@ -87,7 +87,6 @@ def miss_reason(
     num_tokens_looked_up: int,
     hit_tokens: int,
     vllm_cached: int,
-    chunk_size: int,
     first_missing: str | None,
     recently_evicted: RecentlyEvicted,
 ) -> str | None:
