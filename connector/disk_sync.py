@@ -18,7 +18,7 @@ from .tiers import disk as disk_files
 
 logger = logging.getLogger("vllm.kvlens")
 
-_SETTLE_S = 1.0  # a local change this much older than a scan is visible in it
+_SETTLE_S = 10.0  # a local change this much older than a scan is visible in it (writes may lag)
 _FORGET_S = 60.0
 
 

@@ -154,6 +154,8 @@ class KVLensConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()
         for part in (self._scheduler_telemetry, self._worker_telemetry):
             if part is not None:
                 part.shutdown()

@@ -27,6 +27,7 @@ from .engine.jobs import (
 )
 from .kv_blocks import BlockCopier
 from .tiers import disk as disk_files
+from .tiers.background import BackgroundWrites
 from .tiers.base import ChunkCorrupt, ChunkMissing, Tier
 from .tiers.cpu import CpuTier
 from .tiers.disk import DiskTier
@@ -47,7 +48,7 @@ class ConnectorWorker:
             self.tiers[CPU] = CpuTier()
         if config.local_disk:
             try:
-                self.tiers[DISK] = DiskTier(config.local_disk, facts.kv_layout)
+                self.tiers[DISK] = BackgroundWrites(DiskTier(config.local_disk, facts.kv_layout))
             except OSError as e:
                 raise ConfigError(f"KVLens config key 'local_disk' = {config.local_disk!r}: {e}") from e
             disk_files.sweep_temp_files(config.local_disk)
@@ -160,6 +161,12 @@ class ConnectorWorker:
                 self._report.store_failures.append((job.name, tier_name, _reason(e)))
 
     def take_report(self) -> WorkerReport | None:
+        for tier in self.tiers.values():
+            if isinstance(tier, BackgroundWrites):
+                suffix = f".r{self.rank}"
+                self._report.store_failures.extend(
+                    (name.removesuffix(suffix), tier.name, reason) for name, reason in tier.take_failures()
+                )
         if self._report.is_empty():
             return None
         report, self._report = self._report, WorkerReport()
@@ -167,7 +174,19 @@ class ConnectorWorker:
 
     def sizes(self) -> dict[str, int]:
         """Internal sizes, for leak-spotting gauges."""
-        return {"invalid_block_ids": len(self._failed_blocks)}
+        pending = sum(t.pending for t in self.tiers.values() if isinstance(t, BackgroundWrites))
+        return {"invalid_block_ids": len(self._failed_blocks), "pending_writes": pending}
+
+    def flush(self) -> None:
+        """Wait for every queued background write and delete."""
+        for tier in self.tiers.values():
+            if isinstance(tier, BackgroundWrites):
+                tier.flush()
+
+    def shutdown(self) -> None:
+        for tier in self.tiers.values():
+            if isinstance(tier, BackgroundWrites):
+                tier.close()
 
 
 def _reason(error: BaseException) -> str:

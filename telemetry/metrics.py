@@ -117,6 +117,7 @@ _DEFINITIONS = (
     Metric("pending_saves", GAUGE, "Requests still in prefill whose KV KVLens will store."),
     Metric("unfinished_requests", GAUGE, "Requests KVLens saw allocated and not yet finished."),
     Metric("invalid_block_ids", GAUGE, "Failed block ids not yet handed to vLLM."),
+    Metric("pending_writes", GAUGE, "Chunk writes and deletes queued for a background tier writer."),
     Metric("pinned_requests", GAUGE, "Requests holding pins on cached chunks."),
     Metric("pinned_chunks", GAUGE, "Chunks pinned (not evictable) by pending loads, by tier.", ("tier",)),
     Metric("pinned_bytes", GAUGE, "Bytes pinned by pending loads, by tier.", ("tier",)),

@@ -81,8 +81,14 @@ def main() -> None:
     core.scheduler._preempt_request = counting_preempt
 
     rounds = []
+
+    def flush_writes() -> None:  # background disk writes land before the harness looks
+        if connector is not None:
+            worker_connector._worker.flush()
+
     for rnd in spec["rounds"]:
         if rnd.get("damage"):
+            flush_writes()
             d = rnd["damage"]
             damage(d["dir"], d.get("corrupt", 0), d.get("delete", 0))
         params = SamplingParams(
@@ -109,6 +115,7 @@ def main() -> None:
         sched = connector._scheduler
         state.update(sched.sizes())
         state["pinned_chunks"] = sum(t.pinned_keys for t in sched.tiers.values())
+    flush_writes()
     print(json.dumps({"rounds": rounds, "state": state}))
     sys.stdout.flush()
     os._exit(0)  # skip vLLM's slow teardown; nothing is left to flush

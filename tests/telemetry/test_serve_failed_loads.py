@@ -63,8 +63,12 @@ def test_failed_load_is_an_event_a_metric_an_error_span_and_a_recompute(serve_st
     a = prompt_tokens(600, 91)
     existing = chunk_files(disk)
     cold = srv.complete(a, max_tokens=8)
-    written = chunk_files(disk) - existing
-    assert len(written) == 2  # two whole chunks of this prompt
+    # Disk writes finish in the background; the two whole chunks of this prompt appear whole.
+    written = wait_until(
+        lambda: (chunk_files(disk) - existing) if len(chunk_files(disk) - existing) >= 2 else None,
+        what="the prompt's chunk files",
+    )
+    assert len(written) == 2
     for name in written:
         corrupt(Path(disk, name))
     srv.reset_prefix_cache()
@@ -109,6 +113,7 @@ def test_failed_load_is_an_event_a_metric_an_error_span_and_a_recompute(serve_st
                 ("vllm:kvlens_pinned_chunks", {"tier": "disk"}),
                 ("vllm:kvlens_request_trackers", {}),
                 ("vllm:kvlens_invalid_block_ids", {}),
+                ("vllm:kvlens_pending_writes", {}),
             )
         )
 

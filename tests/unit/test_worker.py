@@ -72,6 +72,7 @@ def test_store_then_load_roundtrip_through_cpu_and_disk(tmp_path):
     caches = cpu_layout()
     w = worker(caches, tmp_path)
     w.save(StepPlan(stores=[StoreJob("a", NAME, (2, 5), (CPU, DISK), 32)]))
+    w.flush()
     assert os.path.exists(os.path.join(tmp_path, f"{NAME}.r0{disk_files.SUFFIX}"))
     expected = [caches[n][[2, 5]].clone() for n in caches]
     for tier in (CPU, DISK):
@@ -107,6 +108,7 @@ def test_corrupt_chunk_fails_its_blocks_and_every_later_chunk(tmp_path):
             stores=[StoreJob("a", NAME, (0, 1), (DISK,), 32), StoreJob("a", second, (2, 3), (DISK,), 32)]
         )
     )
+    w.flush()
     path = os.path.join(tmp_path, f"{NAME}.r0{disk_files.SUFFIX}")
     with open(path, "r+b") as f:
         f.seek(-1, os.SEEK_END)
@@ -142,8 +144,9 @@ def test_store_failure_is_reported_not_raised(tmp_path, monkeypatch):
     def full(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(w.tiers[DISK], "put", full)
+    monkeypatch.setattr(w.tiers[DISK]._inner, "put", full)
     w.save(StepPlan(stores=[StoreJob("a", NAME, (2, 5), (CPU, DISK), 32)]))
+    w.flush()  # disk writes happen in the background
     report = w.take_report()
     assert [(n, t) for n, t, _ in report.store_failures] == [(NAME, DISK)]
 
