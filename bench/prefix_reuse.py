@@ -16,12 +16,21 @@ import statistics
 import time
 
 
+def tier_config(args: argparse.Namespace) -> dict[str, object]:
+    config: dict[str, object] = {"lmcache.chunk_size": args.chunk_size, "lmcache.max_local_cpu_size": 2}
+    if args.disk:
+        config.update({"lmcache.local_cpu": False, "lmcache.local_disk": args.disk})
+        config["lmcache.max_local_disk_size"] = 4
+    return config
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=".run/tiny-model")
     ap.add_argument("--tokens", type=int, default=3000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chunk-size", type=int, default=256)
+    ap.add_argument("--disk", help="use only a local-disk tier in this directory")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -38,10 +47,7 @@ def main() -> None:
             kv_connector="KVLensConnector",
             kv_connector_module_path="connector",
             kv_role="kv_both",
-            kv_connector_extra_config={
-                "lmcache.chunk_size": args.chunk_size,
-                "lmcache.max_local_cpu_size": 2,
-            },
+            kv_connector_extra_config=tier_config(args),
         ),
     )
     vocab = llm.llm_engine.model_config.get_vocab_size()
