@@ -44,14 +44,17 @@ class ConnectorWorker:
         self.facts = facts
         self.rank = rank
         self.tiers: dict[str, Tier] = {}
+        self._background: list[BackgroundWrites] = []  # tiers whose writes run off the step loop
         if config.local_cpu:
             self.tiers[CPU] = CpuTier()
         if config.local_disk:
             try:
-                self.tiers[DISK] = BackgroundWrites(DiskTier(config.local_disk, facts.kv_layout))
+                disk = BackgroundWrites(DiskTier(config.local_disk, facts.kv_layout))
             except OSError as e:
                 raise ConfigError(f"KVLens config key 'local_disk' = {config.local_disk!r}: {e}") from e
             disk_files.sweep_temp_files(config.local_disk)
+            self.tiers[DISK] = disk
+            self._background.append(disk)
         self.copier: BlockCopier | None = None
         self._failed_blocks: set[int] = set()
         self._report = WorkerReport()
@@ -161,12 +164,11 @@ class ConnectorWorker:
                 self._report.store_failures.append((job.name, tier_name, _reason(e)))
 
     def take_report(self) -> WorkerReport | None:
-        for tier in self.tiers.values():
-            if isinstance(tier, BackgroundWrites):
-                suffix = f".r{self.rank}"
-                self._report.store_failures.extend(
-                    (name.removesuffix(suffix), tier.name, reason) for name, reason in tier.take_failures()
-                )
+        suffix = f".r{self.rank}"
+        for tier in self._background:
+            self._report.store_failures.extend(
+                (name.removesuffix(suffix), tier.name, reason) for name, reason in tier.take_failures()
+            )
         if self._report.is_empty():
             return None
         report, self._report = self._report, WorkerReport()
@@ -174,19 +176,17 @@ class ConnectorWorker:
 
     def sizes(self) -> dict[str, int]:
         """Internal sizes, for leak-spotting gauges."""
-        pending = sum(t.pending for t in self.tiers.values() if isinstance(t, BackgroundWrites))
+        pending = sum(t.pending for t in self._background)
         return {"invalid_block_ids": len(self._failed_blocks), "pending_writes": pending}
 
     def flush(self) -> None:
         """Wait for every queued background write and delete."""
-        for tier in self.tiers.values():
-            if isinstance(tier, BackgroundWrites):
-                tier.flush()
+        for tier in self._background:
+            tier.flush()
 
     def shutdown(self) -> None:
-        for tier in self.tiers.values():
-            if isinstance(tier, BackgroundWrites):
-                tier.close()
+        for tier in self._background:
+            tier.close()
 
 
 def _reason(error: BaseException) -> str:
