@@ -25,6 +25,7 @@ from .engine.jobs import (
     StoreJob,
     WorkerReport,
 )
+from .engine.keys import storage_name
 from .kv_blocks import BlockCopier
 from .tiers import disk as disk_files
 from .tiers.background import BackgroundWrites
@@ -106,7 +107,7 @@ class ConnectorWorker:
     def _load_chunk(self, chunk: ChunkLoad, outcome: LoadOutcome) -> str | None:
         """Copy one chunk's blocks in, from its tier or, failing that, any other; the tier used."""
         assert self.copier is not None
-        name = f"{chunk.name}.r{self.rank}"
+        name = storage_name(chunk.name, self.rank)
         order = [chunk.tier] + [t for t in self.tiers if t != chunk.tier]
         for tier_name in order:
             tier = self.tiers.get(tier_name)
@@ -135,7 +136,7 @@ class ConnectorWorker:
             tier = self.tiers.get(eviction.tier)
             if tier is not None:
                 try:
-                    tier.delete(f"{eviction.name}.r{self.rank}")
+                    tier.delete(storage_name(eviction.name, self.rank))
                 except OSError as e:
                     logger.warning(
                         "KVLens: evicting %s from %s failed: %s", eviction.name[:12], eviction.tier, e
@@ -146,7 +147,7 @@ class ConnectorWorker:
 
     def _store(self, job: StoreJob) -> None:
         assert self.copier is not None
-        name = f"{job.name}.r{self.rank}"
+        name = storage_name(job.name, self.rank)
         try:
             data = self.copier.gather(job.block_ids)
         except (RuntimeError, ValueError) as e:
@@ -164,7 +165,7 @@ class ConnectorWorker:
                 self._report.store_failures.append((job.name, tier_name, _reason(e)))
 
     def take_report(self) -> WorkerReport | None:
-        suffix = f".r{self.rank}"
+        suffix = storage_name("", self.rank)
         for tier in self._background:
             self._report.store_failures.extend(
                 (name.removesuffix(suffix), tier.name, reason) for name, reason in tier.take_failures()

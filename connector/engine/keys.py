@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 DIGEST_SIZE = 16  # 128-bit chunk hashes
@@ -81,10 +81,6 @@ class ChunkKey:
     @property
     def hex(self) -> str:
         return self.digest.hex()
-
-    def storage_name(self, rank: int) -> str:
-        """The name a tier stores one tensor-parallel rank's share under."""
-        return f"{self.digest.hex()}.r{rank}"
 
 
 def chain(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -180,5 +176,6 @@ def parse_tags(params: Mapping[str, object] | None) -> dict[str, str]:
     return tags
 
 
-def digests(keys: Iterable[ChunkKey]) -> list[str]:
-    return [k.hex for k in keys]
+def storage_name(chunk: str, rank: int) -> str:
+    """The name a tier stores one parallel rank's share of chunk ``chunk`` (a digest) under."""
+    return f"{chunk}.r{rank}"
