@@ -34,6 +34,7 @@ from .engine.tracker import (
     RequestTracker,
     external_tokens,
     plan_chunk_loads,
+    tokens_by_tier,
 )
 
 logger = logging.getLogger("vllm.kvlens")
@@ -179,13 +180,8 @@ class ConnectorScheduler:
         result = self.lookups.get(request_id)
         if result is None or num_external_tokens <= 0:
             return {}
-        start, end = result.vllm_cached_tokens, result.vllm_cached_tokens + num_external_tokens
-        by_tier: dict[str, int] = {}
-        for hit in result.hits:
-            overlap = min(hit.key.end, end) - max(hit.key.start, start)
-            if overlap > 0:
-                by_tier[hit.tier] = by_tier.get(hit.tier, 0) + overlap
-        return by_tier
+        start = result.vllm_cached_tokens
+        return tokens_by_tier(result.hits, start, start + num_external_tokens)
 
     # ---- per-step plan ------------------------------------------------------------------
     def build_plan(self, scheduler_output: Any) -> StepPlan:

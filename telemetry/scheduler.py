@@ -15,6 +15,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from connector.engine.tracker import tokens_by_tier
+
 from . import tracing as tr
 from .events import EventLog, load_failed_event
 from .metrics import LocalExporter, StatsBuffer, wire_key
@@ -36,13 +38,6 @@ def reason_kind(reason: str) -> str:
     """A bounded label for a failure reason ('missing: <name>' -> 'missing')."""
     kind = reason.split(":", 1)[0].strip()
     return kind if kind in ("missing", "corrupt") else "error"
-
-
-def hit_tokens_by_tier(result: LookupResult) -> dict[str, int]:
-    by_tier: dict[str, int] = {}
-    for hit in result.hits:
-        by_tier[hit.tier] = by_tier.get(hit.tier, 0) + hit.key.end - hit.key.start
-    return by_tier
 
 
 @dataclasses.dataclass(slots=True)
@@ -149,7 +144,7 @@ class SchedulerTelemetry:
             usage.load_reported = False
         if not self._timed:
             return
-        by_tier = hit_tokens_by_tier(result)
+        by_tier = tokens_by_tier(result.hits, 0, result.hit_tokens)
         if self._metrics:
             self._count_lookup(prompt, result, by_tier, timing, policy)
         if self._tracing:

@@ -35,6 +35,16 @@ class LookupResult:
         return self.vllm_cached_tokens + self.num_external_tokens
 
 
+def tokens_by_tier(hits: Sequence[ChunkHit], start: int, end: int) -> dict[str, int]:
+    """How many of the tokens in [start, end) each tier holds, from a lookup's hits."""
+    by_tier: dict[str, int] = {}
+    for hit in hits:
+        overlap = min(hit.key.end, end) - max(hit.key.start, start)
+        if overlap > 0:
+            by_tier[hit.tier] = by_tier.get(hit.tier, 0) + overlap
+    return by_tier
+
+
 def external_tokens(hit_tokens: int, vllm_cached: int, num_tokens: int) -> int:
     """Tokens to load beyond vLLM's own hit; a full-prompt hit leaves the last token to compute."""
     need = hit_tokens - vllm_cached
