@@ -65,23 +65,28 @@ def run_engine(spec: dict, tmp_path: Path, timeout: float = 420) -> dict:
 
 
 @pytest.fixture(scope="session")
-def baseline(tiny_model, tmp_path_factory) -> dict[tuple[tuple[int, ...], int], list[int]]:
-    """Greedy outputs of every workload prompt from vLLM without KVLens, computed cold."""
-    groups: dict[int, list[list[int]]] = {}
-    for prompt, max_tokens in workloads.all_prompts():
-        if prompt not in groups.setdefault(max_tokens, []):
-            groups[max_tokens].append(prompt)
-    rounds = [{"prompts": ps, "max_tokens": mt} for mt, ps in sorted(groups.items())]
+def baseline(tiny_model, tmp_path_factory) -> dict:
+    """Greedy outputs of every batch in ``workloads.batches()`` from vLLM without KVLens.
+
+    Each batch is sent as it is in the scenarios (same prompts, same order), so a KVLens run
+    is compared with vLLM computing exactly the same batch cold.
+    """
+    batches = workloads.batches()
+    rounds = [{"prompts": list(ps), "max_tokens": mt} for ps, mt in batches]
     result = run_engine({"model": tiny_model, "kv": None, "rounds": rounds}, tmp_path_factory.mktemp("base"))
-    outputs = {}
-    for rnd, outs in zip(rounds, result["rounds"], strict=True):
-        for prompt, out in zip(rnd["prompts"], outs, strict=True):
-            outputs[(tuple(prompt), rnd["max_tokens"])] = out["token_ids"]
-    return outputs
+    return {
+        _batch_key(ps, mt): [o["token_ids"] for o in outs]
+        for (ps, mt), outs in zip(batches, result["rounds"], strict=True)
+    }
+
+
+def _batch_key(prompts, max_tokens) -> tuple:
+    return tuple(tuple(p) for p in prompts), max_tokens
 
 
 def expected(baseline, prompts, max_tokens=workloads.MAX_TOKENS) -> list[list[int]]:
-    return [baseline[(tuple(p), max_tokens)] for p in prompts]
+    """vLLM's own output for this exact batch (it must be listed in ``workloads.batches()``)."""
+    return baseline[_batch_key(prompts, max_tokens)]
 
 
 def outputs(round_result) -> list[list[int]]:

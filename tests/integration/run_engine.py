@@ -31,6 +31,14 @@ def damage(directory: str, corrupt: int, delete: int) -> list[str]:
     return touched
 
 
+def rss_megabytes() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
     from vllm import LLM, SamplingParams
@@ -42,7 +50,7 @@ def main() -> None:
         skip_tokenizer_init=True,
         enforce_eager=True,
         max_model_len=4096,
-        dtype="bfloat16",
+        dtype="float32",  # greedy outputs of a random tiny model are compared bit for bit
         seed=0,
     )
     kwargs.update(spec.get("engine", {}))
@@ -58,6 +66,7 @@ def main() -> None:
     core = llm.llm_engine.engine_core.engine_core
     connector = core.scheduler.connector
     failed_blocks: list[int] = []
+    failed_by_round: list[list[int]] = []
     if connector is not None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -67,6 +76,8 @@ def main() -> None:
         def recording() -> set[int]:
             ids = original()
             failed_blocks.extend(sorted(ids))
+            if failed_by_round:
+                failed_by_round[-1].extend(sorted(ids))
             return ids
 
         worker_connector.get_block_ids_with_load_errors = recording
@@ -86,7 +97,9 @@ def main() -> None:
         if connector is not None:
             worker_connector._worker.flush()
 
+    rss_mb: list[float] = []
     for rnd in spec["rounds"]:
+        failed_by_round.append([])
         if rnd.get("damage"):
             flush_writes()
             d = rnd["damage"]
@@ -110,11 +123,20 @@ def main() -> None:
         )
         if rnd.get("reset_prefix_cache", True):
             llm.reset_prefix_cache()
-    state = {"failed_blocks": failed_blocks, "preemptions": preemptions[0]}
+        rss_mb.append(rss_megabytes())
+    state = {
+        "failed_blocks": failed_blocks,
+        "failed_blocks_by_round": failed_by_round,
+        "preemptions": preemptions[0],
+        "rss_mb": rss_mb,
+    }
     if connector is not None:
         sched = connector._scheduler
         state.update(sched.sizes())
         state["pinned_chunks"] = sum(t.pinned_keys for t in sched.tiers.values())
+        state["index_bytes"] = {name: t.used_bytes for name, t in sched.tiers.items()}
+        cpu = worker_connector._worker.tiers.get("cpu")
+        state["worker_cpu_bytes"] = cpu.used_bytes if cpu is not None else None
     flush_writes()
     print(json.dumps({"rounds": rounds, "state": state}))
     sys.stdout.flush()
