@@ -8,6 +8,7 @@ Precedence, lowest first: defaults < YAML file named by ``LMCACHE_CONFIG_FILE`` 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -15,12 +16,49 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+logger = logging.getLogger("vllm.kvlens")
+
 GB = 1024**3
+MB = 1024**2
 
 ENV_PREFIX = "LMCACHE_"
 EXTRA_PREFIX = "lmcache."
 # Process-level LMCache variables that are not config keys; accepted and not treated as keys.
-_ENV_NOT_KEYS = frozenset({"CONFIG_FILE", "FORCE_SKIP_SAVE", "LOG_LEVEL", "LOGLEVEL", "TRACK_USAGE"})
+_ENV_NOT_KEYS = frozenset(
+    {"CONFIG_FILE", "FORCE_SKIP_SAVE", "LOG_LEVEL", "LOGLEVEL", "TRACK_USAGE", "USE_EXPERIMENTAL"}
+)
+
+# LMCache configuration keys that have no meaning in KVLens (P2P, PD, controller, GDS, blending
+# tuning, ...). A migrating user's config may carry them: they are ignored with one warning.
+# Any other key KVLens does not know is a typo and a start-up error.
+LMCACHE_KEYS_NOT_USED = frozenset(
+    """local_cpu_use_hugepages reserve_local_cpu_size local_disk_path_sharding pre_caching_hash_algorithm
+    blend_recompute_ratios blend_thresholds blend_check_layers blend_min_tokens blend_special_str
+    blend_recompute_ratio retrieve_locations store_location enable_p2p p2p_host p2p_init_ports
+    p2p_lookup_ports mp_host mp_port enable_controller lmcache_instance_id controller_pull_url
+    controller_reply_url controller_url lmcache_worker_ports lmcache_worker_port lmcache_worker_ids
+    lmcache_worker_heartbeat_delay_time lmcache_worker_heartbeat_time enable_pd enable_xpyd pd_role
+    pd_buffer_size pd_buffer_device pd_peer_host pd_peer_init_port pd_peer_alloc_port pd_peer_query_port
+    pd_proxy_host pd_proxy_port pd_allocation_timeout_sec pd_shutdown_timeout_sec
+    pd_condition_poll_interval_sec pd_max_prefill_len pd_backend_mode pd_skip_proxy_notification
+    pd_bidirectional transfer_channel nixl_backends nixl_buffer_size nixl_buffer_device nixl_role
+    nixl_peer_host nixl_peer_init_port nixl_peer_alloc_port nixl_peer_port nixl_proxy_host nixl_proxy_port
+    nixl_receiver_host nixl_receiver_port nixl_enable_gc enable_nixl gds_path gds_path_sharding
+    gds_buffer_size maru_path maru_pool_size use_gds gds_backend audit_actual_remote_url
+    internal_api_server_host internal_api_server_enabled internal_api_server_port_start
+    internal_api_server_include_index_list internal_api_server_socket_path_prefix blocking_timeout_secs
+    external_lookup_client py_enable_gc cost_aware_half_life_seconds cost_aware_ewma_alpha numa_mode
+    runtime_plugin_locations plugin_locations storage_plugins external_backends remote_storage_plugins
+    lookup_timeout_ms lookup_backoff_time hit_miss_ratio lookup_server_worker_ids
+    enable_scheduler_bypass_lookup script_allowed_imports enable_lazy_memory_allocator
+    lazy_memory_initial_ratio lazy_memory_expand_trigger_ratio lazy_memory_step_ratio lazy_memory_safe_size
+    enable_chunk_statistics chunk_statistics_auto_start_statistics chunk_statistics_auto_exit_timeout_hours
+    chunk_statistics_auto_exit_target_unique_chunks chunk_statistics_strategy enable_kv_events
+    use_gpu_connector_v3 pin_timeout_sec pin_check_interval_sec remote_config_url app_id
+    enable_hidden_state_cache max_hidden_state_cpu_size hidden_state_layers hidden_states_retrieve_mode
+    save_only_first_rank weka_path cufile_buffer_size local_device max_local_cache_size
+    use_experimental""".split()
+)
 
 
 class ConfigError(ValueError):
@@ -39,6 +77,13 @@ class ExtraConfig(BaseModel):
     block_granular_tails: bool = True
     # How often the scheduler rescans the disk tier for chunks written by other engines.
     disk_scan_interval_s: float = Field(1.0, gt=0)
+    # A chunk file another engine used for a load within this many seconds is not deleted.
+    disk_shared_grace_s: float = Field(30.0, ge=0)
+    # Longest wait on a slow tier (a disk or remote read, a queued write) before it counts as
+    # failed and the tier is skipped until a probe succeeds.
+    tier_timeout_s: float = Field(5.0, gt=0)
+    # Bytes of chunk writes a background tier may hold queued; beyond, stores are dropped.
+    max_pending_write_bytes: int = Field(512 * MB, gt=0)
 
 
 class KVLensConfig(BaseModel):
@@ -98,6 +143,9 @@ class KVLensConfig(BaseModel):
     @property
     def disk_budget_bytes(self) -> int:
         return round(self.max_local_disk_size * GB) if self.local_disk else 0
+
+    def tier_names(self) -> tuple[str, ...]:
+        return tuple(name for name, on in (("cpu", self.local_cpu), ("disk", bool(self.local_disk))) if on)
 
     @property
     def saves_partial_chunks(self) -> bool:
@@ -212,7 +260,16 @@ def load_config(
     sources = {k: "LMCACHE_CONFIG_FILE" for k in yaml_layer}
     sources.update({k: f"env {ENV_PREFIX}{k.upper()}" for k in env_layer})
     sources.update({k: f"kv_connector_extra_config '{EXTRA_PREFIX}{k}'" for k in extra_layer})
+    merged = _merge(yaml_layer, env_layer, extra_layer)
+    ignored = sorted(k for k in merged if k in LMCACHE_KEYS_NOT_USED and k not in KVLensConfig.model_fields)
+    if ignored:
+        logger.warning(
+            "KVLens ignores these LMCache settings (no such feature here): %s",
+            ", ".join(f"{k} (from {sources.get(k, 'config')})" for k in ignored),
+        )
+        for k in ignored:
+            merged.pop(k)
     try:
-        return KVLensConfig.model_validate(_merge(yaml_layer, env_layer, extra_layer))
+        return KVLensConfig.model_validate(merged)
     except ValidationError as e:
         raise ConfigError(_describe(e, sources)) from None

@@ -18,7 +18,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from telemetry import vllm_stats as telemetry
 
 from .config import load_config
-from .engine.jobs import CPU, DISK
+from .engine.jobs import CPU, DISK, StepPlan
 from .metadata import KVLensMetadata, KVLensWorkerMetadata
 from .scheduler import ConnectorScheduler
 from .vllm_compat import engine_facts, worker_rank
@@ -48,17 +48,21 @@ class KVLensConnector(KVConnectorBase_V1):
         config = load_config(self._kv_transfer_config.kv_connector_extra_config or {})
         facts = engine_facts(vllm_config, kv_cache_config)
         self._num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
-        self._scheduler = ConnectorScheduler(config, facts) if role == KVConnectorRole.SCHEDULER else None
-        self._worker = (
-            ConnectorWorker(config, facts, worker_rank()) if role == KVConnectorRole.WORKER else None
-        )
+        self._scheduler: ConnectorScheduler | None = None
+        self._worker: ConnectorWorker | None = None
+        self._scheduler_telemetry: Any = None
+        self._worker_telemetry: Any = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = ConnectorScheduler(config, facts)
+            self._scheduler_telemetry = telemetry.scheduler_recorder(
+                vllm_config, facts.engine_id, facts.block_size, config.tier_names()
+            )
+        elif role == KVConnectorRole.WORKER:
+            self._worker = ConnectorWorker(config, facts, worker_rank())
+            self._worker_telemetry = telemetry.worker_recorder(
+                vllm_config, self._worker.rank, facts.block_bytes * facts.num_layers, self._worker.sizes
+            )
         self._cache_hit_source = _HIT_SOURCE[CPU if config.local_cpu else DISK]
-        self._scheduler_telemetry = (
-            telemetry.scheduler_telemetry(vllm_config, self._scheduler, facts) if self._scheduler else None
-        )
-        self._worker_telemetry = (
-            telemetry.worker_telemetry(vllm_config, self._worker, facts) if self._worker else None
-        )
         logger.info("KVLens %s ready: %s", role.name.lower(), config.model_dump(exclude_defaults=True))
 
     @property
@@ -70,13 +74,13 @@ class KVLensConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register(kv_caches, self._num_blocks)
 
-    def _plan(self) -> Any:
+    def _plan(self) -> StepPlan:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVLensMetadata)
         return meta.plan
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self._worker is not None and self._worker_telemetry is not None
+        assert self._worker is not None
         plan, started = self._plan(), self._worker_telemetry.now()
         self._worker_telemetry.loaded(plan, self._worker.load(plan), started)
 
@@ -89,12 +93,11 @@ class KVLensConnector(KVConnectorBase_V1):
         return  # whole chunks are stored once the step's KV exists, in wait_for_save
 
     def wait_for_save(self) -> None:
-        assert self._worker is not None and self._worker_telemetry is not None
+        assert self._worker is not None
         plan, started = self._plan(), self._worker_telemetry.now()
         self._worker_telemetry.saved(plan, started, self._worker.save(plan))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        assert self._worker_telemetry is not None
         self._worker_telemetry.finished(finished_req_ids)
         return None, None
 
@@ -111,14 +114,13 @@ class KVLensConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        assert self._scheduler is not None and self._scheduler_telemetry is not None
-        with self._scheduler_telemetry.lookup(request):
+        assert self._scheduler is not None
+        with self._scheduler_telemetry.lookup(request.request_id):
             return self._scheduler.lookup(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
-        assert self._scheduler is not None and self._scheduler_telemetry is not None
-        self._scheduler.after_alloc(request, num_external_tokens)
-        self._scheduler_telemetry.after_alloc(request)
+        assert self._scheduler is not None
+        self._scheduler_telemetry.lookup_final(self._scheduler.after_alloc(request, num_external_tokens))
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -128,23 +130,27 @@ class KVLensConnector(KVConnectorBase_V1):
         return {_HIT_SOURCE[tier]: n for tier, n in by_tier.items() if n}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self._scheduler is not None and self._scheduler_telemetry is not None
-        plan = self._scheduler.build_plan(scheduler_output)
-        self._scheduler_telemetry.on_plan(plan)
-        return KVLensMetadata(plan)
+        assert self._scheduler is not None
+        return KVLensMetadata(self._scheduler.build_plan(scheduler_output))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        assert self._scheduler is not None and self._scheduler_telemetry is not None
+        assert self._scheduler is not None
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVLensWorkerMetadata):
-            self._scheduler.on_worker_report(meta.report)
-            self._scheduler_telemetry.on_worker_report(meta.report)
+            report = meta.report
+            recomputed = self._scheduler.on_worker_report(report)
+            self._scheduler_telemetry.loads_reported(report.loads, recomputed, report.store_failures)
         stats = connector_output.kv_connector_stats
         self._scheduler_telemetry.on_worker_stats(stats.data if stats is not None else None)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None and self._scheduler_telemetry is not None
-        return False, self._scheduler_telemetry.finished(request, self._scheduler.finish(request))
+        assert self._scheduler is not None
+        result = self._scheduler.finish(request)
+        self._scheduler_telemetry.finished(request.request_id, result.unscheduled_lookup)
+        return False, result.params
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_work()
 
     def reset_cache(self) -> bool | None:
         assert self._scheduler is not None
@@ -162,8 +168,14 @@ class KVLensConnector(KVConnectorBase_V1):
 
     # ---- telemetry: vLLM's connector-stats path to /metrics ----------------------------
     def get_kv_connector_stats(self) -> telemetry.KVLensStats | None:
-        part = self._scheduler_telemetry or self._worker_telemetry
-        return telemetry.wrap(part.stats()) if part is not None else None
+        if self._scheduler is not None:
+            sched = self._scheduler
+            data = self._scheduler_telemetry.stats(
+                sched.sizes(), not sched.unfinished, sched.take_evictions()
+            )
+        else:
+            data = self._worker_telemetry.stats()
+        return telemetry.wrap(data)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> telemetry.KVLensStats:
@@ -177,4 +189,11 @@ class KVLensConnector(KVConnectorBase_V1):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> telemetry.KVLensPromMetrics:
-        return telemetry.KVLensPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        try:  # the series of the configured tiers exist (at zero) before any traffic
+            tiers = load_config(vllm_config.kv_transfer_config.kv_connector_extra_config or {}).tier_names()
+        except Exception as e:  # the engine reports configuration errors; metrics just start empty
+            logger.debug("KVLens: no tiers for metrics: %s", e)
+            tiers = ()
+        return telemetry.KVLensPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues, tiers
+        )

@@ -9,7 +9,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from .engine.jobs import StepPlan, WorkerReport
+from .engine.jobs import StepPlan
+from .engine.outcomes import WorkerReport
 
 
 @dataclass

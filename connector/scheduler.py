@@ -1,9 +1,11 @@
-"""The scheduler half: lookups, pins, request trackers and the per-step plan for workers.
+"""The scheduler half: lookups, pins, request trackers, and feedback from the workers.
 
-It owns the index of every tier. Lookups answer from memory (no disk or network round
-trip per chunk); stores and evictions are decided here and carried out by the workers in
-the order issued, so what a lookup finds is what the load finds. Workers report back
-failed loads and stores, which leave the index at once.
+It owns the index of every tier. Lookups answer from memory (no disk or network round trip
+per chunk); stores and evictions are decided here (``step_planner.py``) and carried out by
+the workers in the order issued, so what a lookup finds is what the load finds. Workers
+report failed loads and stores; those chunks, and every later chunk of a prefix whose load
+failed, leave the index at once and are deleted from their tier, so damage costs one
+recompute and the recompute stores good copies.
 
 vLLM's ``Request`` and ``SchedulerOutput`` are used duck-typed, so this module does not
 import vLLM and is tested with plain stand-ins.
@@ -12,57 +14,71 @@ import vLLM and is tested with plain stand-ins.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .config import ConfigError, KVLensConfig
 from .disk_sync import DiskWatcher, SharedDiskView
 from .engine.facts import EngineFacts
 from .engine.index import PinTable, TierIndex
-from .engine.jobs import CPU, DISK, Eviction, LoadJob, StepPlan, StoreJob, WorkerReport
+from .engine.jobs import CPU, DISK, Eviction, StepPlan
 from .engine.keys import PrefixHasher, block_aligned_keys
-from .engine.requests import (
-    BELOW_MIN_RETRIEVE,
-    PRODUCER_ROLE,
-    RecentlyEvicted,
-    RequestPolicy,
-    decide_policy,
-    miss_reason,
+from .engine.outcomes import (
+    FailureReason,
+    LoadOutcome,
+    LookupOutcome,
+    MissReason,
+    TierState,
+    WorkerReport,
 )
+from .engine.policy import RecentlyEvicted, RequestPolicy, decide_policy, miss_reason, trace_headers
+from .engine.suspects import SuspectBlocks
 from .engine.tracker import (
     ChunkHit,
     LookupResult,
     RequestTracker,
+    StorePolicy,
     external_tokens,
-    plan_chunk_loads,
     tokens_by_tier,
 )
+from .step_planner import StepPlanner
+from .tiers.disk import DiskTier
 
 logger = logging.getLogger("vllm.kvlens")
 
+MAX_DRAIN_S = 30.0  # an idle engine keeps stepping at most this long for background writes
+
+
+@dataclass(frozen=True, slots=True)
+class FinishResult:
+    params: dict[str, Any] | None  # the response's kv_transfer_params
+    unscheduled_lookup: LookupOutcome | None  # a lookup that never reached a schedule
+
 
 class ConnectorScheduler:
-    def __init__(self, config: KVLensConfig, facts: EngineFacts) -> None:
+    def __init__(
+        self, config: KVLensConfig, facts: EngineFacts, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         config.check_block_size(facts.block_size)
         self.config = config
         self.facts = facts
+        self._clock = clock
         self.tiers: dict[str, TierIndex] = {}
         if config.local_cpu:
             self.tiers[CPU] = TierIndex(CPU, config.cpu_budget_bytes)
-        self._disk_view: SharedDiskView | None = None
+        self.disk_view: SharedDiskView | None = None
         if config.local_disk:
             self.tiers[DISK] = TierIndex(DISK, config.disk_budget_bytes)
-            watcher = DiskWatcher(
-                config.local_disk, facts.world_size, config.extra_config.disk_scan_interval_s
+            extra = config.extra_config
+            disk = DiskTier(config.local_disk, facts.kv_layout, extra.disk_shared_grace_s)
+            watcher = DiskWatcher(disk, facts.world_size, extra.disk_scan_interval_s)
+            self.disk_view = SharedDiskView(
+                self.tiers[DISK], watcher, facts.stores, extra.disk_shared_grace_s
             )
-            self._disk_view = SharedDiskView(self.tiers[DISK], watcher)
-        smallest = min(t.capacity_bytes for t in self.tiers.values())
-        if facts.stores and facts.chunk_nbytes(config.chunk_size) > smallest:
-            cpu = self.tiers.get(CPU)
-            key = "max_local_cpu_size" if cpu and cpu.capacity_bytes == smallest else "max_local_disk_size"
-            raise ConfigError(
-                f"KVLens config key '{key}' holds no chunk: one chunk of {config.chunk_size} tokens "
-                f"is {facts.chunk_nbytes(config.chunk_size)} bytes"
-            )
+        self._check_budgets()
+        self.tier_states: dict[str, TierState] = {name: TierState.HEALTHY for name in self.tiers}
         self._base_namespace = facts.namespace()
         self.pins = PinTable()
         self.policies: dict[str, RequestPolicy] = {}
@@ -71,7 +87,33 @@ class ConnectorScheduler:
         self.trackers: dict[str, RequestTracker] = {}
         self.unfinished: dict[str, Any] = {}  # request id -> vLLM Request
         self.recently_evicted = RecentlyEvicted()
+        self.suspects = SuspectBlocks()
         self._pending_evictions: list[Eviction] = []
+        # Finished in this step before their load was reported: the response is filled in late.
+        self._late: dict[str, tuple[RequestTracker, dict[str, Any]]] = {}
+        self._pending_writes = 0
+        self._draining_since: float | None = None
+        self._evictions_seen: dict[str, int] = {}
+        store_policy = StorePolicy(
+            config.chunk_size,
+            facts.block_size,
+            config.saves_partial_chunks,
+            config.extra_config.block_granular_tails and not config.discard_partial_chunks,
+            config.save_decode_cache,
+        )
+        self.planner = StepPlanner(self, store_policy)
+
+    def _check_budgets(self) -> None:
+        if not self.facts.stores:
+            return
+        chunk = self.facts.chunk_nbytes(self.config.chunk_size)
+        for name, tier in self.tiers.items():
+            if chunk > tier.capacity_bytes:
+                key = "max_local_cpu_size" if name == CPU else "max_local_disk_size"
+                raise ConfigError(
+                    f"KVLens config key '{key}' holds no chunk: one chunk of {self.config.chunk_size} "
+                    f"tokens is {chunk} bytes"
+                )
 
     # ---- lookup -------------------------------------------------------------------------
     def _policy(self, request: Any) -> RequestPolicy:
@@ -98,82 +140,120 @@ class ConnectorScheduler:
                 self.hashers[rid] = PrefixHasher(policy.namespace, self.config.chunk_size)
         return policy
 
+    def usable(self, tier: str) -> bool:
+        return self.tier_states.get(tier) is not TierState.SKIPPED
+
     def lookup(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens KVLens will load beyond vLLM's hit (side-effect free but for pins)."""
         self._merge_disk_scan()
         rid = request.request_id
         policy = self._policy(request)
-        tokens = request.all_token_ids
-        if self.config.skip_last_n_tokens:
-            tokens = tokens[: max(len(tokens) - self.config.skip_last_n_tokens, 0)]
-        if policy.namespace is None or not self.facts.loads:
-            reason = policy.skip_reason or PRODUCER_ROLE
-            self.lookups[rid] = LookupResult([], 0, num_computed_tokens, 0, reason)
+        previous = self.lookups.get(rid)
+        attempts = previous.attempts + 1 if previous is not None else 1
+        skip = policy.skip_reason
+        if skip is None and not self.facts.loads:
+            skip = MissReason.PRODUCER_ROLE
+        if skip is None and getattr(request, "skip_reading_prefix_cache", False):
+            skip = MissReason.PROMPT_LOGPROBS  # vLLM would discard the answer: no pins, no hit
+        if skip is not None:
+            self.lookups[rid] = LookupResult([], 0, num_computed_tokens, 0, skip, attempts)
+            self.pins.release(rid)
             return 0
-        keys = self.hashers[rid].keys(tokens, include_partial=True)
-        hits: list[ChunkHit] = []
-        first_missing: str | None = None
-        for key in keys:
-            tier = self._tier_holding(key.hex)
-            if tier is None:
-                partial = key.num_tokens < self.config.chunk_size
-                first_missing = None if partial else key.hex
-                break
-            hits.append(ChunkHit(key, tier.name))
-        if self.config.extra_config.block_granular_tails:
-            self._extend_by_blocks(rid, tokens, hits)
+        tokens = request.all_token_ids
+        upto = max(len(tokens) - self.config.skip_last_n_tokens, 0)
+        hits, first_missing, unhealthy = self._find_hits(rid, tokens, upto)
         hit_tokens = hits[-1].key.end if hits else 0
         need = external_tokens(hit_tokens, num_computed_tokens, request.num_tokens)
         reason = miss_reason(
-            len(tokens),
-            hit_tokens,
-            num_computed_tokens,
-            first_missing,
-            self.recently_evicted,
+            upto, hit_tokens, num_computed_tokens, first_missing, self.recently_evicted, unhealthy
         )
         if 0 < need < self.config.min_retrieve_tokens:
-            need, reason = 0, BELOW_MIN_RETRIEVE
-        self.lookups[rid] = LookupResult(hits, hit_tokens, num_computed_tokens, need, reason)
+            need, reason = 0, MissReason.BELOW_MIN_RETRIEVE
+        self.lookups[rid] = LookupResult(hits, hit_tokens, num_computed_tokens, need, reason, attempts)
         if need:
             self.pins.pin(rid, ((self.tiers[h.tier], h.key.hex) for h in hits))
+            if self.disk_view is not None:
+                self.disk_view.pinned_for_load(h.key.hex for h in hits if h.tier == DISK)
         else:
             self.pins.release(rid)
         return need
 
-    def _tier_holding(self, name: str) -> TierIndex | None:
-        """The fastest tier that holds the chunk."""
-        return next((t for t in self.tiers.values() if name in t), None)
+    def _find_hits(self, rid: str, tokens: Any, upto: int) -> tuple[list[ChunkHit], str | None, bool]:
+        """The stored chunks of the prompt's prefix; the first missing chunk; whether it sits
+        only in a tier that is skipped."""
+        hits: list[ChunkHit] = []
+        first_missing, unhealthy = None, False
+        for key in self.hashers[rid].keys(tokens, include_partial=True, upto=upto):
+            tier = self.tier_holding(key.hex)
+            if tier is None:
+                if key.num_tokens == self.config.chunk_size:
+                    first_missing = key.hex
+                unhealthy = any(key.hex in t for t in self.tiers.values())
+                break
+            hits.append(ChunkHit(key, tier.name))
+        if self.config.extra_config.block_granular_tails:
+            self._extend_by_blocks(rid, tokens, upto, hits)
+        return hits, first_missing, unhealthy
 
-    def _extend_by_blocks(self, rid: str, tokens: Any, hits: list[ChunkHit]) -> None:
+    def tier_holding(self, name: str) -> TierIndex | None:
+        """The fastest usable tier that holds the chunk."""
+        return next((t for t in self.tiers.values() if name in t and self.usable(t.name)), None)
+
+    def _extend_by_blocks(self, rid: str, tokens: Any, upto: int, hits: list[ChunkHit]) -> None:
         """After the last whole-chunk hit, take the longest stored whole-block prefix of the next chunk."""
         last = hits[-1].key if hits else None
         if last is not None and last.num_tokens < self.config.chunk_size:
             return  # the hit already ends in an unfull chunk
         start = last.end if last is not None else 0
         parent = self.hashers[rid].parent_of(last)
-        for key in block_aligned_keys(parent, tokens, start, self.config.chunk_size, self.facts.block_size):
-            tier = self._tier_holding(key.hex)
+        chunk = tokens[start : min(upto, start + self.config.chunk_size)]
+        for key in block_aligned_keys(parent, chunk, start, self.config.chunk_size, self.facts.block_size):
+            tier = self.tier_holding(key.hex)
             if tier is not None:
                 hits.append(ChunkHit(key, tier.name))
                 return
 
-    def after_alloc(self, request: Any, num_external_tokens: int) -> None:
+    def after_alloc(self, request: Any, num_external_tokens: int) -> LookupOutcome | None:
+        """vLLM allocated blocks: the lookup is final. Its outcome, for telemetry."""
         rid = request.request_id
         self.unfinished[rid] = request
         result = self.lookups.get(rid)
         if result is None:
-            return
+            if num_external_tokens <= 0:
+                return None
+            result = self.lookups[rid] = LookupResult([], 0, 0, 0)
         if num_external_tokens > result.num_external_tokens:
             logger.error(
-                "KVLens: vLLM allocated %d external tokens for %s but only %d can be loaded",
+                "KVLens: vLLM allocated %d external tokens for %s but only %d can be loaded; "
+                "the rest are reported as failed blocks",
                 num_external_tokens,
                 rid,
                 result.num_external_tokens,
             )
+            result.unloadable_tokens = num_external_tokens - result.num_external_tokens
         result.num_external_tokens = min(num_external_tokens, result.num_external_tokens)
         result.can_load = result.num_external_tokens > 0
         if not result.can_load:
             self.pins.release(rid)
+        return self.lookup_outcome(request, result, scheduled=True)
+
+    def lookup_outcome(self, request: Any, result: LookupResult, scheduled: bool) -> LookupOutcome:
+        policy = self.policies.get(request.request_id)
+        return LookupOutcome(
+            request_id=request.request_id,
+            prompt_tokens=_prompt_tokens(request),
+            vllm_cached_tokens=result.vllm_cached_tokens,
+            hit_tokens=result.hit_tokens,
+            hit_tokens_by_tier=tokens_by_tier(result.hits, 0, result.hit_tokens),
+            external_tokens=result.num_external_tokens if scheduled and result.can_load else 0,
+            chunks=len(result.hits),
+            miss_reason=result.miss_reason,
+            save_skip_reason=policy.save_skip_reason if policy is not None else None,
+            scheduled=scheduled,
+            resumed=request.request_id in self.trackers,
+            trace_context=trace_headers(request),
+            attempts=result.attempts,
+        )
 
     def external_tokens_by_tier(self, request_id: str, num_external_tokens: int) -> dict[str, int]:
         """How the tokens about to be loaded split across tiers (for vLLM's hit-source metric)."""
@@ -186,137 +266,73 @@ class ConnectorScheduler:
     # ---- per-step plan ------------------------------------------------------------------
     def build_plan(self, scheduler_output: Any) -> StepPlan:
         self._merge_disk_scan()
-        plan = StepPlan(evictions=self._pending_evictions)
+        self._late.clear()
+        plan = StepPlan(writes=list(self._pending_evictions))
         self._pending_evictions = []
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            self._plan_new(plan, new, num_scheduled.get(new.req_id, 0))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            tracker = self.trackers.get(rid)
-            request = self.unfinished.get(rid)
-            if tracker is None or request is None:
-                continue
-            new_blocks = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids:
-                result = self.lookups.pop(rid, None)
-                tracker.resume(
-                    request.all_token_ids,
-                    new_blocks[0] if new_blocks else [],
-                    cached.num_computed_tokens[i],
-                    num_scheduled.get(rid, 0),
-                    result.hit_tokens if result else 0,
-                )
-                self._plan_load(plan, tracker, result)
-            else:
-                if new_blocks:
-                    tracker.block_ids.extend(new_blocks[0])
-                tracker.advance(
-                    request.all_token_ids, cached.num_computed_tokens[i], num_scheduled.get(rid, 0)
-                )
-            self._plan_stores(plan, tracker)
+        self.planner.plan(plan, scheduler_output)
+        plan.drain = not self.unfinished and self.has_pending_work()
         return plan
 
-    def _plan_new(self, plan: StepPlan, new: Any, num_scheduled: int) -> None:
-        rid = new.req_id
-        policy = self.policies.get(rid)
-        result = self.lookups.pop(rid, None)
-        if policy is None or policy.namespace is None or new.prompt_token_ids is None:
-            return
-        hit = result.hit_tokens if result else 0
-        tracker = RequestTracker(
-            request_id=rid,
-            prompt_len=len(new.prompt_token_ids),
-            hasher=self.hashers[rid],
-            tokens=list(new.prompt_token_ids[: new.num_computed_tokens + num_scheduled]),
-            block_ids=list(new.block_ids[0]) if new.block_ids else [],
-            saved_tokens=hit,
-            hit_tokens=hit,
-            save_skip_reason=policy.save_skip_reason if self.facts.stores else "producer_off",
-            miss_reason=result.miss_reason if result else None,
-        )
-        self.trackers[rid] = tracker
-        self._plan_load(plan, tracker, result)
-        self._plan_stores(plan, tracker)
-
-    def _plan_load(self, plan: StepPlan, tracker: RequestTracker, result: LookupResult | None) -> None:
-        if result is None or not result.can_load:
-            return
-        chunks = plan_chunk_loads(
-            result.hits,
-            tracker.block_ids,
-            self.facts.block_size,
-            result.vllm_cached_tokens,
-            result.load_end,
-        )
-        for chunk in chunks:
-            self.tiers[chunk.tier].touch(chunk.name)
-        plan.loads.append(LoadJob(tracker.request_id, tuple(chunks)))
-        tracker.loaded_tokens = result.num_external_tokens
-
-    def _plan_stores(self, plan: StepPlan, tracker: RequestTracker) -> None:
-        candidates = tracker.store_candidates(
-            self.config.chunk_size,
-            self.config.saves_partial_chunks,
-            self.config.save_decode_cache,
-            self.facts.block_size if self.config.extra_config.block_granular_tails else 0,
-        )
-        for key in candidates:
-            blocks = tracker.blocks_of(key, self.facts.block_size)
-            if blocks is None:
-                logger.error("KVLens: %s has fewer blocks than tokens; not storing", tracker.request_id)
-                return
-            nbytes = self.facts.chunk_nbytes(key.num_tokens)
-            written: list[str] = []
-            for tier in self.tiers.values():
-                if key.hex in tier:
-                    tier.touch(key.hex)
-                    continue
-                victims = tier.admit(key.hex, nbytes)
-                if victims is None:
-                    continue  # everything left in this tier is pinned
-                self._evict(plan, tier.name, victims)
-                written.append(tier.name)
-                if tier.name == DISK and self._disk_view is not None:
-                    self._disk_view.note_changed([key.hex])
-                self.recently_evicted.discard(key.hex)
-            if written:
-                plan.stores.append(
-                    StoreJob(tracker.request_id, key.hex, blocks, tuple(written), key.num_tokens)
-                )
-                tracker.stored_chunks += 1
-            tracker.saved_tokens = key.end
-
-    def _evict(self, plan: StepPlan, tier: str, names: list[str]) -> None:
+    def evict_later(self, tier: str, names: list[str]) -> None:
         if not names:
             return
-        plan.evictions.extend(Eviction(tier, n) for n in names)
-        self.recently_evicted.add(names)
-        if tier == DISK and self._disk_view is not None:
-            self._disk_view.note_changed(names)
+        if self.facts.stores:  # a consumer never deletes
+            self._pending_evictions.extend(Eviction(tier, n) for n in names)
+        if tier == DISK and self.disk_view is not None:
+            self.disk_view.note_changed(names)
 
     def _merge_disk_scan(self) -> None:
-        if self._disk_view is not None:
-            self._evict_later(DISK, self._disk_view.merge())
+        if self.disk_view is not None:
+            victims = self.disk_view.merge()
+            self.recently_evicted.add(victims)
+            self.evict_later(DISK, victims)
 
-    # ---- feedback and finish ------------------------------------------------------------
-    def on_worker_report(self, report: WorkerReport) -> None:
+    # ---- feedback -----------------------------------------------------------------------
+    def on_worker_report(self, report: WorkerReport) -> dict[str, int]:
+        """Apply what the workers did; returns, per failed load, the tokens vLLM recomputes."""
+        for tier, state in report.tier_states.items():
+            self.tier_states[tier] = state
+        recomputed: dict[str, int] = {}
         for rid, outcome in report.loads.items():
             self.pins.release(rid)
-            for name, tier, reason in outcome.failed_chunks:
-                self._forget(tier, name, reason)
-            tracker = self.trackers.get(rid)
-            if tracker is not None and outcome.failed_block_ids:
-                tracker.failed_blocks += len(outcome.failed_block_ids)
-        for name, tier, reason in report.store_failures:
-            self._forget(tier, name, reason)
+            self._forget_failed_load(outcome)
+            self.suspects.add(outcome.failed_block_ids)
+            late = self._late.pop(rid, None)
+            tracker = late[0] if late is not None else self.trackers.get(rid)
+            if tracker is not None:
+                affected = tracker.record_load(outcome)
+                if late is not None:
+                    late[1]["kvlens"] = tracker.usage()
+                if affected:
+                    recomputed[rid] = affected
+        for failure in report.store_failures:
+            self._forget(failure.tier, failure.name, failure.reason)
+        for kept in report.kept:
+            index = self.tiers.get(kept.tier)
+            if index is not None:
+                index.add_known(kept.name, kept.nbytes, most_recent=True)
+        self._pending_writes = report.pending_writes
+        return recomputed
 
-    def _forget(self, tier: str, name: str, reason: str) -> None:
+    def _forget_failed_load(self, outcome: LoadOutcome) -> None:
+        """A failed chunk and every later chunk of that prefix in the same tier leave the index."""
+        failed_tiers: set[str] = set()
+        for chunk in outcome.chunks:
+            if chunk.reason is FailureReason.PREFIX_FAILED:
+                if chunk.planned_tier in failed_tiers:
+                    self._forget(chunk.planned_tier, chunk.name, chunk.reason)
+            elif chunk.reason is not None and chunk.reason is not FailureReason.TIER_UNHEALTHY:
+                failed_tiers.add(chunk.planned_tier)
+                self._forget(chunk.planned_tier, chunk.name, chunk.reason)
+
+    def _forget(self, tier: str, name: str, reason: FailureReason) -> None:
         index = self.tiers.get(tier)
         if index is not None and index.remove(name):
-            logger.warning("KVLens: dropped chunk %s from %s tier: %s", name[:12], tier, reason)
+            logger.info("KVLens: dropped chunk %s from the %s tier (%s)", name[:12], tier, reason.value)
+            self.evict_later(tier, [name])  # every rank deletes its share
 
-    def finish(self, request: Any) -> dict[str, Any] | None:
+    # ---- finish, reset, shutdown --------------------------------------------------------
+    def finish(self, request: Any) -> FinishResult:
         rid = request.request_id
         self.pins.release(rid)
         self.unfinished.pop(rid, None)
@@ -324,25 +340,56 @@ class ConnectorScheduler:
         self.hashers.pop(rid, None)
         result = self.lookups.pop(rid, None)
         tracker = self.trackers.pop(rid, None)
-        hit = tracker.hit_tokens if tracker else (result.hit_tokens if result else 0)
+        unscheduled = None
+        if tracker is None and result is not None:
+            unscheduled = self.lookup_outcome(request, result, scheduled=False)
         if not self.config.extra_config.enable_cache_usage_details_in_response:
-            return None
-        return {"num_lmcache_cached_tokens": hit}
+            return FinishResult(None, unscheduled)
+        hit = tracker.hit_tokens if tracker else (result.hit_tokens if result else 0)
+        params: dict[str, Any] = {"num_lmcache_cached_tokens": hit}
+        if tracker is not None:
+            params["kvlens"] = tracker.usage()
+            if tracker.load_pending:  # its load is reported later in this same step
+                self._late[rid] = (tracker, params)
+        elif unscheduled is not None:
+            params["kvlens"] = {
+                "vllm_cached_tokens": unscheduled.vllm_cached_tokens,
+                "hit_tokens": unscheduled.hit_tokens,
+                "miss_reason": unscheduled.miss_reason.value if unscheduled.miss_reason else None,
+            }
+        return FinishResult(params, unscheduled)
+
+    def has_pending_work(self) -> bool:
+        """Background writes still queued: keep the engine stepping (bounded) until they land."""
+        if self._pending_writes <= 0 or self.unfinished:
+            self._draining_since = None
+            return self._pending_writes > 0
+        now = self._clock()
+        if self._draining_since is None:
+            self._draining_since = now
+        return now - self._draining_since < MAX_DRAIN_S
+
+    def take_evictions(self) -> dict[str, int]:
+        """Chunks each tier evicted to make room since the last call."""
+        out = {}
+        for name, tier in self.tiers.items():
+            seen = self._evictions_seen.get(name, 0)
+            if tier.evictions != seen:
+                out[name] = max(tier.evictions - seen, 0)
+                self._evictions_seen[name] = tier.evictions
+        return out
 
     def reset(self) -> bool:
         """Forget every unpinned chunk (vLLM's reset_prefix_cache with reset_connector)."""
         for tier in self.tiers.values():
             names = tier.clear()
-            self._evict_later(tier.name, names)
+            self.recently_evicted.add(names)
+            self.evict_later(tier.name, names)
         return True
 
-    def _evict_later(self, tier: str, names: list[str]) -> None:
-        self._pending_evictions.extend(Eviction(tier, n) for n in names)
-        self.recently_evicted.add(names)
-
     def shutdown(self) -> None:
-        if self._disk_view is not None:
-            self._disk_view.stop()
+        if self.disk_view is not None:
+            self.disk_view.stop()
 
     def sizes(self) -> dict[str, int]:
         """Internal sizes, for leak-spotting gauges."""
@@ -351,10 +398,23 @@ class ConnectorScheduler:
             "load_specs": len(self.lookups),
             "unfinished_requests": len(self.unfinished),
             "pinned_requests": len(self.pins),
+            "pending_saves": sum(
+                1 for t in self.trackers.values() if t.save_skip_reason is None and not t.prefill_done
+            ),
+            "suspect_blocks": len(self.suspects),
         }
         for name, tier in self.tiers.items():
-            out[f"{name}_chunks"] = len(tier)
-            out[f"{name}_used_bytes"] = tier.used_bytes
-            out[f"{name}_pinned_chunks"] = tier.pinned_keys
-            out[f"{name}_pinned_bytes"] = tier.pinned_bytes
+            out[f"tier_chunks|{name}"] = len(tier)
+            out[f"tier_used_bytes|{name}"] = tier.used_bytes
+            out[f"tier_capacity_bytes|{name}"] = tier.capacity_bytes
+            out[f"pinned_chunks|{name}"] = tier.pinned_keys
+            out[f"pinned_bytes|{name}"] = tier.pinned_bytes
+            out[f"tier_health|{name}"] = self.tier_states[name].level
         return out
+
+
+def _prompt_tokens(request: Any) -> int:
+    n = getattr(request, "num_prompt_tokens", None)
+    if n is None:
+        n = len(getattr(request, "prompt_token_ids", None) or ())
+    return int(n)

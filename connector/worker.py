@@ -1,41 +1,44 @@
 """The worker half: carries out the scheduler's plan against this rank's KV tensors.
 
-Per step: loads (before attention needs them), then evictions and stores once the step's
-KV exists. Nothing here raises into vLLM for a bad chunk or a failing store: a failed load
-becomes failed block ids (vLLM recomputes them) and a report the scheduler uses to drop
-the chunk from its index.
+Per step: loads before the forward pass, then the plan's evictions and stores in the order
+the scheduler decided them. Nothing here raises into vLLM for a bad chunk or a failing tier:
+a failed load becomes failed block ids (vLLM recomputes them); a store whose KV was computed
+over a block that failed to load in this step is withdrawn, never written; every failure goes
+back to the scheduler in the step's report, so its index keeps agreeing with the tiers.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 
 from .config import ConfigError, KVLensConfig
 from .engine.facts import EngineFacts
-from .engine.jobs import (
-    CPU,
-    DISK,
-    ChunkLoad,
-    LoadJob,
+from .engine.health import TierHealth
+from .engine.jobs import CPU, DISK, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
+from .engine.keys import storage_name
+from .engine.outcomes import (
+    ChunkLoadResult,
+    FailureReason,
+    KeptChunk,
     LoadOutcome,
-    StepPlan,
-    StoreJob,
+    StoreFailure,
+    TierState,
     WorkerReport,
 )
-from .engine.keys import storage_name
 from .kv_blocks import BlockCopier
 from .tiers import disk as disk_files
-from .tiers.background import BackgroundWrites
-from .tiers.base import ChunkCorrupt, ChunkMissing, Tier
+from .tiers.background import BackgroundTier, QueueFull
+from .tiers.base import Tier, classify
 from .tiers.cpu import CpuTier
 from .tiers.disk import DiskTier
 
 logger = logging.getLogger("vllm.kvlens")
 
-_LOAD_ERRORS = (ChunkMissing, ChunkCorrupt, OSError, ValueError, RuntimeError)
+DRAIN_WAIT_S = 0.05  # an idle engine's empty step waits this long for background writes
 
 
 class ConnectorWorker:
@@ -44,21 +47,32 @@ class ConnectorWorker:
         self.config = config
         self.facts = facts
         self.rank = rank
-        self.tiers: dict[str, Tier] = {}
-        self._background: list[BackgroundWrites] = []  # tiers whose writes run off the step loop
+        self.tiers: dict[str, Tier | BackgroundTier] = {}
+        self.health: dict[str, TierHealth] = {}
+        self._background: list[BackgroundTier] = []
+        extra = config.extra_config
         if config.local_cpu:
             self.tiers[CPU] = CpuTier()
+            self.health[CPU] = TierHealth(CPU)
         if config.local_disk:
+            self.health[DISK] = TierHealth(DISK)
             try:
-                disk = BackgroundWrites(DiskTier(config.local_disk, facts.kv_layout))
+                disk = DiskTier(
+                    config.local_disk, facts.kv_layout, extra.disk_shared_grace_s, remove_corrupt=facts.stores
+                )
             except OSError as e:
                 raise ConfigError(f"KVLens config key 'local_disk' = {config.local_disk!r}: {e}") from e
             disk_files.sweep_temp_files(config.local_disk)
-            self.tiers[DISK] = disk
-            self._background.append(disk)
+            background = BackgroundTier(
+                disk, self.health[DISK], extra.tier_timeout_s, extra.max_pending_write_bytes
+            )
+            self.tiers[DISK] = background
+            self._background.append(background)
         self.copier: BlockCopier | None = None
-        self._failed_blocks: set[int] = set()
+        self._failed_blocks: set[int] = set()  # to hand to vLLM this step
+        self._step_failed: set[int] = set()  # blocks that failed to load in the current step
         self._report = WorkerReport()
+        self._suffix = storage_name("", rank)
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         copier = BlockCopier(kv_caches, num_blocks)
@@ -72,56 +86,94 @@ class ConnectorWorker:
     # ---- loads --------------------------------------------------------------------------
     def load(self, plan: StepPlan) -> list[LoadOutcome]:
         """Runs the step's load jobs in order; their outcomes, in the same order."""
+        self._step_failed = set(plan.fail_blocks)
+        self._failed_blocks.update(plan.fail_blocks)
         outcomes = []
         for job in plan.loads:
             outcome = self._load_job(job)
             self._report.loads[job.request_id] = outcome
+            self._step_failed.update(outcome.failed_block_ids)
             self._failed_blocks.update(outcome.failed_block_ids)
             outcomes.append(outcome)
         return outcomes
 
     def _load_job(self, job: LoadJob) -> LoadOutcome:
         started = time.perf_counter()
-        outcome = LoadOutcome()
+        outcome = LoadOutcome(job.request_id)
+        reads = self._start_reads(job)
         failed = False
         for chunk in job.chunks:
-            if failed:  # later chunks are recomputed anyway; don't spend time loading them
-                outcome.failed_block_ids.extend(chunk.block_ids)
-                continue
-            tier = self._load_chunk(chunk, outcome)
-            if tier is None:
-                failed = True
-                outcome.failed_block_ids.extend(chunk.block_ids)
+            result = ChunkLoadResult(chunk.name, chunk.tier, chunk.num_tokens)
+            outcome.chunks.append(result)
+            if failed:  # recomputed anyway, and no longer trusted as part of this prefix
+                result.reason = FailureReason.PREFIX_FAILED
             else:
-                outcome.tokens_by_tier[tier] = outcome.tokens_by_tier.get(tier, 0) + chunk.num_tokens
+                self._load_chunk(chunk, next(reads[chunk.tier]), result, outcome)
+                failed = not result.ok
+            if not result.ok:
+                outcome.failed_block_ids.extend(chunk.block_ids)
         outcome.seconds = time.perf_counter() - started
         if failed:
+            first = next(c for c in outcome.chunks if not c.ok)
             logger.warning(
-                "KVLens: request %s: load failed for %d blocks (%s); vLLM recomputes them",
+                "KVLens: request %s: load failed for %d blocks (%s in %s: %s); vLLM recomputes them",
                 job.request_id,
                 len(outcome.failed_block_ids),
-                "; ".join(reason for _, _, reason in outcome.failed_chunks),
+                first.reason.value if first.reason else "error",
+                first.planned_tier,
+                first.detail,
             )
         return outcome
 
-    def _load_chunk(self, chunk: ChunkLoad, outcome: LoadOutcome) -> str | None:
-        """Copy one chunk's blocks in, from its tier or, failing that, any other; the tier used."""
-        assert self.copier is not None
+    def _start_reads(self, job: LoadJob) -> dict[str, Iterator[memoryview | BaseException]]:
+        """Per planned tier, the reads of its chunks in job order (slow tiers read ahead)."""
+        by_tier: dict[str, list[str]] = {}
+        for chunk in job.chunks:
+            by_tier.setdefault(chunk.tier, []).append(storage_name(chunk.name, self.rank))
+        return {tier: self._read_many(tier, names) for tier, names in by_tier.items()}
+
+    def _read_many(self, tier_name: str, names: list[str]) -> Iterator[memoryview | BaseException]:
+        tier, health = self.tiers.get(tier_name), self.health.get(tier_name)
+        if tier is None or health is None or not health.usable():
+            return iter([ConnectionAbortedError(f"{tier_name} tier is skipped")] * len(names))
+        if isinstance(tier, BackgroundTier):
+            return tier.get_many(names)
+        return (_get(tier, name) for name in names)
+
+    def _load_chunk(
+        self,
+        chunk: ChunkLoad,
+        first_read: memoryview | BaseException,
+        result: ChunkLoadResult,
+        outcome: LoadOutcome,
+    ) -> None:
+        """Copy one chunk's blocks in from its tier or, failing that, another usable tier."""
         name = storage_name(chunk.name, self.rank)
-        order = [chunk.tier] + [t for t in self.tiers if t != chunk.tier]
-        for tier_name in order:
-            tier = self.tiers.get(tier_name)
-            if tier is None:
-                continue
-            try:
-                payload = self.copier.payload_view(tier.get(name))
-                self.copier.scatter(payload, chunk.block_ids, chunk.first_block)
-            except _LOAD_ERRORS as e:
-                if tier_name == chunk.tier or not isinstance(e, ChunkMissing):
-                    outcome.failed_chunks.append((chunk.name, tier_name, _reason(e)))
-                continue
-            outcome.nbytes += len(chunk.block_ids) * self.copier.block_bytes * self.copier.num_layers
-            return tier_name
+        read = first_read
+        for tier_name in [chunk.tier] + [t for t in self.tiers if t != chunk.tier]:
+            if tier_name != chunk.tier:
+                if not self.health[tier_name].usable():
+                    continue
+                read = _get(self.tiers[tier_name], name)
+            error = read if isinstance(read, BaseException) else self._scatter(read, chunk)
+            if error is None:
+                result.tier = tier_name
+                outcome.nbytes += len(chunk.block_ids) * self.facts.block_bytes * self.facts.num_layers
+                self.health[tier_name].succeeded()
+                return
+            reason, detail = classify(error)
+            if isinstance(error, ConnectionAbortedError):
+                reason = FailureReason.TIER_UNHEALTHY
+            self.health[tier_name].failed(reason, detail)
+            if tier_name == chunk.tier:
+                result.reason, result.detail = reason, detail
+
+    def _scatter(self, payload: memoryview, chunk: ChunkLoad) -> BaseException | None:
+        assert self.copier is not None
+        try:
+            self.copier.scatter(self.copier.payload_view(payload), chunk.block_ids, chunk.first_block)
+        except (ValueError, RuntimeError) as e:
+            return e
         return None
 
     def take_failed_blocks(self) -> set[int]:
@@ -129,67 +181,116 @@ class ConnectorWorker:
         return failed
 
     # ---- stores -------------------------------------------------------------------------
-    def save(self, plan: StepPlan) -> list[tuple[str, str, str]]:
-        """Evicts, then stores; returns this step's failed writes (name, tier, reason)."""
-        failures_before = len(self._report.store_failures)
-        for eviction in plan.evictions:
-            tier = self.tiers.get(eviction.tier)
-            if tier is not None:
-                try:
-                    tier.delete(storage_name(eviction.name, self.rank))
-                except OSError as e:
-                    logger.warning(
-                        "KVLens: evicting %s from %s failed: %s", eviction.name[:12], eviction.tier, e
-                    )
-        for job in plan.stores:
-            self._store(job)
-        return self._report.store_failures[failures_before:]
+    def save(self, plan: StepPlan) -> list[StoreFailure]:
+        """Evictions and stores in plan order; returns this step's failed or withdrawn stores."""
+        failures: list[StoreFailure] = []
+        for op in plan.writes:
+            if isinstance(op, Eviction):
+                self._evict(op)
+            else:
+                failures.extend(self._store(op))
+        self._report.store_failures.extend(failures)
+        if plan.drain:
+            for tier in self._background:
+                tier.drain(DRAIN_WAIT_S)
+        return failures
 
-    def _store(self, job: StoreJob) -> None:
+    def _evict(self, op: Eviction) -> None:
+        tier = self.tiers.get(op.tier)
+        if tier is None:
+            return
+        try:
+            tier.delete(storage_name(op.name, self.rank))
+        except OSError as e:  # a stale copy costs space, never correctness: its index entry is gone
+            logger.debug("KVLens: evicting %s from %s failed: %s", op.name[:12], op.tier, e)
+
+    def _store(self, job: StoreJob) -> list[StoreFailure]:
+        if job.after_loads and not self._step_failed.isdisjoint(job.after_loads):
+            return self._fail(job, job.tiers, FailureReason.DEPENDENCY_FAILED, "computed over a failed load")
+        usable = [t for t in job.tiers if t in self.tiers and self.health[t].usable()]
+        failures = self._fail(job, [t for t in job.tiers if t not in usable], FailureReason.TIER_UNHEALTHY)
+        if not usable:
+            return failures
         assert self.copier is not None
-        name = storage_name(job.name, self.rank)
         try:
             data = self.copier.gather(job.block_ids)
         except (RuntimeError, ValueError) as e:
-            self._report.store_failures.extend((job.name, t, _reason(e)) for t in job.tiers)
-            return
+            return failures + self._fail(job, usable, FailureReason.IO_ERROR, str(e))
         payload = memoryview(data.numpy()).cast("B")
-        for tier_name in job.tiers:
-            tier = self.tiers.get(tier_name)
-            if tier is None:
-                continue
+        name = storage_name(job.name, self.rank)
+        for tier_name in usable:
             try:
-                tier.put(name, payload)
+                self.tiers[tier_name].put(name, payload)
+            except QueueFull as e:
+                failures += self._fail(job, [tier_name], FailureReason.QUEUE_FULL, str(e))
             except OSError as e:
-                logger.warning("KVLens: storing %s in %s failed: %s", job.name[:12], tier_name, e)
-                self._report.store_failures.append((job.name, tier_name, _reason(e)))
+                reason, detail = classify(e)
+                self.health[tier_name].failed(reason, detail)
+                failures += self._fail(job, [tier_name], reason, detail)
+        return failures
 
+    @staticmethod
+    def _fail(job: StoreJob, tiers: object, reason: FailureReason, detail: str = "") -> list[StoreFailure]:
+        return [StoreFailure(job.request_id, job.name, t, reason, detail) for t in tiers]  # type: ignore[attr-defined]
+
+    # ---- report, health and lifecycle ---------------------------------------------------
     def take_report(self) -> WorkerReport | None:
-        suffix = storage_name("", self.rank)
+        report = self._report
         for tier in self._background:
-            self._report.store_failures.extend(
-                (name.removesuffix(suffix), tier.name, reason) for name, reason in tier.take_failures()
-            )
-        if self._report.is_empty():
+            if tier.stuck():
+                tier.health.failed(FailureReason.TIMEOUT, "a write has not finished")
+            for name, reason, detail in tier.take_failures():
+                report.store_failures.append(StoreFailure("", self._digest(name), tier.name, reason, detail))
+            for name, nbytes in tier.take_kept():
+                report.kept.append(KeptChunk(tier.name, self._digest(name), nbytes))
+        self._probe_skipped_tiers()
+        for name, health in self.health.items():
+            change = health.take_change()
+            if change is not None:
+                report.tier_states[name] = change
+        report.pending_writes = sum(t.pending for t in self._background if t.health.usable())
+        if report.is_empty():
             return None
-        report, self._report = self._report, WorkerReport()
+        self._report = WorkerReport()
         return report
+
+    def _digest(self, name: str) -> str:
+        return name.removesuffix(self._suffix)
+
+    def _probe_skipped_tiers(self) -> None:
+        for tier in self._background:
+            health = tier.health
+            if health.probe_due() and hasattr(tier.inner, "probe"):
+                future = tier.run(tier.inner.probe)  # type: ignore[attr-defined]
+                future.add_done_callback(
+                    lambda f, h=health: h.probe_done(f.exception() is None, str(f.exception()))
+                )
+
+    def tier_states(self) -> dict[str, TierState]:
+        return {name: h.state for name, h in self.health.items()}
 
     def sizes(self) -> dict[str, int]:
         """Internal sizes, for leak-spotting gauges."""
-        pending = sum(t.pending for t in self._background)
-        return {"invalid_block_ids": len(self._failed_blocks), "pending_writes": pending}
+        out = {
+            "invalid_block_ids": len(self._failed_blocks),
+            "pending_writes": sum(t.pending for t in self._background),
+        }
+        cpu = self.tiers.get(CPU)
+        if isinstance(cpu, CpuTier):
+            out["tier_stored_bytes|cpu"] = cpu.used_bytes
+        return out
 
-    def flush(self) -> None:
-        """Wait for every queued background write and delete."""
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait for every queued background write and delete (tests, shutdown)."""
+        return all(tier.drain(timeout_s) for tier in self._background)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
         for tier in self._background:
-            tier.flush()
-
-    def shutdown(self) -> None:
-        for tier in self._background:
-            tier.close()
+            tier.close(timeout_s)
 
 
-def _reason(error: BaseException) -> str:
-    kind = {ChunkMissing: "missing", ChunkCorrupt: "corrupt"}.get(type(error), type(error).__name__)
-    return f"{kind}: {error}" if str(error) else kind
+def _get(tier: Tier | BackgroundTier, name: str) -> memoryview | BaseException:
+    try:
+        return tier.get(name)
+    except Exception as e:  # noqa: BLE001 - a failed read is a value the caller classifies
+        return e

@@ -1,14 +1,15 @@
 """KVLens telemetry: OpenTelemetry spans, Prometheus metrics through vLLM's connector stats,
-per-response cache usage and the failed-load event log.
+and the failed-load event log.
 
-The connector uses ``SchedulerTelemetry`` (scheduler process) and ``WorkerTelemetry``
-(worker processes); ``telemetry.vllm_stats`` holds the vLLM-facing stats classes. Settings
-are read once per process by ``TelemetrySettings.from_env``.
+The connector's facade hands its typed outcomes to ``SchedulerRecorder`` (engine-core
+process) and ``WorkerRecorder`` (worker processes); ``telemetry.vllm_stats`` holds the
+vLLM-facing stats classes. Telemetry never imports the connector at run time and never
+changes what it does. Settings are read once per process by ``TelemetrySettings.from_env``.
 """
 
 from .metrics import METRICS, NAMES
-from .scheduler import SchedulerTelemetry
+from .scheduler_recorder import SchedulerRecorder
 from .settings import TelemetrySettings
-from .worker import WorkerTelemetry
+from .worker_recorder import WorkerRecorder
 
-__all__ = ["METRICS", "NAMES", "SchedulerTelemetry", "TelemetrySettings", "WorkerTelemetry"]
+__all__ = ["METRICS", "NAMES", "SchedulerRecorder", "TelemetrySettings", "WorkerRecorder"]

@@ -10,7 +10,9 @@ Payload layout (string keys only, so it survives pickle and msgpack)::
      "gauges": {"request_trackers": 0, ...},          # the latest value wins
      "histograms": {"operation_seconds|load": [0.002, ...]}}   # observations, concatenated
 
-A wire key is the metric's short key, then its extra label values, joined by ``|``.
+A wire key is the metric's short key, then its extra label values, joined by ``|``. A gauge
+that each tensor-parallel rank reports for itself ends in ``#<rank>``; its series is the sum
+over ranks.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ logger = logging.getLogger("vllm.kvlens")
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 SEP = "|"
+RANK_SEP = "#"
 
 # Latency buckets from 10 us to ~20 s: lookups are microseconds, loads and stores milliseconds.
 SECONDS_BUCKETS = (
@@ -116,14 +119,24 @@ _DEFINITIONS = (
     Metric("load_specs", GAUGE, "Lookup results waiting for vLLM to schedule their request."),
     Metric("pending_saves", GAUGE, "Requests still in prefill whose KV KVLens will store."),
     Metric("unfinished_requests", GAUGE, "Requests KVLens saw allocated and not yet finished."),
-    Metric("invalid_block_ids", GAUGE, "Failed block ids not yet handed to vLLM."),
-    Metric("pending_writes", GAUGE, "Chunk writes and deletes queued for a background tier writer."),
+    Metric("invalid_block_ids", GAUGE, "Failed block ids not yet handed to vLLM (all ranks)."),
+    Metric(
+        "pending_writes", GAUGE, "Chunk writes and deletes queued for background tier writers (all ranks)."
+    ),
+    Metric("suspect_blocks", GAUGE, "vLLM blocks whose load failed and that no step has rewritten yet."),
     Metric("pinned_requests", GAUGE, "Requests holding pins on cached chunks."),
     Metric("pinned_chunks", GAUGE, "Chunks pinned (not evictable) by pending loads, by tier.", ("tier",)),
     Metric("pinned_bytes", GAUGE, "Bytes pinned by pending loads, by tier.", ("tier",)),
     Metric("tier_chunks", GAUGE, "Chunks each tier holds.", ("tier",)),
     Metric("tier_used_bytes", GAUGE, "Bytes each tier holds (one rank's share).", ("tier",)),
     Metric("tier_capacity_bytes", GAUGE, "Byte budget of each tier (one rank's share).", ("tier",)),
+    Metric(
+        "tier_stored_bytes",
+        GAUGE,
+        "Bytes the workers' CPU tiers actually hold (all ranks); equals tier_used_bytes x ranks.",
+        ("tier",),
+    ),
+    Metric("tier_health", GAUGE, "Tier health: 2 healthy, 1 failing (still used), 0 skipped.", ("tier",)),
     Metric("telemetry_open_requests", GAUGE, "Requests KVLens telemetry keeps state for."),
 )
 
@@ -133,6 +146,11 @@ NAMES = frozenset(m.name for m in _DEFINITIONS)
 
 def wire_key(key: str, *labels: str) -> str:
     return SEP.join((key, *labels)) if labels else key
+
+
+def rank_key(key: str, rank: int) -> str:
+    """The wire key of a gauge one rank reports for itself (summed over ranks)."""
+    return f"{key}{RANK_SEP}{rank}"
 
 
 class StatsBuffer:
@@ -205,8 +223,12 @@ def reduce_payload(data: Mapping[str, Any]) -> dict[str, int | float]:
             op = k.split(SEP, 1)[1]
             out[f"{op}_count"] = len(values)
             out[f"{op}_avg_ms"] = round(1000 * sum(values) / len(values), 3)
-    for k, v in sorted(data.get("gauges", {}).items()):
-        out[k.replace(SEP, ":")] = _num(v)
+    gauges: dict[str, float] = {}
+    for k, v in data.get("gauges", {}).items():
+        name = k.partition(RANK_SEP)[0].replace(SEP, ":")
+        gauges[name] = gauges.get(name, 0) + v
+    for k, v in sorted(gauges.items()):
+        out[k] = _num(v)
     return out
 
 
@@ -236,6 +258,7 @@ class PromRecorder:
         self._per_engine = {e: [str(v) for v in vals] for e, vals in per_engine_labelvalues.items()}
         self._families: dict[str, Any] = {}
         self._children: dict[tuple[int, str], Any] = {}
+        self._by_rank: dict[tuple[int, str], dict[str, float]] = {}
         self._warned: set[str] = set()
         cls = {COUNTER: metric_types[Counter], GAUGE: metric_types[Gauge], HISTOGRAM: metric_types[Histogram]}
         for metric in _DEFINITIONS:
@@ -282,9 +305,15 @@ class PromRecorder:
             if child is not None and value > 0:
                 child.inc(value)
         for key, value in data.get("gauges", {}).items():
+            key, _, rank = key.partition(RANK_SEP)
             child = self._child(engine, key)
-            if child is not None:
-                child.set(value)
+            if child is None:
+                continue
+            if rank:
+                ranks = self._by_rank.setdefault((engine, key), {})
+                ranks[rank] = value
+                value = sum(ranks.values())
+            child.set(value)
         for key, values in data.get("histograms", {}).items():
             child = self._child(engine, key)
             if child is not None:

@@ -58,6 +58,7 @@ A_FAILED_BLOCKS = "kvlens.failed_blocks"
 A_FAILED_CHUNKS = "kvlens.failed_chunks"
 A_ATTEMPTS = "kvlens.lookup_attempts"
 A_SCHEDULED = "kvlens.scheduled"
+A_RESUMED = "kvlens.resumed"  # a preempted request looked up again
 A_STEPS = "kvlens.steps"  # engine steps a request's stores spread over
 A_STORE_SECONDS = "kvlens.store_seconds"
 A_RANK = "kvlens.rank"
@@ -93,15 +94,6 @@ def _context_of(traceparent: str, tracestate: str | None) -> Any:
     if tracestate:
         carrier["tracestate"] = tracestate
     return _propagator.extract(carrier)
-
-
-def trace_headers(request: Any) -> dict[str, str] | None:
-    """The request's W3C trace headers (vLLM keeps them only when it traces)."""
-    headers = getattr(request, "trace_headers", None)
-    if not headers:
-        return None
-    kept = {k: v for k, v in headers.items() if k in ("traceparent", "tracestate")}
-    return kept or None
 
 
 def get_tracer(otlp_endpoint: str | None = None) -> Any:

@@ -53,48 +53,37 @@ class KVLensPromMetrics(KVConnectorPromMetrics):
         metric_types: dict[type, type],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
+        tiers: tuple[str, ...] = (),
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._recorder = PromRecorder(metric_types, labelnames, per_engine_labelvalues, _tiers(vllm_config))
+        self._recorder = PromRecorder(metric_types, labelnames, per_engine_labelvalues, tiers)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         self._recorder.observe(transfer_stats_data, engine_idx)
 
 
-def _tiers(vllm_config: Any) -> list[str]:
-    """The configured tiers, so their series exist (at zero) before any traffic."""
-    from connector.config import load_config
-
-    try:
-        config = load_config(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    except Exception as e:  # the engine reports configuration errors; metrics just start empty
-        logger.debug("KVLens: no tiers for metrics: %s", e)
-        return []
-    return [name for name, on in (("cpu", config.local_cpu), ("disk", bool(config.local_disk))) if on]
-
-
-def scheduler_telemetry(vllm_config: Any, scheduler: Any, facts: Any) -> Any:
-    from .scheduler import SchedulerTelemetry
+def scheduler_recorder(vllm_config: Any, engine: str, block_size: int, tiers: tuple[str, ...]) -> Any:
+    from .scheduler_recorder import SchedulerRecorder
     from .settings import TelemetrySettings
 
     kv = vllm_config.kv_transfer_config
-    return SchedulerTelemetry(
-        scheduler,
+    return SchedulerRecorder(
         TelemetrySettings.from_env(vllm_config.observability_config.otlp_traces_endpoint),
         model_name=str(vllm_config.model_config.served_model_name),
-        engine=str(facts.engine_id),
-        block_size=facts.block_size,
+        engine=engine,
+        block_size=block_size,
         recompute_on_failure=getattr(kv, "kv_load_failure_policy", "fail") == "recompute",
+        tiers=tiers,
     )
 
 
-def worker_telemetry(vllm_config: Any, worker: Any, facts: Any) -> Any:
+def worker_recorder(vllm_config: Any, rank: int, block_nbytes: int, sizes: Any) -> Any:
     from .settings import TelemetrySettings
-    from .worker import WorkerTelemetry
+    from .worker_recorder import WorkerRecorder
 
-    return WorkerTelemetry(
+    return WorkerRecorder(
         TelemetrySettings.from_env(vllm_config.observability_config.otlp_traces_endpoint),
-        rank=worker.rank,
-        block_nbytes=facts.block_bytes * facts.num_layers,
-        sizes=worker.sizes,
+        rank=rank,
+        block_nbytes=block_nbytes,
+        sizes=sizes,
     )

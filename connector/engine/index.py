@@ -85,12 +85,13 @@ class TierIndex:
         self._used += nbytes
         return victims
 
-    def add_known(self, key: str, nbytes: int) -> None:
-        """Record a key found in the store (another engine wrote it) as least recently used."""
+    def add_known(self, key: str, nbytes: int, most_recent: bool = False) -> None:
+        """Record a key found in the store (another engine wrote it), at either end of the LRU order."""
         if key in self._entries:
             return
         self._entries[key] = Entry(nbytes)
-        self._entries.move_to_end(key, last=False)
+        if not most_recent:
+            self._entries.move_to_end(key, last=False)
         self._used += nbytes
 
     def remove(self, key: str) -> bool:

@@ -1,12 +1,14 @@
-"""Plain values that cross from the scheduler to the workers and back (picklable, no torch)."""
+"""The per-step plan the scheduler sends to the workers (picklable, no torch)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 CPU = "cpu"
 DISK = "disk"
-TIER_ORDER = (CPU, DISK)  # fastest first: a lookup and a load prefer the earlier tier
+REMOTE = "remote"
+TIER_ORDER = (CPU, DISK, REMOTE)  # fastest first: a lookup and a load prefer the earlier tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +24,7 @@ class ChunkLoad:
 class LoadJob:
     request_id: str
     chunks: tuple[ChunkLoad, ...]
-    trace_context: dict[str, str] | None = None
+    trace_context: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +34,10 @@ class StoreJob:
     block_ids: tuple[int, ...]  # every block of the chunk, in order
     tiers: tuple[str, ...]
     num_tokens: int
-    trace_context: dict[str, str] | None = None  # the request's W3C traceparent/tracestate
+    # Blocks loaded in this same step that this chunk's KV was computed over: if any of them
+    # fails to load, the chunk's KV is wrong and the store is withdrawn.
+    after_loads: tuple[int, ...] = ()
+    trace_context: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,47 +48,23 @@ class Eviction:
 
 @dataclass(slots=True)
 class StepPlan:
-    """What the workers do in one engine step, in this order: loads, evictions, stores."""
+    """What the workers do in one engine step.
+
+    Loads run before the forward pass. ``writes`` (evictions and stores) run after it, in
+    the order the scheduler decided them, so each tier ends the step holding exactly what
+    the scheduler's index says. ``fail_blocks`` are blocks vLLM allocated for tokens KVLens
+    will not load: workers report them as failed so vLLM recomputes them.
+    """
 
     loads: list[LoadJob] = field(default_factory=list)
-    evictions: list[Eviction] = field(default_factory=list)
-    stores: list[StoreJob] = field(default_factory=list)
+    writes: list[StoreJob | Eviction] = field(default_factory=list)
+    fail_blocks: list[int] = field(default_factory=list)
+    drain: bool = False  # no request is running: let background writes finish and report
 
+    @property
+    def stores(self) -> list[StoreJob]:
+        return [w for w in self.writes if isinstance(w, StoreJob)]
 
-@dataclass(slots=True)
-class LoadOutcome:
-    """How one request's load went on one worker (merged across tensor-parallel ranks)."""
-
-    tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    failed_chunks: list[tuple[str, str, str]] = field(default_factory=list)  # name, tier, reason
-    failed_block_ids: list[int] = field(default_factory=list)
-    nbytes: int = 0
-    seconds: float = 0.0
-
-    def merge(self, other: LoadOutcome) -> None:
-        for tier, n in other.tokens_by_tier.items():
-            self.tokens_by_tier[tier] = min(self.tokens_by_tier.get(tier, n), n)
-        self.failed_chunks.extend(c for c in other.failed_chunks if c not in self.failed_chunks)
-        self.failed_block_ids = sorted(set(self.failed_block_ids) | set(other.failed_block_ids))
-        self.nbytes += other.nbytes
-        self.seconds = max(self.seconds, other.seconds)
-
-
-@dataclass(slots=True)
-class WorkerReport:
-    """Worker to scheduler, once per step: finished loads and failed stores."""
-
-    loads: dict[str, LoadOutcome] = field(default_factory=dict)
-    store_failures: list[tuple[str, str, str]] = field(default_factory=list)  # name, tier, reason
-
-    def is_empty(self) -> bool:
-        return not (self.loads or self.store_failures)
-
-    def merge(self, other: WorkerReport) -> WorkerReport:
-        for req_id, outcome in other.loads.items():
-            if req_id in self.loads:
-                self.loads[req_id].merge(outcome)
-            else:
-                self.loads[req_id] = outcome
-        self.store_failures.extend(other.store_failures)
-        return self
+    @property
+    def evictions(self) -> list[Eviction]:
+        return [w for w in self.writes if isinstance(w, Eviction)]

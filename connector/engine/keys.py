@@ -111,55 +111,76 @@ def chunk_keys(
 
 
 def block_aligned_keys(
-    parent: bytes, tokens: Sequence[int], start: int, chunk_size: int, block_size: int
+    parent: bytes, chunk_tokens: Sequence[int], start: int, chunk_size: int, block_size: int
 ) -> list[ChunkKey]:
-    """Keys for the whole-block prefixes of the chunk at ``start``, longest first.
+    """Keys for the whole-block prefixes of one unfull chunk (``chunk_tokens``, starting at
+    token ``start``), longest first.
 
     A chunk that is not (yet) complete can still be shared block by block: a later prompt
     that extends this one finds the blocks it has in common instead of recomputing up to a
     whole chunk.
     """
-    end = min(len(tokens), start + chunk_size)
+    n = min(len(chunk_tokens), chunk_size)
     keys = []
-    for length in range((end - start) // block_size * block_size, 0, -block_size):
+    for length in range(n // block_size * block_size, 0, -block_size):
         if length < chunk_size:
-            keys.append(ChunkKey(chain(parent, tokens[start : start + length]), start, length))
+            keys.append(ChunkKey(chain(parent, chunk_tokens[:length]), start, length))
     return keys
 
 
 class PrefixHasher:
-    """Incremental chunk keys for one request, so growing token lists hash each chunk once."""
+    """Chunk keys of one request's tokens, hashed incrementally: each chunk once, ever.
 
-    __slots__ = ("_namespace", "_chunk_size", "_full", "_hashed")
+    A request's token list only grows (vLLM appends generated tokens; a rollback after a
+    failed load changes which tokens are computed, never their values), so the keys of the
+    chunks hashed so far stay valid and each call hashes only chunks not seen before.
+    """
+
+    __slots__ = ("_namespace", "_seed", "_chunk_size", "_full")
 
     def __init__(self, namespace: Namespace, chunk_size: int) -> None:
         self._namespace = namespace
+        self._seed = namespace.seed()
         self._chunk_size = chunk_size
         self._full: list[ChunkKey] = []
-        self._hashed: list[int] = []  # the tokens behind self._full
 
     @property
     def namespace(self) -> Namespace:
         return self._namespace
 
+    @property
+    def hashed_tokens(self) -> int:
+        return len(self._full) * self._chunk_size
+
     def parent_of(self, key: ChunkKey | None) -> bytes:
         """The chain value a chunk following ``key`` (or the first chunk) hashes from."""
-        return key.digest if key is not None else self._namespace.seed()
+        return key.digest if key is not None else self._seed
 
-    def keys(self, tokens: Sequence[int], include_partial: bool) -> list[ChunkKey]:
+    def extend(self, tokens: Sequence[int], upto: int) -> None:
+        """Hash the whole chunks of ``tokens[:upto]`` not hashed yet (slicing only those)."""
         size = self._chunk_size
-        full_end = len(tokens) - len(tokens) % size
-        if self._hashed != list(tokens[: len(self._hashed)]):
-            # Tokens were rolled back or replaced: start over rather than trust old keys.
-            self._full, self._hashed = [], []
-        parent = self._full[-1].digest if self._full else self._namespace.seed()
-        for start in range(len(self._full) * size, full_end, size):
+        end = min(upto, len(tokens))
+        parent = self._full[-1].digest if self._full else self._seed
+        for start in range(len(self._full) * size, end - size + 1, size):
             parent = chain(parent, tokens[start : start + size])
             self._full.append(ChunkKey(parent, start, size))
-        self._hashed = list(tokens[:full_end]) if full_end > len(self._hashed) else self._hashed
-        keys = list(self._full)
-        if include_partial and full_end < len(tokens):
-            keys.append(ChunkKey(chain(parent, tokens[full_end:]), full_end, len(tokens) - full_end))
+
+    def full_keys(self, start: int = 0, end: int | None = None) -> list[ChunkKey]:
+        """Hashed whole-chunk keys ending after ``start`` and at or before ``end``."""
+        size = self._chunk_size
+        first = start // size
+        last = len(self._full) if end is None else min(len(self._full), end // size)
+        return self._full[first:last]
+
+    def keys(self, tokens: Sequence[int], include_partial: bool, upto: int | None = None) -> list[ChunkKey]:
+        """Keys of every whole chunk of ``tokens[:upto]`` and, if asked, of its unfull tail."""
+        n = len(tokens) if upto is None else min(upto, len(tokens))
+        self.extend(tokens, n)
+        full_end = n - n % self._chunk_size
+        keys = self.full_keys(0, full_end)
+        if include_partial and full_end < n:
+            parent = self.parent_of(keys[-1] if keys else None)
+            keys.append(ChunkKey(chain(parent, tokens[full_end:n]), full_end, n - full_end))
         return keys
 
 

@@ -1,12 +1,21 @@
-"""Per-request state on the scheduler and the pure planning of loads and stores."""
+"""Per-request state on the scheduler and the pure planning of loads and stores.
+
+``RequestTracker`` is the one record per request: what vLLM has computed, what KVLens stored,
+and what KVLens did for it (hits, loads, failures), which becomes the response's usage.
+Per-step work is proportional to the step's new tokens: chunk keys are hashed once, stores
+resume where the last step stopped, and a decoding request with nothing left to store costs
+a couple of comparisons.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from .jobs import ChunkLoad
-from .keys import ChunkKey, PrefixHasher, block_aligned_keys
+from .keys import ChunkKey, PrefixHasher, block_aligned_keys, chain
+from .outcomes import LoadOutcome, MissReason, SaveSkipReason
 
 
 def cdiv(a: int, b: int) -> int:
@@ -27,8 +36,10 @@ class LookupResult:
     hit_tokens: int  # tokens KVLens holds for this prompt (num_lmcache_cached_tokens)
     vllm_cached_tokens: int  # block-aligned tokens vLLM already had
     num_external_tokens: int  # tokens KVLens will load (what the lookup returned)
-    miss_reason: str | None = None
+    miss_reason: MissReason | None = None
+    attempts: int = 1
     can_load: bool = False  # set once vLLM allocated blocks for the external tokens
+    unloadable_tokens: int = 0  # external tokens vLLM allocated beyond what KVLens can load
 
     @property
     def load_end(self) -> int:
@@ -82,84 +93,141 @@ def plan_chunk_loads(
 
 
 @dataclass(slots=True)
+class StorePolicy:
+    chunk_size: int
+    block_size: int
+    save_partial: bool  # the exact unfull tail of a prompt (save_unfull_chunk)
+    block_tails: bool  # the unfull tail cut to whole blocks (block_granular_tails)
+    save_decode: bool
+
+
+@dataclass(slots=True)
 class RequestTracker:
-    """What the scheduler knows about one scheduled request."""
+    """What the scheduler knows about one scheduled request, and what KVLens did for it."""
 
     request_id: str
     prompt_len: int
     hasher: PrefixHasher
-    tokens: list[int]  # tokens whose KV exists once the current step has run
     block_ids: list[int]
+    computed: int  # tokens whose KV exists once the current step has run
     saved_tokens: int  # chunks ending at or before this are stored (or known stored)
+    save_skip_reason: SaveSkipReason | None = None
+    trace_context: dict[str, str] | None = None
+    tails_done: bool = False
+    # usage, reported in the response
+    vllm_cached_tokens: int = 0
     hit_tokens: int = 0
-    save_skip_reason: str | None = None
-    stored_chunks: int = 0
-    loaded_tokens: int = 0
+    planned_load_tokens: int = 0
+    loaded_tokens: dict[str, int] = field(default_factory=dict)
+    load_seconds: float = 0.0
+    load_pending: bool = False
     failed_blocks: int = 0
-    miss_reason: str | None = None
+    recomputed_tokens: int = 0
+    miss_reason: MissReason | None = None
+    stored_chunks: int = 0
 
     @property
     def prefill_done(self) -> bool:
-        return len(self.tokens) >= self.prompt_len
+        return self.computed >= self.prompt_len
 
-    def advance(self, all_token_ids: Sequence[int], num_computed: int, num_scheduled: int) -> None:
+    def advance(self, num_computed: int, num_scheduled: int, num_tokens: int) -> None:
         """Follow vLLM's view: ``num_computed`` tokens done, ``num_scheduled`` more this step.
 
-        A smaller ``num_computed`` than we tracked means vLLM rolled the request back
-        (failed blocks); stored chunks past the rollback are forgotten so they are redone.
+        A smaller ``num_computed`` than tracked means vLLM rolled the request back (failed
+        blocks): chunks past the rollback are planned again.
         """
-        if num_computed < len(self.tokens):
-            del self.tokens[num_computed:]
+        if num_computed < self.computed:
             self.saved_tokens = min(self.saved_tokens, num_computed)
-        target = min(num_computed + num_scheduled, len(all_token_ids))
-        if len(self.tokens) < target:
-            self.tokens.extend(all_token_ids[len(self.tokens) : target])
+            if num_computed < self.prompt_len:
+                self.tails_done = False
+        self.computed = min(num_computed + num_scheduled, num_tokens)
 
     def resume(
-        self,
-        all_token_ids: Sequence[int],
-        block_ids: Sequence[int],
-        num_computed: int,
-        num_scheduled: int,
-        hit_tokens: int,
+        self, block_ids: Sequence[int], num_computed: int, num_scheduled: int, num_tokens: int
     ) -> None:
-        """A preempted request came back with new blocks; its KV must be rebuilt from there."""
+        """A preempted request came back with new blocks; its KV is rebuilt from there."""
         self.block_ids = list(block_ids)
-        self.tokens = list(all_token_ids[: min(num_computed + num_scheduled, len(all_token_ids))])
-        self.saved_tokens = hit_tokens
-        self.hit_tokens = max(self.hit_tokens, hit_tokens)
+        self.computed = min(num_computed + num_scheduled, num_tokens)
+        self.saved_tokens = min(self.saved_tokens, num_computed)
+        self.tails_done = self.tails_done and num_computed >= self.prompt_len
 
-    def store_candidates(
-        self, chunk_size: int, save_partial: bool, save_decode: bool, block_size: int = 0
-    ) -> list[ChunkKey]:
-        """Chunks whose KV is complete after this step and not yet stored.
+    def store_candidates(self, tokens: Sequence[int], policy: StorePolicy) -> list[ChunkKey]:
+        """Chunks whose KV is complete after this step and not stored yet, in prefix order.
 
-        At the end of the prompt, its unfull tail is stored too: cut to whole blocks when
-        ``block_size`` is given (shareable by longer prompts), whole when ``save_partial``.
+        ``tokens`` is the request's token list (vLLM's ``all_token_ids``); only the part
+        not hashed before is read. At the end of the prompt its unfull tail is stored too,
+        once: cut to whole blocks, and whole when ``save_partial``.
         """
         if self.save_skip_reason is not None:
             return []
-        tokens: Sequence[int] = self.tokens if save_decode else self.tokens[: self.prompt_len]
-        keys = self.hasher.keys(tokens, include_partial=False)
-        tail_start = self.prompt_len - self.prompt_len % chunk_size
-        if self.prefill_done and tail_start < self.prompt_len:
-            prompt = self.tokens[: self.prompt_len]
-            full = [k for k in self.hasher.keys(prompt, include_partial=False)]
-            parent = self.hasher.parent_of(full[-1] if full else None)
-            tails: list[ChunkKey] = []
-            if block_size:
-                tails += block_aligned_keys(parent, prompt, tail_start, chunk_size, block_size)[:1]
-            if save_partial:
-                exact = self.hasher.keys(prompt, include_partial=True)[-1]
-                tails = [k for k in tails if k.num_tokens < exact.num_tokens] + [exact]
-            # Decode tokens only ever fill whole chunks; the prompt's tails go in start order.
-            keys = (
-                [k for k in keys if k.end <= tail_start] + tails + [k for k in keys if k.start >= tail_start]
-            )
+        size = policy.chunk_size
+        limit = self.computed if policy.save_decode else min(self.computed, self.prompt_len)
+        tail_start = self.prompt_len - self.prompt_len % size
+        full_end = limit - limit % size
+        if self.saved_tokens >= full_end and (self.tails_done or not self.prefill_done):
+            return []  # nothing new: the decode fast path
+        self.hasher.extend(tokens, limit)
+        keys = self.hasher.full_keys(self.saved_tokens, full_end)
+        if self.prefill_done and not self.tails_done:
+            self.tails_done = True
+            tails = self._tails(tokens, policy, tail_start)
+            if tails:
+                before = [k for k in keys if k.end <= tail_start]
+                after = [k for k in keys if k.start >= tail_start]
+                keys = before + tails + after
         return [k for k in keys if k.end > self.saved_tokens]
+
+    def _tails(self, tokens: Sequence[int], policy: StorePolicy, tail_start: int) -> list[ChunkKey]:
+        if tail_start >= self.prompt_len:
+            return []
+        self.hasher.extend(tokens, tail_start)
+        full = self.hasher.full_keys(0, tail_start)
+        parent = self.hasher.parent_of(full[-1] if full else None)
+        prompt_tail = tokens[tail_start : self.prompt_len]
+        tails: list[ChunkKey] = []
+        if policy.block_tails:
+            tails += block_aligned_keys(
+                parent, prompt_tail, tail_start, policy.chunk_size, policy.block_size
+            )[:1]
+        if policy.save_partial:
+            exact = ChunkKey(chain(parent, prompt_tail), tail_start, len(prompt_tail))
+            tails = [k for k in tails if k.num_tokens < exact.num_tokens] + [exact]
+        return tails
 
     def blocks_of(self, key: ChunkKey, block_size: int) -> tuple[int, ...] | None:
         first, end = key.start // block_size, cdiv(key.end, block_size)
         if end > len(self.block_ids):
             return None
         return tuple(self.block_ids[first:end])
+
+    # ---- usage ----------------------------------------------------------------------
+    def planned_load(self, tokens: int) -> None:
+        self.planned_load_tokens = tokens
+        self.load_pending = tokens > 0
+
+    def record_load(self, outcome: LoadOutcome) -> int:
+        """Merge a load outcome; returns the tokens vLLM recomputes because of it."""
+        loaded = outcome.tokens_by_tier()
+        for tier, n in loaded.items():
+            self.loaded_tokens[tier] = self.loaded_tokens.get(tier, 0) + n
+        self.load_seconds += outcome.seconds
+        self.load_pending = False
+        if not outcome.failed_block_ids:
+            return 0
+        self.failed_blocks += len(outcome.failed_block_ids)
+        affected = max(self.planned_load_tokens - sum(loaded.values()), 0)
+        self.recomputed_tokens += affected
+        return affected
+
+    def usage(self) -> dict[str, Any]:
+        """The ``kvlens`` object of the response's ``kv_transfer_params``."""
+        return {
+            "vllm_cached_tokens": self.vllm_cached_tokens,
+            "hit_tokens": self.hit_tokens,
+            "loaded_tokens": dict(self.loaded_tokens),
+            "load_ms": round(self.load_seconds * 1000, 3),
+            "failed_blocks": self.failed_blocks,
+            "recomputed_tokens": self.recomputed_tokens,
+            "miss_reason": self.miss_reason.value if self.miss_reason else None,
+            "save_skip_reason": self.save_skip_reason.value if self.save_skip_reason else None,
+        }

@@ -1,99 +1,243 @@
-"""Puts and deletes of a slow tier (disk, later remote) off the engine's step loop.
+"""A slow tier (disk, remote) used from the engine's step loop without ever blocking it.
 
-One background thread applies them in the order they were issued, so a delete never overtakes
-the write it follows. A ``get`` of a name with a write still queued waits for that write, so a
-load planned after a store always finds it. Failed writes are collected for the worker's report;
-the scheduler then drops those chunks from its index.
+Writes and deletes run on one daemon thread in the order they were issued, so a delete never
+overtakes the write it follows. Queued payloads are bounded in bytes: a write that does not
+fit is refused at once (``QueueFull``), never waited for. Reads run on a small pool of daemon
+threads and are waited for at most ``timeout_s``; a read of a name whose write is still queued
+first waits for that write, within the same bound. A tier that stops answering therefore
+costs failed blocks and a health state change, never a hung engine. Threads are daemons and
+``close`` waits a bounded time, so a hung disk cannot hang the process's exit either.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
+import time
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import Any
 
-from .base import Tier
+from ..engine.health import TierHealth
+from ..engine.outcomes import FailureReason
+from .base import Tier, classify
 
 logger = logging.getLogger("vllm.kvlens")
 
 
-class BackgroundWrites:
-    def __init__(self, inner: Tier, max_pending: int = 64) -> None:
-        self.name = inner.name
-        self._inner = inner
-        self._max_pending = max_pending
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvlens-{inner.name}-writes")
-        self._lock = threading.Lock()
-        self._latest: dict[str, Future[None]] = {}  # name -> its most recent queued operation
-        self._queued: deque[Future[None]] = deque()
-        self._failures: list[tuple[str, str]] = []  # (name, reason)
+class QueueFull(Exception):
+    """The tier's write queue holds its limit in bytes; the store is dropped."""
 
+
+class _Op:
+    __slots__ = ("kind", "name", "payload", "done", "started")
+
+    def __init__(self, kind: str, name: str, payload: memoryview | None = None) -> None:
+        self.kind, self.name, self.payload = kind, name, payload
+        self.done = threading.Event()
+        self.started = 0.0
+
+
+class BackgroundTier:
+    def __init__(
+        self,
+        inner: Tier,
+        health: TierHealth,
+        timeout_s: float = 5.0,
+        max_pending_bytes: int = 512 * 1024**2,
+        readers: int = 2,
+    ) -> None:
+        self.name = inner.name
+        self.inner = inner
+        self.health = health
+        self.timeout_s = timeout_s
+        self._max_pending_bytes = max_pending_bytes
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._ops: deque[_Op] = deque()
+        self._current: _Op | None = None
+        self._latest_write: dict[str, _Op] = {}
+        self._pending_bytes = 0
+        self._failures: list[tuple[str, FailureReason, str]] = []
+        self._kept: list[tuple[str, int]] = []  # deletes the tier declined: (name, bytes kept)
+        self._closed = False
+        self._writer = threading.Thread(
+            target=self._write_loop, name=f"kvlens-{self.name}-writer", daemon=True
+        )
+        self._writer.start()
+        self._reads: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._readers = [
+            threading.Thread(target=self._read_loop, name=f"kvlens-{self.name}-reader", daemon=True)
+            for _ in range(readers)
+        ]
+        for t in self._readers:
+            t.start()
+
+    # ---- writes -------------------------------------------------------------------------
     @property
     def pending(self) -> int:
         with self._lock:
-            return len(self._latest)
+            return len(self._ops) + (self._current is not None)
 
     def put(self, name: str, payload: memoryview) -> int:
-        """Queue the write (the payload must stay unchanged until written); returns its size."""
-        self._submit(name, self._write, name, payload)
+        """Queue the write (the payload must stay unchanged until written); its size."""
+        with self._lock:
+            if self._closed or self._pending_bytes + payload.nbytes > self._max_pending_bytes:
+                raise QueueFull(f"{self._pending_bytes} bytes queued for {self.name}")
+            op = _Op("put", name, payload)
+            self._pending_bytes += payload.nbytes
+            self._latest_write[name] = op
+            self._ops.append(op)
+            self._wake.notify()
         return payload.nbytes
 
     def delete(self, name: str) -> None:
-        self._submit(name, self._delete, name)
-
-    def get(self, name: str) -> memoryview:
         with self._lock:
-            queued = self._latest.get(name)
-        if queued is not None:
-            queued.result()
-        return self._inner.get(name)
+            self._ops.append(_Op("delete", name))
+            self._wake.notify()
 
-    def clear(self) -> None:
-        self.flush()
-        self._inner.clear()
-
-    def flush(self) -> None:
-        """Wait until every queued operation is done."""
-        while self._queued:
-            self._queued.popleft().result()
-
-    def take_failures(self) -> list[tuple[str, str]]:
+    def take_failures(self) -> list[tuple[str, FailureReason, str]]:
         with self._lock:
             failures, self._failures = self._failures, []
         return failures
 
-    def close(self) -> None:
-        self.flush()
-        self._pool.shutdown(wait=True)
-
-    def _submit(self, name: str, op: Callable[..., None], *args: object) -> None:
-        while self._queued and self._queued[0].done():
-            self._queued.popleft()
-        while len(self._queued) >= self._max_pending:  # back-pressure: bound the held payloads
-            self._queued.popleft().result()
-        future = self._pool.submit(op, *args)
+    def take_kept(self) -> list[tuple[str, int]]:
         with self._lock:
-            self._latest[name] = future
-        future.add_done_callback(lambda f, n=name: self._forget(n, f))
-        self._queued.append(future)
+            kept, self._kept = self._kept, []
+        return kept
 
-    def _forget(self, name: str, future: Future[None]) -> None:
+    def stuck(self) -> bool:
+        """True when the operation in flight has run longer than the timeout."""
+        op = self._current
+        return op is not None and op.started and time.monotonic() - op.started > self.timeout_s
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every queued operation is done; False if that took longer than allowed."""
+        deadline = time.monotonic() + timeout_s
         with self._lock:
-            if self._latest.get(name) is future:
-                del self._latest[name]
+            while self._ops or self._current is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._wake.wait(min(left, 0.05))
+        return True
 
-    def _write(self, name: str, payload: memoryview) -> None:
-        try:
-            self._inner.put(name, payload)
-        except Exception as e:  # noqa: BLE001 - any failure is a failed store, never a crash
-            logger.warning("KVLens: storing %s in %s failed: %s", name[:12], self.name, e)
+    def _write_loop(self) -> None:
+        while True:
             with self._lock:
-                self._failures.append((name, f"{type(e).__name__}: {e}"))
+                while not self._ops and not self._closed:
+                    self._wake.wait()
+                if not self._ops:
+                    return
+                op = self._current = self._ops.popleft()
+                op.started = time.monotonic()
+            try:
+                self._apply(op)
+            finally:
+                with self._lock:
+                    self._current = None
+                    if op.kind == "put":
+                        self._pending_bytes -= op.payload.nbytes if op.payload is not None else 0
+                        op.payload = None
+                        if self._latest_write.get(op.name) is op:
+                            del self._latest_write[op.name]
+                    op.done.set()
+                    self._wake.notify_all()
 
-    def _delete(self, name: str) -> None:
+    def _apply(self, op: _Op) -> None:
         try:
-            self._inner.delete(name)
-        except OSError as e:
-            logger.warning("KVLens: evicting %s from %s failed: %s", name[:12], self.name, e)
+            if op.kind == "put":
+                assert op.payload is not None
+                self.inner.put(op.name, op.payload)
+            elif self.inner.delete(op.name) is False:
+                size = getattr(self.inner, "stored_size", lambda _n: 0)(op.name)
+                with self._lock:
+                    self._kept.append((op.name, size))
+        except Exception as e:  # noqa: BLE001 - any failure is a failed store, never a crash
+            reason, detail = classify(e)
+            self.health.failed(reason, detail)
+            if op.kind == "put":
+                with self._lock:
+                    self._failures.append((op.name, reason, detail))
+            else:
+                logger.debug("KVLens: deleting %s from %s failed: %s", op.name[:12], self.name, detail)
+            return
+        self.health.succeeded()
+
+    # ---- reads --------------------------------------------------------------------------
+    def get(self, name: str) -> memoryview:
+        result = next(self.get_many([name]))
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def get_many(self, names: Sequence[str]) -> Iterator[memoryview | BaseException]:
+        """Each payload (or the error reading it), in order; all reads start at once.
+
+        The reads share one deadline of ``timeout_s`` from the call; one that misses it
+        yields a ``TimeoutError``.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        futures = [self._submit_read(name) for name in names]
+        for future in futures:
+            try:
+                yield future.result(timeout=max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                yield TimeoutError(f"{self.name} read took over {self.timeout_s:g} s")
+            except Exception as e:  # noqa: BLE001 - handed to the caller as a value
+                yield e
+
+    def _submit_read(self, name: str) -> Future[memoryview]:
+        with self._lock:
+            write = self._latest_write.get(name)
+        future: Future[memoryview] = Future()
+
+        def read() -> memoryview:
+            if write is not None:
+                write.done.wait()
+            return self.inner.get(name)
+
+        self._reads.put((future, read))
+        return future
+
+    def run(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run ``fn`` on a reader thread (probes): the caller decides how long to wait."""
+        future: Future[Any] = Future()
+        self._reads.put((future, fn))
+        return future
+
+    def _read_loop(self) -> None:
+        while True:
+            item = self._reads.get()
+            if item is None:
+                return
+            future, fn = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - delivered to the waiting caller
+                future.set_exception(e)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def clear(self) -> None:
+        self.run(self.inner.clear)
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Finish queued writes within ``timeout_s`` (dropping the rest) and stop the threads."""
+        drained = self.drain(timeout_s)
+        with self._lock:
+            self._closed = True
+            dropped = len(self._ops)
+            self._ops.clear()
+            self._wake.notify_all()
+        if dropped:
+            logger.warning("KVLens: %d queued %s writes dropped at shutdown", dropped, self.name)
+        for _ in self._readers:
+            self._reads.put(None)
+        left = max(timeout_s, 0.1)
+        for t in (self._writer, *self._readers):
+            t.join(timeout=left if t is self._writer else 0.1)
+        return drained

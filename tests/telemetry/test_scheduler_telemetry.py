@@ -8,10 +8,11 @@ from types import SimpleNamespace
 
 from connector.config import load_config
 from connector.engine.facts import EngineFacts
-from connector.engine.jobs import CPU, LoadOutcome, WorkerReport
+from connector.engine.jobs import CPU
+from connector.engine.outcomes import ChunkLoadResult, FailureReason, LoadOutcome, StoreFailure, WorkerReport
 from connector.scheduler import ConnectorScheduler
 from telemetry import tracing
-from telemetry.scheduler import SchedulerTelemetry
+from telemetry.scheduler_recorder import SchedulerRecorder
 from telemetry.settings import TelemetrySettings
 
 from ..unit import fakes
@@ -20,6 +21,33 @@ from .serve import free_port
 BLOCK, BLOCK_BYTES, LAYERS = 128, 1000, 2
 PROMPT = list(range(1000, 1600))  # 600 tokens: two whole 256-token chunks and a tail
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+class Wired:
+    """The scheduler half and its recorder, wired as the connector's facade wires them."""
+
+    def __init__(self, sched: ConnectorScheduler, rec: SchedulerRecorder) -> None:
+        self.sched, self.rec = sched, rec
+
+    def lookup(self, req, num_computed=0):
+        with self.rec.lookup(req.request_id):
+            return self.sched.lookup(req, num_computed)
+
+    def after_alloc(self, req, n):
+        self.rec.lookup_final(self.sched.after_alloc(req, n))
+
+    def report(self, report: WorkerReport):
+        recomputed = self.sched.on_worker_report(report)
+        self.rec.loads_reported(report.loads, recomputed, report.store_failures)
+
+    def finish(self, req):
+        result = self.sched.finish(req)
+        self.rec.finished(req.request_id, result.unscheduled_lookup)
+        return result.params
+
+    def stats(self):
+        s = self.sched
+        return self.rec.stats(s.sizes(), not s.unfinished, s.take_evictions())
 
 
 def make(tmp_path, tracing_on=False, metrics=True, recompute=True, **env):
@@ -36,11 +64,12 @@ def make(tmp_path, tracing_on=False, metrics=True, recompute=True, **env):
             **env,
         },
     )
-    return sched, SchedulerTelemetry(sched, settings, "tiny", "0", BLOCK, recompute)
+    w = Wired(sched, SchedulerRecorder(settings, "tiny", "0", BLOCK, recompute, ("cpu",)))
+    return w, w
 
 
 def request(rid, tokens, **kw):
-    return fakes.request(rid, tokens, **{"num_prompt_tokens": len(tokens), "trace_headers": None, **kw})
+    return fakes.request(rid, tokens, **{"trace_headers": None, **kw})
 
 
 def step(req, block_ids, num_computed, num_scheduled):
@@ -58,33 +87,30 @@ def step(req, block_ids, num_computed, num_scheduled):
     )
 
 
-def admit(sched, tel, req, block_ids):
+def admit(w, _tel, req, block_ids):
     """What the connector does for one request's first step; returns the step's plan."""
-    with tel.lookup(req):
-        need = sched.lookup(req, 0)
-    sched.after_alloc(req, need)
-    tel.after_alloc(req)
-    plan = sched.build_plan(step(req, block_ids, need, req.num_tokens - need))
-    tel.on_plan(plan)
-    return plan
+    need = w.lookup(req)
+    w.after_alloc(req, need)
+    return w.sched.build_plan(step(req, block_ids, need, req.num_tokens - need))
 
 
-def finish(sched, tel, req):
-    return tel.finished(req, sched.finish(req))
+def finish(w, _tel, req):
+    return w.finish(req)
 
 
 def loaded(plan, failed=()):
     job = plan.loads[0]
-    tokens = sum(c.num_tokens for c in job.chunks)
-    if failed:
-        return WorkerReport(
-            loads={
-                job.request_id: LoadOutcome(
-                    {}, [(job.chunks[0].name, CPU, "missing: gone")], list(failed), 0, 0.001
-                )
-            }
-        )
-    return WorkerReport(loads={job.request_id: LoadOutcome({CPU: tokens}, [], [], 4096, 0.002)})
+    out = LoadOutcome(job.request_id, nbytes=0 if failed else 4096, seconds=0.001 if failed else 0.002)
+    for i, c in enumerate(job.chunks):
+        r = ChunkLoadResult(c.name, c.tier, c.num_tokens)
+        if failed:
+            r.reason = FailureReason.MISSING if i == 0 else FailureReason.PREFIX_FAILED
+            r.detail = "gone" if i == 0 else ""
+        else:
+            r.tier = c.tier
+        out.chunks.append(r)
+    out.failed_block_ids = list(failed)
+    return WorkerReport(loads={job.request_id: out})
 
 
 def test_response_carries_the_kvlens_breakdown(tmp_path):
@@ -95,7 +121,7 @@ def test_response_carries_the_kvlens_breakdown(tmp_path):
     assert params["kvlens"]["miss_reason"] == "not_stored" and params["kvlens"]["loaded_tokens"] == {}
     b = request("b", PROMPT[:512] + [7] * 40)
     plan = admit(sched, tel, b, range(20, 25))
-    tel.on_worker_report(loaded(plan))
+    tel.report(loaded(plan))
     params = finish(sched, tel, b)
     assert params["num_lmcache_cached_tokens"] == 512
     assert params["kvlens"] == {
@@ -119,7 +145,7 @@ def test_a_request_finished_before_its_load_report_still_gets_the_breakdown(tmp_
     plan = admit(sched, tel, b, range(20, 25))
     params = finish(sched, tel, b)
     assert params["kvlens"]["loaded_tokens"] == {}
-    tel.on_worker_report(loaded(plan))  # same update_from_output, before the output is sent
+    tel.report(loaded(plan))  # same update_from_output, before the output is sent
     assert params["kvlens"]["loaded_tokens"] == {"cpu": 512}
 
 
@@ -130,7 +156,7 @@ def test_failed_load_is_written_to_the_event_log_and_counted(tmp_path):
     tel.stats()
     b = request("b", PROMPT)
     plan = admit(sched, tel, b, range(20, 25))
-    tel.on_worker_report(loaded(plan, failed=[20, 21, 22, 23]))
+    tel.report(loaded(plan, failed=[20, 21, 22, 23]))
     params = finish(sched, tel, b)
     assert params["kvlens"]["failed_blocks"] == 4 and params["kvlens"]["recomputed_tokens"] == 512
     (line,) = (tmp_path / "events.jsonl").read_text().splitlines()
@@ -143,7 +169,7 @@ def test_failed_load_is_written_to_the_event_log_and_counted(tmp_path):
 
 
 def test_lookup_metrics_and_gauges_return_to_zero_when_drained(tmp_path, monkeypatch):
-    monkeypatch.setattr("telemetry.scheduler.GAUGE_INTERVAL_S", 0.0)
+    monkeypatch.setattr("telemetry.scheduler_recorder.GAUGE_INTERVAL_S", 0.0)
     sched, tel = make(tmp_path)
     a = request("a", PROMPT)
     admit(sched, tel, a, range(10, 15))
@@ -157,8 +183,7 @@ def test_lookup_metrics_and_gauges_return_to_zero_when_drained(tmp_path, monkeyp
     plan = admit(sched, tel, b, range(20, 25))
     during = tel.stats()
     assert during["gauges"]["pinned_chunks|cpu"] == 2 and during["counters"]["hit_tokens|cpu"] == 512
-    tel.on_worker_report(loaded(plan))
-    sched.on_worker_report(loaded(plan))
+    tel.report(loaded(plan))
     finish(sched, tel, b)
     drained = tel.stats()["gauges"]
     for key in (
@@ -178,8 +203,7 @@ def test_request_never_scheduled_gets_its_lookup_span_at_finish(tmp_path, spans)
     sched, tel = make(tmp_path, tracing_on=True)
     a = request("a", PROMPT, trace_headers={"traceparent": TRACEPARENT})
     for _ in range(3):  # vLLM asks again each step while the request waits
-        with tel.lookup(a):
-            sched.lookup(a, 0)
+        tel.lookup(a)
     finish(sched, tel, a)
     (span,) = spans.get_finished_spans()
     assert span.name == "kvlens.lookup"
@@ -211,14 +235,14 @@ def test_with_telemetry_off_lookups_are_not_timed_and_nothing_is_shipped(tmp_pat
     sched, tel = make(tmp_path, tracing_on=False, metrics=False)
     a = request("a", PROMPT, trace_headers={"traceparent": TRACEPARENT})
     plan = admit(sched, tel, a, range(10, 15))
-    assert not tel._lookups and all(j.trace_context is None for j in plan.stores)
+    assert not tel.rec._timings
     assert tel.stats() is None and not spans.get_finished_spans()
     assert "kvlens" in finish(sched, tel, a)  # the response breakdown is not telemetry
 
 
 def test_evictions_are_counted_per_tier(tmp_path):
     sched, tel = make(tmp_path)
-    index = sched.tiers[CPU]
+    index = sched.sched.tiers[CPU]
     index.evictions += 3
     assert tel.stats()["counters"]["evictions|cpu"] == 3
     assert "evictions|cpu" not in (tel.stats() or {}).get("counters", {})
@@ -230,18 +254,18 @@ def test_offline_exporter_serves_scheduler_and_worker_metrics_on_localhost(tmp_p
     try:
         admit(sched, tel, request("a", PROMPT), range(10, 15))
         assert tel.stats() is None  # not handed to vLLM: only the exporter gets it
-        tel.on_worker_stats({"counters": {"store_tokens|cpu": 512}})
+        tel.rec.on_worker_stats({"counters": {"store_tokens|cpu": 512}})
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             text = r.read().decode()
         assert 'vllm:kvlens_lookup_requests_total{engine="0",model_name="tiny"} 1.0' in text
         assert 'vllm:kvlens_store_tokens_total{engine="0",model_name="tiny",tier="cpu"} 512.0' in text
         assert 'vllm:kvlens_request_trackers{engine="0",model_name="tiny"} 1.0' in text
     finally:
-        tel.shutdown()
+        tel.rec.shutdown()
 
 
 def test_gauges_are_sampled_at_intervals_while_busy_and_exactly_when_idle(tmp_path, monkeypatch):
-    monkeypatch.setattr("telemetry.scheduler.GAUGE_INTERVAL_S", 3600.0)
+    monkeypatch.setattr("telemetry.scheduler_recorder.GAUGE_INTERVAL_S", 3600.0)
     sched, tel = make(tmp_path)
     a = request("a", PROMPT)
     admit(sched, tel, a, range(10, 15))
@@ -263,4 +287,32 @@ def test_a_busy_exporter_port_does_not_stop_the_engine(tmp_path):
         sched, tel = make(tmp_path, KVLENS_METRICS_PORT=str(busy.getsockname()[1]))
         admit(sched, tel, request("a", PROMPT), range(10, 15))
         assert tel.stats()["counters"]["lookup_requests"] == 1  # vLLM's path still works
-        tel.shutdown()
+        tel.rec.shutdown()
+
+
+def test_a_resumed_request_is_counted_once(tmp_path, monkeypatch):
+    w, _ = make(tmp_path)
+    a = request("a", PROMPT)
+    admit(w, w, a, range(10, 15))
+    w.stats()
+    # Preempted: vLLM looks it up again and resumes it with new blocks.
+    need = w.lookup(a)
+    w.after_alloc(a, need)
+    counters = (w.stats() or {}).get("counters", {})
+    assert "lookup_requests" not in counters and "lookup_tokens" not in counters
+
+
+def test_store_failures_are_counted_by_tier_and_reason(tmp_path):
+    w, _ = make(tmp_path)
+    w.stats()
+    w.report(
+        WorkerReport(
+            store_failures=[
+                StoreFailure("a", "x" * 32, "disk", FailureReason.QUEUE_FULL),
+                StoreFailure("a", "y" * 32, "cpu", FailureReason.DEPENDENCY_FAILED),
+            ]
+        )
+    )
+    counters = w.stats()["counters"]
+    assert counters["failed_chunks|store|disk|queue_full"] == 1
+    assert counters["failed_chunks|store|cpu|dependency_failed"] == 1

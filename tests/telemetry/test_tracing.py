@@ -49,11 +49,3 @@ def test_failure_sets_error_status_and_records_the_event(spans):
     assert span.attributes[tracing.A_ERROR_TYPE] == "corrupt"
     assert span.events[0].name == "kvlens.load_failed"
     assert list(span.events[0].attributes[tracing.A_BLOCK_IDS]) == [4, 5]
-
-
-def test_only_w3c_headers_are_taken_from_a_request():
-    class Req:
-        trace_headers = {"traceparent": "00-x-y-01", "tracestate": "a=b", "authorization": "secret"}
-
-    assert tracing.trace_headers(Req()) == {"traceparent": "00-x-y-01", "tracestate": "a=b"}
-    assert tracing.trace_headers(object()) is None

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from opentelemetry.trace import StatusCode
 
-from connector.engine.jobs import ChunkLoad, LoadJob, LoadOutcome, StepPlan, StoreJob
+from connector.engine.jobs import ChunkLoad, LoadJob, StepPlan, StoreJob
+from connector.engine.outcomes import ChunkLoadResult, FailureReason, LoadOutcome, StoreFailure
 from telemetry import tracing
 from telemetry.settings import TelemetrySettings
-from telemetry.worker import WorkerTelemetry
+from telemetry.worker_recorder import WorkerRecorder
 
 BLOCK_NBYTES = 4096  # one block, every layer
 HEADERS = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
@@ -17,18 +18,18 @@ def make(rank=0, tracing_on=True, metrics=True, sizes=None):
     settings = TelemetrySettings.from_env(
         None, {"KVLENS_TRACING": str(int(tracing_on)), "KVLENS_METRICS": str(int(metrics))}
     )
-    return WorkerTelemetry(settings, rank, BLOCK_NBYTES, sizes)
+    return WorkerRecorder(settings, rank, BLOCK_NBYTES, sizes)
 
 
 def store(rid, name, blocks, tiers=("cpu",), ctx=HEADERS):
-    return StoreJob(rid, name, tuple(blocks), tiers, 128 * len(blocks), ctx)
+    return StoreJob(rid, name, tuple(blocks), tiers, 128 * len(blocks), trace_context=ctx)
 
 
 def test_stores_over_several_steps_become_one_span_when_the_request_finishes(spans):
     tel = make()
     t = tel.now()
-    tel.saved(StepPlan(stores=[store("a", "c0", [1, 2]), store("b", "d0", [5, 6])]), t, [])
-    tel.saved(StepPlan(stores=[store("a", "c1", [3, 4], ("cpu", "disk"))]), tel.now(), [])
+    tel.saved(StepPlan(writes=[store("a", "c0", [1, 2]), store("b", "d0", [5, 6])]), t, [])
+    tel.saved(StepPlan(writes=[store("a", "c1", [3, 4], ("cpu", "disk"))]), tel.now(), [])
     assert not spans.get_finished_spans()  # still open: the request may store more
     tel.finished({"a"})
     (span,) = spans.get_finished_spans()
@@ -46,9 +47,9 @@ def test_stores_over_several_steps_become_one_span_when_the_request_finishes(spa
 def test_failed_store_marks_the_span_and_is_not_counted_as_stored(spans):
     tel = make()
     tel.saved(
-        StepPlan(stores=[store("a", "c0", [1, 2], ("cpu", "disk"))]),
+        StepPlan(writes=[store("a", "c0", [1, 2], ("cpu", "disk"))]),
         tel.now(),
-        [("c0", "disk", "OSError: disk full")],
+        [StoreFailure("a", "c0", "disk", FailureReason.IO_ERROR, "OSError: disk full")],
     )
     data = tel.stats()
     assert data["counters"] == {
@@ -66,8 +67,17 @@ def test_load_span_per_request_with_failure_details(spans):
     ok = LoadJob("a", (ChunkLoad("c0", "cpu", (1, 2), 0, 256),), HEADERS)
     bad = LoadJob("b", (ChunkLoad("d0", "disk", (5, 6), 0, 256), ChunkLoad("d1", "disk", (7, 8), 0, 256)))
     outcomes = [
-        LoadOutcome({"cpu": 256}, [], [], 2 * BLOCK_NBYTES, 0.001),
-        LoadOutcome({}, [("d0", "disk", "corrupt: bad checksum")], [5, 6, 7, 8], 0, 0.002),
+        LoadOutcome("a", [ChunkLoadResult("c0", "cpu", 256, "cpu")], [], 2 * BLOCK_NBYTES, 0.001),
+        LoadOutcome(
+            "b",
+            [
+                ChunkLoadResult("d0", "disk", 256, None, FailureReason.CORRUPT, "bad checksum"),
+                ChunkLoadResult("d1", "disk", 256, None, FailureReason.PREFIX_FAILED),
+            ],
+            [5, 6, 7, 8],
+            0,
+            0.002,
+        ),
     ]
     start = tel.now()
     tel.loaded(StepPlan(loads=[ok, bad]), outcomes, start)
@@ -79,6 +89,7 @@ def test_load_span_per_request_with_failure_details(spans):
     assert (
         second.attributes[tracing.A_FAILED_BLOCKS] == 4
         and second.attributes[tracing.A_ERROR_TYPE] == "corrupt"
+        and second.attributes[tracing.A_FAILED_CHUNKS] == 2
     )
     (event,) = second.events
     assert list(event.attributes[tracing.A_BLOCK_IDS]) == [5, 6, 7, 8]
@@ -86,22 +97,31 @@ def test_load_span_per_request_with_failure_details(spans):
 
 def test_only_rank_zero_counts_tokens_every_rank_counts_bytes():
     tel = make(rank=1, tracing_on=False)
-    tel.saved(StepPlan(stores=[store("a", "c0", [1, 2])]), tel.now(), [])
+    tel.saved(StepPlan(writes=[store("a", "c0", [1, 2])]), tel.now(), [])
     assert tel.stats()["counters"] == {"store_bytes|cpu": 2 * BLOCK_NBYTES}
 
 
 def test_off_means_no_records_and_no_stats(spans):
     tel = make(tracing_on=False, metrics=False)
     assert tel.now() == 0
-    tel.saved(StepPlan(stores=[store("a", "c0", [1, 2])]), 0, [])
+    tel.saved(StepPlan(writes=[store("a", "c0", [1, 2])]), 0, [])
     assert not tel.stores and tel.stats() is None and not spans.get_finished_spans()
 
 
 def test_worker_gauges_are_shipped_when_they_change(monkeypatch):
-    monkeypatch.setattr("telemetry.worker.GAUGE_INTERVAL_S", 0.0)
+    monkeypatch.setattr("telemetry.worker_recorder.GAUGE_INTERVAL_S", 0.0)
     sizes = {"invalid_block_ids": 0}
-    tel = make(tracing_on=False, sizes=lambda: dict(sizes))
-    assert tel.stats()["gauges"] == {"invalid_block_ids": 0}
+    tel = make(rank=1, tracing_on=False, sizes=lambda: dict(sizes))
+    assert tel.stats()["gauges"] == {"invalid_block_ids#1": 0}  # per rank: summed on /metrics
     assert tel.stats() is None
     sizes["invalid_block_ids"] = 4
-    assert tel.stats()["gauges"] == {"invalid_block_ids": 4}
+    assert tel.stats()["gauges"] == {"invalid_block_ids#1": 4}
+
+
+def test_store_latency_is_observed_once_per_request_when_it_finishes():
+    tel = make(tracing_on=False)
+    tel.saved(StepPlan(writes=[store("a", "c0", [1, 2])]), tel.now(), [])
+    tel.saved(StepPlan(writes=[store("a", "c1", [3, 4])]), tel.now(), [])
+    assert "operation_seconds|store" not in (tel.stats() or {}).get("histograms", {})
+    tel.finished({"a"})
+    assert len(tel.stats()["histograms"]["operation_seconds|store"]) == 1

@@ -40,6 +40,7 @@ def request(rid: str, tokens: list[int], **kw) -> SimpleNamespace:
     )
     r.__dict__.update(kw)
     r.num_tokens = len(r.all_token_ids)
+    r.num_prompt_tokens = kw.get("num_prompt_tokens", len(r.prompt_token_ids))
     return r
 
 

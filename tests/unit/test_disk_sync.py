@@ -1,63 +1,126 @@
+import os
 import time
 
-from connector.disk_sync import DiskWatcher, SharedDiskView
+from connector.disk_sync import DiskWatcher, ScanDelta, SharedDiskView, diff
 from connector.engine.index import TierIndex
-from connector.tiers.disk import DiskTier
+from connector.tiers.disk import NEVER_USED_NS, DiskTier, FileInfo
 
 
-class ScanFeed:
-    """Stands in for the background watcher: hands over scans the test makes."""
+class DeltaFeed:
+    """Stands in for the background watcher: hands over deltas the test makes."""
 
     def __init__(self) -> None:
-        self.latest = None
+        self.deltas: list[ScanDelta] = []
+        self.touched: list[str] = []
 
-    def give(self, scan: dict[str, int], age_s: float = 5.0) -> None:
-        self.latest = (time.time() + age_s, scan)
+    def give(self, added=(), removed=(), used=(), age_s: float = -20.0, nbytes=100, last_used_s=None):
+        """A scan that started ``age_s`` ago (by default well after any local change settled)."""
+        started = time.time() - age_s
+        t = int((last_used_s if last_used_s is not None else time.time()) * 1e9)
+        self.deltas.append(
+            ScanDelta(
+                started, {n: FileInfo(nbytes, t, NEVER_USED_NS) for n in added}, set(removed), set(used)
+            )
+        )
 
     def take(self):
-        latest, self.latest = self.latest, None
-        return latest
+        out, self.deltas = self.deltas, []
+        return out
+
+    def touch(self, names):
+        self.touched.extend(names)
 
     def stop(self) -> None:
         pass
 
 
+def view(index, feed, evicts=True):
+    return SharedDiskView(index, feed, evicts, grace_s=30.0)
+
+
 def test_chunks_written_or_deleted_by_other_engines_enter_and_leave_the_index():
-    index, feed = TierIndex("disk", 1000), ScanFeed()
-    view = SharedDiskView(index, feed)
+    index, feed = TierIndex("disk", 1000), DeltaFeed()
+    v = view(index, feed)
     index.admit("ours", 100)
-    feed.give({"ours": 100, "theirs": 100})
-    assert view.merge() == [] and "theirs" in index
-    feed.give({"theirs": 100})  # another engine deleted ours
-    view.merge()
+    feed.give(added=["theirs"])
+    assert v.merge() == [] and "theirs" in index
+    feed.give(removed=["ours"])  # another engine deleted ours
+    v.merge()
     assert "ours" not in index and "theirs" in index
 
 
 def test_recent_local_changes_are_not_undone_by_an_older_scan():
-    index, feed = TierIndex("disk", 1000), ScanFeed()
-    view = SharedDiskView(index, feed)
+    index, feed = TierIndex("disk", 1000), DeltaFeed()
+    v = view(index, feed)
     index.admit("just-stored", 100)
-    view.note_changed(["just-stored", "just-evicted"])
-    feed.give({"just-evicted": 100}, age_s=0.0)  # the scan ran before our store and our delete landed
-    view.merge()
+    v.note_changed(["just-stored", "just-evicted"])
+    feed.give(added=["just-evicted"], removed=["just-stored"], age_s=0.0)  # ran before our writes landed
+    v.merge()
     assert "just-stored" in index and "just-evicted" not in index
 
 
-def test_scanned_chunks_beyond_the_budget_are_evicted_oldest_first():
-    index, feed = TierIndex("disk", 250), ScanFeed()
-    view = SharedDiskView(index, feed)
+def test_the_directory_budget_evicts_the_least_recently_used_first():
+    index, feed = TierIndex("disk", 250), DeltaFeed()
+    v = view(index, feed)
+    feed.give(added=["old"], last_used_s=time.time() - 3600)
+    v.merge()
     index.admit("mine", 100)
-    feed.give({"mine": 100, "a": 100, "b": 100})
-    victims = view.merge()
-    assert len(victims) == 1 and victims[0] in ("a", "b") and index.used_bytes == 200
+    feed.give(added=["new"])  # another engine's fresh chunk is not the first to go
+    assert v.merge() == ["old"]
+    assert "new" in index and "mine" in index
 
 
-def test_watcher_sees_complete_records_written_by_another_process(tmp_path):
-    DiskTier(str(tmp_path), "l").put("ab" * 16 + ".r0", memoryview(b"x" * 10))
-    watcher = DiskWatcher(str(tmp_path), world_size=1, interval_s=3600)
+def test_a_consumer_mirrors_the_directory_but_never_evicts():
+    index, feed = TierIndex("disk", 150), DeltaFeed()
+    v = view(index, feed, evicts=False)
+    feed.give(added=["a", "b"])
+    assert v.merge() == [] and len(index) == 2
+
+
+def test_chunks_used_by_other_engines_move_to_the_recent_end():
+    index, feed = TierIndex("disk", 250), DeltaFeed()
+    v = view(index, feed)
+    index.admit("a", 100)
+    index.admit("b", 100)
+    feed.give(used=["a"])
+    v.merge()
+    assert index.admit("c", 100) == ["b"]
+
+
+def test_pins_for_loads_touch_each_file_at_most_once_per_quarter_grace():
+    index, feed = TierIndex("disk", 1000), DeltaFeed()
+    v = view(index, feed)
+    v.pinned_for_load(["a", "b"])
+    v.pinned_for_load(["a"])
+    assert feed.touched == ["a", "b"]
+
+
+def test_scan_diffs_report_new_rewritten_removed_and_used_files():
+    t = 10**18
+    before = {"a": FileInfo(1, t, NEVER_USED_NS), "b": FileInfo(1, t, NEVER_USED_NS), "c": FileInfo(1, t, 5)}
+    after = {
+        "a": FileInfo(1, t + 1, NEVER_USED_NS),
+        "c": FileInfo(1, t, 9),
+        "d": FileInfo(1, t, NEVER_USED_NS),
+    }
+    d = diff(before, after, 0.0)
+    assert set(d.added) == {"a", "d"} and d.removed == {"b"} and d.used == {"c"}
+
+
+def test_watcher_sees_records_written_by_another_process_and_touches_files(tmp_path):
+    disk = DiskTier(str(tmp_path), "l")
+    name = "ab" * 16
+    disk.put(name + ".r0", memoryview(b"x" * 10))
+    watcher = DiskWatcher(disk, world_size=1, interval_s=3600)  # about the touch path, not rescans
     try:
-        started, scan = watcher.take()
-        assert list(scan) == ["ab" * 16] and started <= time.time()
-        assert watcher.take() is None
+        (delta,) = watcher.take()
+        assert list(delta.added) == [name] and delta.started <= time.time()
+        assert watcher.take() == []
+        watcher.touch([name])
+        deadline = time.time() + 5
+        path = disk.path(name + ".r0")
+        while os.stat(path).st_atime_ns <= os.stat(path).st_mtime_ns and time.time() < deadline:
+            time.sleep(0.02)
+        assert os.stat(path).st_atime_ns > os.stat(path).st_mtime_ns  # marked in use
     finally:
         watcher.stop()

@@ -69,8 +69,30 @@ def test_prefix_hasher_matches_one_shot_hashing_as_tokens_grow_and_roll_back():
     hasher = PrefixHasher(NS, 256)
     for n in (100, 300, 800, 1000, 400, 1000):
         assert hasher.keys(tokens[:n], True) == chunk_keys(NS, tokens[:n], 256, True)
-    changed = tokens[:600] + [7] * 400
-    assert hasher.keys(changed, False) == chunk_keys(NS, changed, 256, False)
+        assert hasher.keys(tokens, True, upto=n) == chunk_keys(NS, tokens[:n], 256, True)
+
+
+class CountingTokens(list):
+    """A token list that counts how many token positions were read."""
+
+    read = 0
+
+    def __getitem__(self, i):
+        out = super().__getitem__(i)
+        CountingTokens.read += len(out) if isinstance(i, slice) else 1
+        return out
+
+
+def test_prefix_hasher_reads_each_token_once_however_often_it_is_asked():
+    tokens = CountingTokens(range(32768))
+    hasher = PrefixHasher(NS, 256)
+    CountingTokens.read = 0
+    for upto in range(256, 32769, 256):
+        hasher.extend(tokens, upto)
+    assert CountingTokens.read == 32768
+    hasher.extend(tokens, 32768)
+    hasher.full_keys(32000, 32768)
+    assert CountingTokens.read == 32768
 
 
 def test_tags_must_be_strings():

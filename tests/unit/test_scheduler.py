@@ -1,9 +1,23 @@
-from connector.engine.jobs import CPU, DISK, LoadOutcome, WorkerReport
-from connector.engine.requests import BELOW_MIN_RETRIEVE, EVICTED, NOT_STORED
+from connector.engine.jobs import CPU, DISK
+from connector.engine.outcomes import ChunkLoadResult, FailureReason, LoadOutcome, MissReason, WorkerReport
 
 from .fakes import BLOCK_BYTES, LAYERS, admit_fully, blocks, gb, request, scheduler, step
 
 PROMPT = list(range(1000, 1600))  # 600 tokens: two full chunks and an 88-token tail
+
+
+def loaded(job, fail_at=None, reason=FailureReason.CORRUPT) -> LoadOutcome:
+    """The worker's outcome of a load job: every chunk loaded, or chunks from ``fail_at`` failed."""
+    out = LoadOutcome(job.request_id)
+    for i, c in enumerate(job.chunks):
+        r = ChunkLoadResult(c.name, c.tier, c.num_tokens)
+        if fail_at is None or i < fail_at:
+            r.tier = c.tier
+        else:
+            r.reason = reason if i == fail_at else FailureReason.PREFIX_FAILED
+            out.failed_block_ids.extend(c.block_ids)
+        out.chunks.append(r)
+    return out
 
 
 def test_cold_request_stores_whole_chunks_only():
@@ -30,7 +44,7 @@ def test_shared_prefix_is_loaded_into_the_new_requests_blocks():
         ((42, 43), 0, 256),
     ]
     assert not plan.stores  # its chunks are already stored
-    assert s.finish(b) == {"num_lmcache_cached_tokens": 512}
+    assert s.finish(b).params["num_lmcache_cached_tokens"] == 512
 
 
 def test_full_prompt_hit_leaves_the_last_token_to_compute():
@@ -58,7 +72,7 @@ def test_below_min_retrieve_loads_nothing_and_does_not_store_again():
     b = request("b", PROMPT)
     need, plan = admit_fully(s, b, blocks(10, 5))
     assert need == 0 and not plan.loads
-    assert s.trackers["b"].miss_reason == BELOW_MIN_RETRIEVE
+    assert s.trackers["b"].miss_reason == MissReason.BELOW_MIN_RETRIEVE
     assert [j.num_tokens for j in plan.stores] == [256]  # only chunk 1; chunk 0 was a hit
     assert plan.stores[0].block_ids == (12, 13)
 
@@ -100,6 +114,7 @@ def test_save_decode_cache_stores_chunks_filled_by_generated_tokens():
     r = request("a", PROMPT[:500])
     admit_fully(s, r, blocks(0, 4))
     r.all_token_ids += list(range(20))
+    r.num_tokens = len(r.all_token_ids)
     plan = s.build_plan(step(cached=[("a", None, 510, False)], num_scheduled={"a": 10}))
     assert [(j.block_ids, j.num_tokens) for j in plan.stores] == [((2, 3), 256)]
 
@@ -152,8 +167,8 @@ def test_pins_hold_from_lookup_until_the_load_is_reported():
     # Another prompt needs room: the pinned chunks must survive.
     _, plan = admit_fully(s, request("c", list(range(5000, 5600))), blocks(50, 5))
     assert not plan.stores and not plan.evictions
-    s.build_plan(step(new=[(b, blocks(10, 5), 512)], num_scheduled={"b": 88}))
-    s.on_worker_report(WorkerReport(loads={"b": LoadOutcome(tokens_by_tier={CPU: 512})}))
+    plan_b = s.build_plan(step(new=[(b, blocks(10, 5), 512)], num_scheduled={"b": 88}))
+    s.on_worker_report(WorkerReport(loads={"b": loaded(plan_b.loads[0])}))
     assert s.tiers[CPU].pinned_keys == 0 and len(s.pins) == 0
     _, plan = admit_fully(s, request("d", list(range(5000, 5600))), blocks(60, 5))
     assert len(plan.stores) == 2 and len(plan.evictions) == 2
@@ -176,17 +191,7 @@ def test_failed_load_drops_chunk_and_rollback_stores_it_again():
     b = request("b", PROMPT)
     need, plan = admit_fully(s, b, blocks(10, 5))
     second = plan.loads[0].chunks[1]
-    s.on_worker_report(
-        WorkerReport(
-            loads={
-                "b": LoadOutcome(
-                    tokens_by_tier={CPU: 256},
-                    failed_chunks=[(second.name, CPU, "corrupt")],
-                    failed_block_ids=list(second.block_ids),
-                )
-            }
-        )
-    )
+    s.on_worker_report(WorkerReport(loads={"b": loaded(plan.loads[0], fail_at=1)}))
     assert second.name not in s.tiers[CPU]
     # vLLM rolls b back to the first failed block and recomputes from there.
     plan = s.build_plan(step(cached=[("b", None, 256, False)], num_scheduled={"b": 344}))
@@ -208,7 +213,7 @@ def test_preempted_request_resumes_with_new_blocks_and_reloads():
     s.after_alloc(r, need)
     plan = s.build_plan(step(cached=[("a", blocks(70, 5), 512, True)], num_scheduled={"a": 91}))
     assert [c.block_ids for c in plan.loads[0].chunks] == [(70, 71), (72, 73)]
-    assert s.trackers["a"].block_ids == blocks(70, 5) and len(s.trackers["a"].tokens) == 603
+    assert s.trackers["a"].block_ids == blocks(70, 5) and s.trackers["a"].computed == 603
 
 
 def test_miss_reasons_tell_evicted_from_never_stored():
@@ -216,9 +221,9 @@ def test_miss_reasons_tell_evicted_from_never_stored():
     admit_fully(s, request("a", PROMPT[:256] + [1]), blocks(0, 3))
     admit_fully(s, request("b", list(range(7000, 7257))), blocks(10, 3))  # evicts a's chunk
     s.lookup(request("c", PROMPT), 0)
-    assert s.lookups["c"].miss_reason == EVICTED
+    assert s.lookups["c"].miss_reason == MissReason.EVICTED
     s.lookup(request("d", list(range(9000, 9600))), 0)
-    assert s.lookups["d"].miss_reason == NOT_STORED
+    assert s.lookups["d"].miss_reason == MissReason.NOT_STORED
 
 
 def test_writes_go_to_every_tier_and_lookups_prefer_cpu(tmp_path):
@@ -238,7 +243,7 @@ def test_writes_go_to_every_tier_and_lookups_prefer_cpu(tmp_path):
 def test_cache_usage_details_can_be_turned_off():
     s = scheduler(extra_config={"enable_cache_usage_details_in_response": False})
     admit_fully(s, request("a", PROMPT), blocks(0, 5))
-    assert s.finish(request("a", PROMPT)) is None
+    assert s.finish(request("a", PROMPT)).params is None
 
 
 def test_reset_forgets_unpinned_chunks_and_tells_workers():

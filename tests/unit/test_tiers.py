@@ -58,7 +58,7 @@ def test_damaged_disk_records_are_rejected(tmp_path, damage):
 def test_record_for_another_layout_or_name_is_rejected(tmp_path):
     DiskTier(str(tmp_path), "layout-1").put(NAME, memoryview(b"x" * 64))
     with pytest.raises(ChunkCorrupt):
-        DiskTier(str(tmp_path), "layout-2").get(NAME)
+        DiskTier(str(tmp_path), "layout-2", remove_corrupt=False).get(NAME)
     other = "cd" * 16 + ".r0"
     os.rename(_record_path(tmp_path), tmp_path / (other + disk_files.SUFFIX))
     with pytest.raises(ChunkCorrupt):
@@ -88,7 +88,7 @@ def test_scan_sees_complete_chunks_only(tmp_path):
     t.put(f"{b}.r0", memoryview(b"x" * 64))
     (tmp_path / ".tmp-half-written").write_bytes(b"junk")
     found = disk_files.scan(str(tmp_path), world_size=2)
-    assert list(found) == [a] and found[a] > 64
+    assert list(found) == [a] and found[a].nbytes > 64
 
 
 def test_sweep_removes_only_old_temp_files(tmp_path):
@@ -117,3 +117,46 @@ def test_disk_tier_recreates_a_removed_directory(tmp_path):
     root.rmdir()
     t.put(NAME, memoryview(b"x" * 64))
     assert bytes(t.get(NAME)) == b"x" * 64
+
+
+def test_a_corrupt_record_is_removed_when_read_but_a_fresh_copy_is_not(tmp_path, monkeypatch):
+    t = DiskTier(str(tmp_path), "layout-1")
+    t.put(NAME, memoryview(b"x" * 64))
+    path = _record_path(tmp_path)
+    path.write_bytes(path.read_bytes()[:-1] + b"!")
+    with pytest.raises(ChunkCorrupt):
+        t.get(NAME)
+    assert not path.exists()  # no rescan can bring it back
+    t.put(NAME, memoryview(b"x" * 64))
+    real_decode = codec.decode
+
+    def corrupt_then_rewritten(record, name, layout):
+        t.put(NAME, memoryview(b"y" * 64))  # another engine replaces it while we read
+        return real_decode(b"junk", name, layout)
+
+    monkeypatch.setattr(codec, "decode", corrupt_then_rewritten)
+    with pytest.raises(ChunkCorrupt):
+        t.get(NAME)
+    monkeypatch.undo()
+    assert bytes(t.get(NAME)) == b"y" * 64
+
+
+def test_a_chunk_another_engine_is_about_to_load_is_not_deleted(tmp_path):
+    t = DiskTier(str(tmp_path), "layout-1", grace_s=30.0)
+    t.put(NAME, memoryview(b"x" * 64))
+    t.get(NAME)  # reading it (relatime) does not mark it in use
+    assert t.delete(NAME) is True and not _record_path(tmp_path).exists()
+    t.put(NAME, memoryview(b"x" * 64))
+    os.utime(
+        _record_path(tmp_path), ns=(os.stat(_record_path(tmp_path)).st_mtime_ns, 10**9)
+    )  # written long ago
+    t.touch(NAME)  # a lookup on another engine pinned it
+    assert t.delete(NAME) is False and _record_path(tmp_path).exists()
+    assert disk_files.scan(str(tmp_path), 1)[NAME.split(".")[0]].used_ns > 0
+    assert DiskTier(str(tmp_path), "layout-1", grace_s=0).delete(NAME) is True
+
+
+def test_probe_writes_reads_and_cleans_up(tmp_path):
+    t = DiskTier(str(tmp_path), "layout-1")
+    t.probe()
+    assert os.listdir(tmp_path) == []

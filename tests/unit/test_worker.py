@@ -8,6 +8,7 @@ import torch
 from connector.config import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU, DISK, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
+from connector.engine.outcomes import FailureReason
 from connector.kv_blocks import BlockCopier
 from connector.tiers import disk as disk_files
 from connector.worker import ConnectorWorker
@@ -71,7 +72,7 @@ NAME = "ab" * 16
 def test_store_then_load_roundtrip_through_cpu_and_disk(tmp_path):
     caches = cpu_layout()
     w = worker(caches, tmp_path)
-    w.save(StepPlan(stores=[StoreJob("a", NAME, (2, 5), (CPU, DISK), 32)]))
+    w.save(StepPlan(writes=[StoreJob("a", NAME, (2, 5), (CPU, DISK), 32)]))
     w.flush()
     assert os.path.exists(os.path.join(tmp_path, f"{NAME}.r0{disk_files.SUFFIX}"))
     expected = [caches[n][[2, 5]].clone() for n in caches]
@@ -83,20 +84,21 @@ def test_store_then_load_roundtrip_through_cpu_and_disk(tmp_path):
         for n, exp in zip(caches, expected, strict=True):
             assert torch.equal(caches[n][[8, 9]], exp)
     report = w.take_report()
-    assert report.loads["b"].tokens_by_tier == {DISK: 32} and not report.loads["b"].failed_chunks
+    assert report.loads["b"].tokens_by_tier() == {DISK: 32} and not report.loads["b"].failures()
 
 
 def test_missing_chunk_falls_back_to_another_tier(tmp_path):
     caches = cpu_layout()
     w = worker(caches, tmp_path)
-    w.save(StepPlan(stores=[StoreJob("a", NAME, (2, 5), (CPU, DISK), 32)]))
-    w.save(StepPlan(evictions=[Eviction(CPU, NAME)]))
+    w.save(StepPlan(writes=[StoreJob("a", NAME, (2, 5), (CPU, DISK), 32)]))
+    w.save(StepPlan(writes=[Eviction(CPU, NAME)]))
     w.load(StepPlan(loads=[LoadJob("b", (ChunkLoad(NAME, CPU, (8, 9), 0, 32),))]))
     assert w.take_failed_blocks() == set()
     assert torch.equal(caches["model.layers.0.self_attn.attn"][8], caches["model.layers.0.self_attn.attn"][2])
     report = w.take_report()
-    assert report.loads["b"].tokens_by_tier == {DISK: 32}
-    assert report.loads["b"].failed_chunks == [(NAME, CPU, "missing: " + NAME + ".r0")]
+    assert report.loads["b"].tokens_by_tier() == {DISK: 32}
+    (fell_back,) = report.loads["b"].chunks
+    assert (fell_back.planned_tier, fell_back.tier, fell_back.reason) == (CPU, DISK, FailureReason.MISSING)
 
 
 def test_corrupt_chunk_fails_its_blocks_and_every_later_chunk(tmp_path):
@@ -105,7 +107,7 @@ def test_corrupt_chunk_fails_its_blocks_and_every_later_chunk(tmp_path):
     second = "cd" * 16
     w.save(
         StepPlan(
-            stores=[StoreJob("a", NAME, (0, 1), (DISK,), 32), StoreJob("a", second, (2, 3), (DISK,), 32)]
+            writes=[StoreJob("a", NAME, (0, 1), (DISK,), 32), StoreJob("a", second, (2, 3), (DISK,), 32)]
         )
     )
     w.flush()
@@ -126,13 +128,16 @@ def test_corrupt_chunk_fails_its_blocks_and_every_later_chunk(tmp_path):
     for n in caches:  # nothing was written from a corrupt record
         assert torch.equal(caches[n][8], before[n][8])
     outcome = w.take_report().loads["b"]
-    assert outcome.failed_chunks[0][:2] == (NAME, DISK) and "corrupt" in outcome.failed_chunks[0][2]
+    first, later = outcome.chunks
+    assert (first.name, first.planned_tier, first.reason) == (NAME, DISK, FailureReason.CORRUPT)
+    assert later.reason is FailureReason.PREFIX_FAILED and not later.ok
+    assert not os.path.exists(path)  # the corrupt record was removed: no rescan brings it back
 
 
 def test_short_payload_for_the_requested_blocks_is_a_failed_load():
     caches = cpu_layout()
     w = worker(caches)
-    w.save(StepPlan(stores=[StoreJob("a", NAME, (2,), (CPU,), 16)]))
+    w.save(StepPlan(writes=[StoreJob("a", NAME, (2,), (CPU,), 16)]))
     w.load(StepPlan(loads=[LoadJob("b", (ChunkLoad(NAME, CPU, (8, 9), 0, 32),))]))
     assert w.take_failed_blocks() == {8, 9}
 
@@ -144,11 +149,13 @@ def test_store_failure_is_reported_not_raised(tmp_path, monkeypatch):
     def full(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(w.tiers[DISK]._inner, "put", full)
-    w.save(StepPlan(stores=[StoreJob("a", NAME, (2, 5), (CPU, DISK), 32)]))
+    monkeypatch.setattr(w.tiers[DISK].inner, "put", full)
+    w.save(StepPlan(writes=[StoreJob("a", NAME, (2, 5), (CPU, DISK), 32)]))
     w.flush()  # disk writes happen in the background
     report = w.take_report()
-    assert [(n, t) for n, t, _ in report.store_failures] == [(NAME, DISK)]
+    assert [(f.name, f.tier, f.reason) for f in report.store_failures] == [
+        (NAME, DISK, FailureReason.IO_ERROR)
+    ]
 
 
 def test_register_rejects_a_layout_the_scheduler_did_not_plan_for():

@@ -1,10 +1,11 @@
-"""Telemetry of a worker: load and store spans, store metrics.
+"""Telemetry of a worker: load and store spans, store metrics, this rank's gauges.
 
 A load span is cut per request out of the step's loads. A request's stores spread over
 several steps (chunked prefill, decode saves); they accumulate into one record that becomes
-one ``kvlens.store`` span when the worker learns the request finished (``get_finished``) or
-at shutdown. Token and chunk counters come from rank 0 only, so tensor parallelism does not
-multiply them; bytes come from every rank (each moves its own share).
+one ``kvlens.store`` span and one store-latency observation when the worker learns the
+request finished (``get_finished``) or at shutdown. Token and chunk counters come from rank
+0 only, so tensor parallelism does not multiply them; bytes come from every rank (each moves
+its own share), and gauges are reported per rank and summed.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import tracing as tr
-from .metrics import StatsBuffer, wire_key
+from .metrics import StatsBuffer, rank_key, wire_key
 from .settings import TelemetrySettings
 
 if TYPE_CHECKING:
-    from connector.engine.jobs import LoadJob, LoadOutcome, StepPlan
+    from connector.engine.jobs import LoadJob, StepPlan
+    from connector.engine.outcomes import LoadOutcome, StoreFailure
 
 MAX_OPEN_STORE_RECORDS = 100_000  # safety net: a request never reported finished
 GAUGE_INTERVAL_S = 0.1
@@ -39,7 +41,7 @@ class StoreRecord:
     tiers: set[str] = field(default_factory=set)
 
 
-class WorkerTelemetry:
+class WorkerRecorder:
     def __init__(
         self,
         settings: TelemetrySettings,
@@ -58,7 +60,7 @@ class WorkerTelemetry:
         self._buffer = StatsBuffer()
         self._last_gauges: dict[str, float] = {}
         self._gauges_at = float("-inf")
-        self.stores: dict[str, StoreRecord] = {}
+        self.stores: dict[str, StoreRecord] = {}  # open store records, by request
 
     def configure(self, tracing: bool, metrics: bool) -> None:
         """Switch telemetry at run time (the overhead benchmark compares both in one engine)."""
@@ -81,24 +83,28 @@ class WorkerTelemetry:
 
     def _load_span(self, job: LoadJob, outcome: LoadOutcome, start: int, end: int) -> None:
         failed = len(outcome.failed_block_ids)
-        reasons = list(dict.fromkeys(r for _n, _t, r in outcome.failed_chunks))
+        failures = outcome.failures()
+        reasons = list(
+            dict.fromkeys(f"{c.reason.value}: {c.detail}" if c.detail else c.reason.value for c in failures)
+        )
+        by_tier = outcome.tokens_by_tier()
 
         def attributes() -> dict[str, Any]:
             attrs: dict[str, Any] = {
                 tr.A_REQUEST_ID: job.request_id,
                 tr.A_PLANNED_TOKENS: sum(c.num_tokens for c in job.chunks),
-                tr.A_LOADED_TOKENS: sum(outcome.tokens_by_tier.values()),
+                tr.A_LOADED_TOKENS: sum(by_tier.values()),
                 tr.A_BYTES: outcome.nbytes,
                 tr.A_CHUNKS: len(job.chunks),
                 tr.A_BLOCKS: sum(len(c.block_ids) for c in job.chunks),
-                tr.A_TIERS: sorted(outcome.tokens_by_tier),
+                tr.A_TIERS: sorted(by_tier),
                 tr.A_FAILED_BLOCKS: failed,
             }
-            if len(outcome.tokens_by_tier) > 1:
-                for tier, n in outcome.tokens_by_tier.items():
+            if len(by_tier) > 1:
+                for tier, n in by_tier.items():
                     attrs[f"{tr.A_LOADED_TOKENS}.{tier}"] = n
-            if outcome.failed_chunks:
-                attrs[tr.A_FAILED_CHUNKS] = len(outcome.failed_chunks)
+            if failures:
+                attrs[tr.A_FAILED_CHUNKS] = len(failures)
             if self._rank:
                 attrs[tr.A_RANK] = self._rank
             return attrs
@@ -106,14 +112,14 @@ class WorkerTelemetry:
         events = []
         error = None
         if failed:
-            error = reasons[0].split(":", 1)[0] if reasons else "error"
+            error = failures[0].reason.value if failures else "not_loadable"
             events.append(
                 (
                     "kvlens.load_failed",
                     {
                         tr.A_BLOCK_IDS: list(outcome.failed_block_ids),
-                        tr.A_REASON: "; ".join(reasons) or "error",
-                        tr.A_TIERS: sorted({t for _n, t, _r in outcome.failed_chunks}),
+                        tr.A_REASON: "; ".join(reasons) or "not_loadable",
+                        tr.A_TIERS: sorted({c.planned_tier for c in failures}),
                     },
                 )
             )
@@ -129,32 +135,26 @@ class WorkerTelemetry:
         )
 
     # ---- stores -------------------------------------------------------------------------
-    def saved(self, plan: StepPlan, started_ns: int, failures: Iterable[tuple[str, str, str]] | None) -> None:
+    def saved(self, plan: StepPlan, started_ns: int, failures: Iterable[StoreFailure] | None) -> None:
         """Account the step's stores; the step's time is shared among its jobs by bytes."""
-        if not self._on or not plan.stores:
+        stores = plan.stores
+        if not self._on or not stores:
             return
         end_ns = time.time_ns()
-        failed = {(name, tier) for name, tier, _reason in failures or ()}
-        sizes = [len(job.block_ids) * self._block_nbytes for job in plan.stores]
+        failed = {(f.name, f.tier) for f in failures or ()}
+        sizes = [len(job.block_ids) * self._block_nbytes for job in stores]
         total = sum(sizes) or 1
         elapsed = max(end_ns - started_ns, 0)
-        per_request: dict[str, float] = {}
+        seen: set[str] = set()
         t = started_ns
-        for job, nbytes in zip(plan.stores, sizes, strict=True):
+        for job, nbytes in zip(stores, sizes, strict=True):
             duration = elapsed * nbytes // total
             ok = [tier for tier in job.tiers if (job.name, tier) not in failed]
-            per_request[job.request_id] = per_request.get(job.request_id, 0.0) + duration / 1e9
             if self._metrics:
                 self._count_store(job.num_tokens, nbytes, ok)
-            if self._tracing:
-                self._record_store(job, nbytes, ok, t, t + duration)
+            self._record_store(job, nbytes, ok, t, t + duration, job.request_id not in seen)
+            seen.add(job.request_id)
             t += duration
-        if self._metrics:
-            for seconds in per_request.values():
-                self._buffer.observe("operation_seconds|store", seconds)
-        if self._tracing:
-            for rid in per_request:
-                self.stores[rid].steps += 1
 
     def _count_store(self, tokens: int, nbytes: int, tiers: list[str]) -> None:
         b = self._buffer
@@ -164,15 +164,19 @@ class WorkerTelemetry:
                 b.inc(wire_key("store_chunks", tier))
                 b.inc(wire_key("store_tokens", tier), tokens)
 
-    def _record_store(self, job: Any, nbytes: int, ok: list[str], start: int, end: int) -> None:
+    def _record_store(
+        self, job: Any, nbytes: int, ok: list[str], start: int, end: int, new_step: bool
+    ) -> None:
         record = self.stores.get(job.request_id)
         if record is None:
             if len(self.stores) >= MAX_OPEN_STORE_RECORDS:
                 oldest = next(iter(self.stores))
-                self._store_span(oldest, self.stores.pop(oldest))
+                self._close_store(oldest, self.stores.pop(oldest))
             record = self.stores[job.request_id] = StoreRecord(start, end, job.trace_context)
         if record.headers is None:
             record.headers = job.trace_context
+        if new_step:
+            record.steps += 1
         record.end_ns = end
         record.seconds += (end - start) / 1e9
         if ok:
@@ -184,13 +188,19 @@ class WorkerTelemetry:
             record.failed_chunks += 1
 
     def finished(self, request_ids: Iterable[str] | None) -> None:
-        """Requests vLLM finished: their store spans are complete."""
+        """Requests vLLM finished: their store records are complete."""
         if not self.stores or not request_ids:
             return
         for rid in request_ids:
             record = self.stores.pop(rid, None)
             if record is not None:
-                self._store_span(rid, record)
+                self._close_store(rid, record)
+
+    def _close_store(self, rid: str, record: StoreRecord) -> None:
+        if self._metrics:
+            self._buffer.observe("operation_seconds|store", record.seconds)
+        if self._tracing:
+            self._store_span(rid, record)
 
     def _store_span(self, rid: str, record: StoreRecord) -> None:
         def attributes() -> dict[str, Any]:
@@ -230,12 +240,11 @@ class WorkerTelemetry:
             for key, value in self._sizes().items():
                 if self._last_gauges.get(key) != value:
                     self._last_gauges[key] = value
-                    self._buffer.set(key, value)
+                    self._buffer.set(rank_key(key, self._rank), value)
         return self._buffer.take()
 
     def shutdown(self) -> None:
-        if not self._tracing:
-            return
         for rid in list(self.stores):
-            self._store_span(rid, self.stores.pop(rid))
-        tr.flush()
+            self._close_store(rid, self.stores.pop(rid))
+        if self._tracing:
+            tr.flush()

@@ -4,27 +4,14 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .keys import Namespace, parse_tags
+from .outcomes import MissReason, SaveSkipReason
 
 logger = logging.getLogger("vllm.kvlens")
-
-# Miss / skip reasons, stable names shared with telemetry.
-NOT_STORED = "not_stored"
-EVICTED = "evicted"
-BELOW_MIN_RETRIEVE = "below_min_retrieve"
-PARTIAL_CHUNK = "partial_chunk"
-VLLM_HIT = "vllm_hit"  # vLLM's own prefix cache already had everything KVLens holds
-PRODUCER_ROLE = "producer_role"
-CONSUMER_ROLE = "consumer_role"
-SKIP_SAVE = "skip_save"
-PRIORITY_LIMIT = "priority_limit"
-FORCE_SKIP_SAVE = "force_skip_save"
-INVALID_PARAMS = "invalid_params"
-UNSUPPORTED_INPUT = "unsupported_input"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +19,8 @@ class RequestPolicy:
     """What KVLens may do for one request, decided once when it first arrives."""
 
     namespace: Namespace | None  # None: KVLens neither loads nor stores for this request
-    skip_reason: str | None  # why nothing is loaded or stored, when namespace is None
-    save_skip_reason: str | None  # why nothing is stored (loads may still happen)
+    skip_reason: MissReason | None  # why nothing is loaded or stored, when namespace is None
+    save_skip_reason: SaveSkipReason | None  # why nothing is stored (loads may still happen)
 
 
 def _bool_param(params: Mapping[str, Any], name: str) -> bool:
@@ -44,7 +31,7 @@ def _bool_param(params: Mapping[str, Any], name: str) -> bool:
         return bool(value)
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
-    raise ValueError(f"{name} must be a boolean, got {value!r}")
+    raise ValueError(f"{name} must be a boolean, got {type(value).__name__}")
 
 
 def decide_policy(
@@ -60,7 +47,7 @@ def decide_policy(
     force_skip_save: bool,
 ) -> RequestPolicy:
     if has_unsupported_input:
-        return RequestPolicy(None, UNSUPPORTED_INPUT, UNSUPPORTED_INPUT)
+        return RequestPolicy(None, MissReason.UNSUPPORTED_INPUT, SaveSkipReason.UNSUPPORTED_INPUT)
     params = kv_transfer_params if isinstance(kv_transfer_params, Mapping) else {}
     try:
         tags = parse_tags(params)
@@ -69,17 +56,17 @@ def decide_policy(
         # Ignoring a tag could share KV across the boundary the tag draws, so the
         # request is served without KVLens instead.
         logger.warning("KVLens: request %s: %s; not caching this request", request_id, e)
-        return RequestPolicy(None, INVALID_PARAMS, INVALID_PARAMS)
+        return RequestPolicy(None, MissReason.INVALID_PARAMS, SaveSkipReason.INVALID_PARAMS)
     namespace = base.with_request(lora_name, cache_salt, tags)
-    save_skip: str | None = None
+    save_skip: SaveSkipReason | None = None
     if kv_role == "kv_consumer":
-        save_skip = CONSUMER_ROLE
+        save_skip = SaveSkipReason.CONSUMER_ROLE
     elif force_skip_save:
-        save_skip = FORCE_SKIP_SAVE
+        save_skip = SaveSkipReason.FORCE_SKIP_SAVE
     elif skip_save:
-        save_skip = SKIP_SAVE
+        save_skip = SaveSkipReason.SKIP_SAVE
     elif priority_limit is not None and priority > priority_limit:
-        save_skip = PRIORITY_LIMIT
+        save_skip = SaveSkipReason.PRIORITY_LIMIT
     return RequestPolicy(namespace, None, save_skip)
 
 
@@ -89,17 +76,20 @@ def miss_reason(
     vllm_cached: int,
     first_missing: str | None,
     recently_evicted: RecentlyEvicted,
-) -> str | None:
+    unhealthy: bool = False,
+) -> MissReason | None:
     """Why KVLens did not supply (more of) the prompt; None when it supplied all it could."""
     if hit_tokens >= num_tokens_looked_up:
         return None
+    if unhealthy:
+        return MissReason.TIER_UNHEALTHY
     if first_missing is None:  # no chunk boundary left: only an unfull tail remains
-        return PARTIAL_CHUNK
+        return MissReason.PARTIAL_CHUNK
     if first_missing in recently_evicted:
-        return EVICTED
+        return MissReason.EVICTED
     if hit_tokens and hit_tokens <= vllm_cached:
-        return VLLM_HIT
-    return NOT_STORED
+        return MissReason.VLLM_HIT
+    return MissReason.NOT_STORED
 
 
 class RecentlyEvicted:
@@ -112,7 +102,7 @@ class RecentlyEvicted:
     def __contains__(self, name: str) -> bool:
         return name in self._names
 
-    def add(self, names: Sequence[str]) -> None:
+    def add(self, names: Iterable[str]) -> None:
         for name in names:
             self._names[name] = None
             self._names.move_to_end(name)
@@ -121,3 +111,12 @@ class RecentlyEvicted:
 
     def discard(self, name: str) -> None:
         self._names.pop(name, None)
+
+
+def trace_headers(request: Any) -> dict[str, str] | None:
+    """The request's W3C trace headers (vLLM keeps them only when it traces)."""
+    headers = getattr(request, "trace_headers", None)
+    if not headers:
+        return None
+    kept = {k: v for k, v in headers.items() if k in ("traceparent", "tracestate")}
+    return kept or None

@@ -1,0 +1,185 @@
+"""What happened, as typed values: the connector's halves produce them, telemetry consumes them.
+
+Reasons are closed enums (their values are the stable names used in metrics, spans, responses
+and logs), never strings parsed back. Load outcomes and store failures also travel from the
+workers to the scheduler in the ``WorkerReport`` (picklable, no torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FailureReason(str, Enum):
+    """Why a chunk could not be read or written."""
+
+    MISSING = "missing"  # the tier does not hold it (deleted, evicted by someone else)
+    CORRUPT = "corrupt"  # the tier holds something else or a damaged copy
+    IO_ERROR = "io_error"  # the tier failed (disk error, connection refused, out of space)
+    TIMEOUT = "timeout"  # the tier did not answer in time
+    TIER_UNHEALTHY = "tier_unhealthy"  # skipped: the tier is marked unhealthy
+    QUEUE_FULL = "queue_full"  # a store dropped because the tier's write queue was full
+    DEPENDENCY_FAILED = "dependency_failed"  # its KV was computed over blocks that failed to load
+    PREFIX_FAILED = "prefix_failed"  # an earlier chunk of the same prefix failed; not tried
+    NOT_LOADABLE = "not_loadable"  # vLLM allocated external tokens KVLens cannot supply
+
+
+class MissReason(str, Enum):
+    """Why a lookup did not supply (all of) a prompt: one closed list."""
+
+    NOT_STORED = "not_stored"  # the next chunk was never stored (or not under this namespace)
+    EVICTED = "evicted"  # the next chunk was stored and evicted since
+    PARTIAL_CHUNK = "partial_chunk"  # only an unfull chunk (or a part of a block) remains
+    VLLM_HIT = "vllm_hit"  # vLLM's own prefix cache already held all KVLens has
+    BELOW_MIN_RETRIEVE = "below_min_retrieve"  # fewer tokens than min_retrieve_tokens
+    TIER_UNHEALTHY = "tier_unhealthy"  # the next chunk sits in a tier marked unhealthy
+    PRODUCER_ROLE = "producer_role"  # kv_producer never loads
+    PROMPT_LOGPROBS = "prompt_logprobs"  # vLLM skips cached KV (prompt logprobs requested)
+    UNSUPPORTED_INPUT = "unsupported_input"  # multimodal, prompt embeddings, DP padding
+    INVALID_PARAMS = "invalid_params"  # malformed lmcache.* request parameters
+
+
+class SaveSkipReason(str, Enum):
+    """Why KVLens stores nothing for a request."""
+
+    CONSUMER_ROLE = "consumer_role"
+    FORCE_SKIP_SAVE = "force_skip_save"
+    SKIP_SAVE = "skip_save"
+    PRIORITY_LIMIT = "priority_limit"
+    UNSUPPORTED_INPUT = "unsupported_input"
+    INVALID_PARAMS = "invalid_params"
+
+
+class TierState(str, Enum):
+    HEALTHY = "healthy"
+    FAILING = "failing"  # errors seen, still used
+    SKIPPED = "skipped"  # not used until a probe succeeds
+
+    @property
+    def level(self) -> int:
+        """2 healthy, 1 failing, 0 skipped: the value of the health gauge."""
+        return {TierState.HEALTHY: 2, TierState.FAILING: 1, TierState.SKIPPED: 0}[self]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupOutcome:
+    """A request's lookup once it is final (scheduled, or finished without being scheduled)."""
+
+    request_id: str
+    prompt_tokens: int
+    vllm_cached_tokens: int  # block-aligned tokens vLLM's own prefix cache had
+    hit_tokens: int  # tokens KVLens held (num_lmcache_cached_tokens)
+    hit_tokens_by_tier: Mapping[str, int]
+    external_tokens: int  # tokens KVLens loads (0 when not scheduled)
+    chunks: int
+    miss_reason: MissReason | None
+    save_skip_reason: SaveSkipReason | None
+    scheduled: bool
+    resumed: bool  # a preempted request looked up again (count it once)
+    trace_context: Mapping[str, str] | None = None
+    attempts: int = 1
+
+
+@dataclass(slots=True)
+class ChunkLoadResult:
+    name: str
+    planned_tier: str
+    num_tokens: int
+    tier: str | None = None  # the tier it was read from; None when it failed or was not tried
+    reason: FailureReason | None = None
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.tier is not None
+
+
+@dataclass(slots=True)
+class LoadOutcome:
+    """How one request's load went (merged across tensor-parallel ranks)."""
+
+    request_id: str
+    chunks: list[ChunkLoadResult] = field(default_factory=list)
+    failed_block_ids: list[int] = field(default_factory=list)
+    nbytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.failed_block_ids)
+
+    def tokens_by_tier(self) -> dict[str, int]:
+        by_tier: dict[str, int] = {}
+        for c in self.chunks:
+            if c.tier is not None:
+                by_tier[c.tier] = by_tier.get(c.tier, 0) + c.num_tokens
+        return by_tier
+
+    def failures(self) -> list[ChunkLoadResult]:
+        return [c for c in self.chunks if c.reason is not None]
+
+    def merge(self, other: LoadOutcome) -> None:
+        """Chunk by chunk: loaded only if every rank loaded it; a rank's fallback tier wins."""
+        if len(other.chunks) != len(self.chunks):
+            raise ValueError(f"ranks disagree on the chunks of {self.request_id}'s load")
+        for mine, theirs in zip(self.chunks, other.chunks, strict=True):
+            if mine.ok and not theirs.ok:
+                mine.tier, mine.reason, mine.detail = None, theirs.reason, theirs.detail
+            elif mine.ok and theirs.ok and mine.tier == mine.planned_tier:
+                mine.tier = theirs.tier
+            elif not mine.ok and mine.reason is None:
+                mine.reason, mine.detail = theirs.reason, theirs.detail
+        self.failed_block_ids = sorted(set(self.failed_block_ids) | set(other.failed_block_ids))
+        self.nbytes += other.nbytes
+        self.seconds = max(self.seconds, other.seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreFailure:
+    """A planned store that did not land in a tier (on at least one rank)."""
+
+    request_id: str
+    name: str
+    tier: str
+    reason: FailureReason
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class KeptChunk:
+    """An eviction the tier declined: another engine used the chunk within the grace period."""
+
+    tier: str
+    name: str
+    nbytes: int
+
+
+@dataclass(slots=True)
+class WorkerReport:
+    """Workers to scheduler, once per step, merged across ranks."""
+
+    loads: dict[str, LoadOutcome] = field(default_factory=dict)
+    store_failures: list[StoreFailure] = field(default_factory=list)
+    kept: list[KeptChunk] = field(default_factory=list)
+    tier_states: dict[str, TierState] = field(default_factory=dict)  # changes (worst rank wins)
+    pending_writes: int = 0  # queued background writes on the busiest rank
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.store_failures or self.kept or self.tier_states or self.pending_writes)
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        for rid, outcome in other.loads.items():
+            if rid in self.loads:
+                self.loads[rid].merge(outcome)
+            else:
+                self.loads[rid] = outcome
+        self.store_failures.extend(f for f in other.store_failures if f not in self.store_failures)
+        self.kept.extend(k for k in other.kept if k not in self.kept)
+        for tier, state in other.tier_states.items():
+            mine = self.tier_states.get(tier)
+            if mine is None or state.level < mine.level:
+                self.tier_states[tier] = state
+        self.pending_writes = max(self.pending_writes, other.pending_writes)
+        return self

@@ -1,0 +1,217 @@
+"""Builds one engine step's plan for the workers: loads, then evictions and stores in order.
+
+Three rules keep what the tiers hold equal to what the scheduler's index says, and keep
+wrong KV out of every tier:
+- Writes are one ordered list. An admission that evicts a chunk stored earlier in the same
+  plan cancels that store instead of deleting it first and writing it after; a request's own
+  chunks of this step are held while it admits more, so a prompt larger than a tier keeps its
+  first chunks (the ones a later prompt can reuse) rather than its last.
+- A chunk computed over a block that loads in this same step names that block
+  (``after_loads``): if the load fails, the worker withdraws the store.
+- A chunk whose prefix holds a block whose load failed earlier and that no step has rewritten
+  since (``SuspectBlocks``) is not stored until it has been.
+
+Work per step is proportional to the step's new tokens and chunks, not to prompt lengths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .engine.index import TierIndex
+from .engine.jobs import DISK, Eviction, LoadJob, StepPlan, StoreJob
+from .engine.keys import ChunkKey
+from .engine.policy import trace_headers
+from .engine.suspects import rewritten_blocks
+from .engine.tracker import LookupResult, RequestTracker, StorePolicy, cdiv, plan_chunk_loads
+
+if TYPE_CHECKING:
+    from .scheduler import ConnectorScheduler
+
+logger = logging.getLogger("vllm.kvlens")
+
+
+class StepPlanner:
+    def __init__(self, scheduler: ConnectorScheduler, policy: StorePolicy) -> None:
+        self._s = scheduler
+        self.policy = policy
+        self._bs = policy.block_size
+        self._planned: dict[tuple[str, str], int] = {}  # (tier, chunk) -> its store's index in writes
+
+    def plan(self, plan: StepPlan, out: Any) -> None:
+        s = self._s
+        self._planned = {}
+        loaded: set[int] = set()  # blocks written by loads this step (or that should have been)
+        step: list[tuple[RequestTracker, Any, int]] = []  # tracker, request, first token computed
+        num_scheduled = out.num_scheduled_tokens
+        for new in out.scheduled_new_reqs:
+            tracker = self._start(new, num_scheduled.get(new.req_id, 0), plan, loaded)
+            if tracker is not None:
+                step.append((tracker, s.unfinished[new.req_id], new.num_computed_tokens))
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            tracker, request = s.trackers.get(rid), s.unfinished.get(rid)
+            if tracker is None or request is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            num_computed, scheduled = cached.num_computed_tokens[i], num_scheduled.get(rid, 0)
+            if rid in cached.resumed_req_ids:
+                tracker.resume(
+                    new_blocks[0] if new_blocks else [], num_computed, scheduled, request.num_tokens
+                )
+                self._plan_load(plan, tracker, s.lookups.pop(rid, None), loaded)
+            else:
+                if new_blocks:
+                    tracker.block_ids.extend(new_blocks[0])
+                tracker.advance(num_computed, scheduled, request.num_tokens)
+            step.append((tracker, request, num_computed))
+        if s.suspects:
+            s.suspects.written(loaded.difference(plan.fail_blocks))
+            for tracker, _request, start in step:
+                s.suspects.written(rewritten_blocks(tracker.block_ids, start, tracker.computed, self._bs))
+        for tracker, request, _start in step:
+            self._plan_stores(plan, tracker, request, loaded)
+        plan.writes = [w for w in plan.writes if w is not None]  # stores cancelled by later admissions
+
+    # ---- trackers and loads ---------------------------------------------------------------
+    def _start(self, new: Any, num_scheduled: int, plan: StepPlan, loaded: set[int]) -> RequestTracker | None:
+        s = self._s
+        rid = new.req_id
+        request, policy = s.unfinished.get(rid), s.policies.get(rid)
+        result = s.lookups.pop(rid, None)
+        if request is None or policy is None:
+            return None
+        tracker = RequestTracker(
+            request_id=rid,
+            prompt_len=int(request.num_prompt_tokens),
+            hasher=s.hashers.get(rid),
+            block_ids=list(new.block_ids[0]) if new.block_ids else [],
+            computed=min(new.num_computed_tokens + num_scheduled, request.num_tokens),
+            saved_tokens=result.hit_tokens if result else 0,
+            save_skip_reason=policy.save_skip_reason,
+            trace_context=trace_headers(request),
+            vllm_cached_tokens=result.vllm_cached_tokens if result else 0,
+            hit_tokens=result.hit_tokens if result else 0,
+            miss_reason=result.miss_reason if result else None,
+        )
+        s.trackers[rid] = tracker
+        self._plan_load(plan, tracker, result, loaded)
+        return tracker
+
+    def _plan_load(
+        self, plan: StepPlan, tracker: RequestTracker, result: LookupResult | None, loaded: set[int]
+    ) -> None:
+        if result is None:
+            return
+        tracker.hit_tokens = max(tracker.hit_tokens, result.hit_tokens)
+        bs = self._bs
+        if result.unloadable_tokens:
+            end = result.load_end + result.unloadable_tokens
+            self._fail_blocks(plan, tracker.block_ids[result.load_end // bs : cdiv(end, bs)], loaded)
+        if not result.can_load:
+            return
+        try:
+            chunks = plan_chunk_loads(
+                result.hits, tracker.block_ids, bs, result.vllm_cached_tokens, result.load_end
+            )
+        except ValueError as e:
+            logger.error(
+                "KVLens: request %s: %s; its external tokens are reported failed", tracker.request_id, e
+            )
+            self._fail_blocks(plan, tracker.block_ids[result.vllm_cached_tokens // bs :], loaded)
+            return
+        for chunk in chunks:
+            self._s.tiers[chunk.tier].touch(chunk.name)
+            loaded.update(chunk.block_ids)
+        plan.loads.append(LoadJob(tracker.request_id, tuple(chunks), tracker.trace_context))
+        tracker.planned_load(result.num_external_tokens)
+
+    @staticmethod
+    def _fail_blocks(plan: StepPlan, blocks: list[int], loaded: set[int]) -> None:
+        plan.fail_blocks.extend(blocks)
+        loaded.update(blocks)
+
+    # ---- stores -------------------------------------------------------------------------
+    def _plan_stores(self, plan: StepPlan, tracker: RequestTracker, request: Any, loaded: set[int]) -> None:
+        candidates = tracker.store_candidates(request.all_token_ids, self.policy)
+        if not candidates:
+            return
+        bs = self._bs
+        last_block = cdiv(candidates[-1].end, bs)
+        suspect = self._s.suspects.first_in(tracker.block_ids, last_block)
+        deps = [(i, b) for i, b in enumerate(tracker.block_ids[:last_block]) if b in loaded] if loaded else []
+        held: list[tuple[TierIndex, str]] = []
+        try:
+            for key in candidates:
+                end_block = cdiv(key.end, bs)
+                blocks = tracker.blocks_of(key, bs)
+                if blocks is None or (suspect is not None and suspect < end_block):
+                    if blocks is None:
+                        logger.error(
+                            "KVLens: %s has fewer blocks than tokens; not storing", tracker.request_id
+                        )
+                    self._stop(tracker, key)
+                    return
+                tiers = self._admit(plan, key, held)
+                if tiers:
+                    self._planned.update({(t, key.hex): len(plan.writes) for t in tiers})
+                    plan.writes.append(
+                        StoreJob(
+                            tracker.request_id,
+                            key.hex,
+                            blocks,
+                            tuple(tiers),
+                            key.num_tokens,
+                            tuple(b for i, b in deps if i < end_block),
+                            tracker.trace_context,
+                        )
+                    )
+                    tracker.stored_chunks += 1
+                tracker.saved_tokens = key.end
+        finally:
+            for tier, name in held:
+                tier.unpin(name)
+
+    def _stop(self, tracker: RequestTracker, key: ChunkKey) -> None:
+        """Stores stop before ``key``; they are planned again in a later step."""
+        size = self.policy.chunk_size
+        if key.start >= tracker.prompt_len - tracker.prompt_len % size:
+            tracker.tails_done = False
+
+    def _admit(self, plan: StepPlan, key: ChunkKey, held: list[tuple[TierIndex, str]]) -> list[str]:
+        """Admit the chunk to every usable tier that can take it; the tiers to write."""
+        s = self._s
+        nbytes = s.facts.chunk_nbytes(key.num_tokens)
+        written: list[str] = []
+        for tier in s.tiers.values():
+            if not s.usable(tier.name):
+                continue
+            if key.hex in tier:
+                tier.touch(key.hex)
+                continue
+            victims = tier.admit(key.hex, nbytes)
+            if victims is None:
+                continue  # everything left in this tier is pinned or held
+            for victim in victims:
+                if (tier.name, victim) in self._planned:
+                    self._cancel(plan, tier.name, victim)
+                else:
+                    plan.writes.append(Eviction(tier.name, victim))
+            s.recently_evicted.add(victims)
+            s.recently_evicted.discard(key.hex)
+            if tier.name == DISK and s.disk_view is not None:
+                s.disk_view.note_changed([*victims, key.hex])
+            tier.pin(key.hex)
+            held.append((tier, key.hex))
+            written.append(tier.name)
+        return written
+
+    def _cancel(self, plan: StepPlan, tier: str, name: str) -> None:
+        """A store of this plan lost its place in ``tier`` before it ran: don't write it there."""
+        at = self._planned.pop((tier, name))
+        job = plan.writes[at]
+        assert isinstance(job, StoreJob)
+        remaining = tuple(t for t in job.tiers if t != tier)
+        plan.writes[at] = dataclasses.replace(job, tiers=remaining) if remaining else None  # type: ignore[call-overload]

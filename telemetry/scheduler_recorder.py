@@ -1,0 +1,265 @@
+"""Telemetry of the scheduler half: lookup spans, lookup and load metrics, leak gauges and
+failed-load events.
+
+It consumes the connector's typed outcomes (``LookupOutcome``, ``LoadOutcome``,
+``StoreFailure``) and size snapshots, handed over by the connector's facade; it never reads
+the connector's internals and never changes what the connector does. When tracing and
+metrics are both off, each call is one flag check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import tracing as tr
+from .events import EventLog, load_failed_event
+from .metrics import LocalExporter, StatsBuffer, wire_key
+from .settings import TelemetrySettings
+
+if TYPE_CHECKING:  # the connector's outcome types; telemetry only reads their fields
+    from connector.engine.outcomes import LoadOutcome, LookupOutcome, StoreFailure
+
+logger = logging.getLogger("vllm.kvlens")
+
+_NOOP = contextlib.nullcontext()
+GAUGE_INTERVAL_S = 0.1  # gauges are sampled at most this often while requests run
+
+
+@dataclass(slots=True)
+class _Timing:
+    start_ns: int
+    end_ns: int
+
+
+class _LookupTimer:
+    __slots__ = ("_owner", "_rid", "_start")
+
+    def __init__(self, owner: SchedulerRecorder, rid: str) -> None:
+        self._owner, self._rid = owner, rid
+
+    def __enter__(self) -> None:
+        self._start = time.time_ns()
+
+    def __exit__(self, *exc: object) -> None:
+        timings = self._owner._timings
+        seen = timings.get(self._rid)
+        if seen is None:
+            timings[self._rid] = _Timing(self._start, time.time_ns())
+        else:  # vLLM asked again (the request waited): the span covers the last attempt
+            seen.start_ns, seen.end_ns = self._start, time.time_ns()
+
+
+class SchedulerRecorder:
+    def __init__(
+        self,
+        settings: TelemetrySettings,
+        model_name: str,
+        engine: str,
+        block_size: int,
+        recompute_on_failure: bool,
+        tiers: tuple[str, ...],
+    ) -> None:
+        self._settings = settings
+        self._exporter = _start_exporter(settings.metrics_port, model_name, engine, tiers)
+        self._model, self._engine = model_name, engine
+        self._block_size = block_size
+        self._recompute = recompute_on_failure
+        self._buffer = StatsBuffer()
+        self._timings: dict[str, _Timing] = {}
+        self._last_gauges: dict[str, float] = {}
+        self._gauges_at = float("-inf")
+        self._events: EventLog | None = None
+        self.configure(settings.tracing, settings.metrics)
+
+    def configure(self, tracing: bool, metrics: bool) -> None:
+        """Switch telemetry at run time (the overhead benchmark compares both in one engine)."""
+        self._tracing = tracing
+        self._metrics = metrics or self._exporter is not None
+        self._ship = metrics  # hand stats to vLLM (else only the local exporter gets them)
+        self._timed = self._tracing or self._metrics
+
+    # ---- lookups ------------------------------------------------------------------------
+    def lookup(self, request_id: str) -> contextlib.AbstractContextManager[None]:
+        """Wraps one lookup attempt (vLLM may ask several times before scheduling)."""
+        return _LookupTimer(self, request_id) if self._timed else _NOOP
+
+    def lookup_final(self, outcome: LookupOutcome | None) -> None:
+        """A lookup is final (scheduled, or its request finished unscheduled)."""
+        if outcome is None:
+            return
+        timing = self._timings.pop(outcome.request_id, None)
+        if not self._timed:
+            return
+        if self._metrics and not outcome.resumed:  # a preempted request is counted once
+            self._count_lookup(outcome, timing)
+        if self._tracing:
+            self._lookup_span(outcome, timing)
+
+    def _count_lookup(self, o: LookupOutcome, timing: _Timing | None) -> None:
+        b = self._buffer
+        b.inc("lookup_requests")
+        b.inc("lookup_tokens", o.prompt_tokens)
+        b.inc("vllm_hit_tokens", o.vllm_cached_tokens)
+        for tier, n in o.hit_tokens_by_tier.items():
+            b.inc(wire_key("hit_tokens", tier), n)
+        if o.hit_tokens:
+            b.inc("hit_requests")
+        if o.miss_reason is not None:
+            b.inc(wire_key("miss_requests", o.miss_reason.value))
+        if o.save_skip_reason is not None:
+            b.inc(wire_key("save_skipped_requests", o.save_skip_reason.value))
+        b.observe("request_hit_ratio", min(o.hit_tokens / o.prompt_tokens, 1.0) if o.prompt_tokens else 0.0)
+        if timing is not None:
+            b.observe("operation_seconds|lookup", max(timing.end_ns - timing.start_ns, 0) / 1e9)
+
+    def _lookup_span(self, o: LookupOutcome, timing: _Timing | None) -> None:
+        now = time.time_ns()
+        start, end = (timing.start_ns, timing.end_ns) if timing is not None else (now, now)
+
+        def attributes() -> dict[str, Any]:
+            attrs: dict[str, Any] = {
+                tr.A_REQUEST_ID: o.request_id,
+                tr.A_MODEL: self._model,
+                tr.A_PROMPT_TOKENS: o.prompt_tokens,
+                tr.A_VLLM_CACHED_TOKENS: o.vllm_cached_tokens,
+                tr.A_HIT_TOKENS: o.hit_tokens,
+                tr.A_HIT_RATE: round(o.hit_tokens / o.prompt_tokens, 4) if o.prompt_tokens else 0.0,
+                tr.A_EXTERNAL_TOKENS: o.external_tokens,
+                tr.A_CHUNKS: o.chunks,
+                tr.A_TIERS: sorted(o.hit_tokens_by_tier),
+                tr.A_CACHE_READ: o.vllm_cached_tokens + o.external_tokens,
+            }
+            if o.attempts > 1:
+                attrs[tr.A_ATTEMPTS] = o.attempts
+            if not o.scheduled:
+                attrs[tr.A_SCHEDULED] = False
+            if o.resumed:
+                attrs[tr.A_RESUMED] = True
+            if o.miss_reason is not None:
+                attrs[tr.A_MISS_REASON] = o.miss_reason.value
+            if o.save_skip_reason is not None:
+                attrs[tr.A_SAVE_SKIP_REASON] = o.save_skip_reason.value
+            return attrs
+
+        tr.emit(
+            tr.LOOKUP, o.trace_context, start, end, attributes, otlp_endpoint=self._settings.otlp_endpoint
+        )
+
+    # ---- worker reports -----------------------------------------------------------------
+    def loads_reported(
+        self,
+        loads: Mapping[str, LoadOutcome],
+        recomputed: Mapping[str, int],
+        store_failures: list[StoreFailure],
+    ) -> None:
+        """The workers' merged report of one step: loads (with the tokens vLLM recomputes)."""
+        for rid, outcome in loads.items():
+            affected = recomputed.get(rid, 0)
+            if outcome.failed_block_ids:
+                self._load_failed(rid, outcome, affected)
+            if self._metrics:
+                self._count_load(outcome, affected)
+        if self._metrics:
+            for f in store_failures:
+                self._buffer.inc(wire_key("failed_chunks", "store", f.tier, f.reason.value))
+
+    def _count_load(self, outcome: LoadOutcome, affected: int) -> None:
+        b = self._buffer
+        by_tier = outcome.tokens_by_tier()
+        if by_tier:
+            b.inc("load_requests")
+        for tier, n in by_tier.items():
+            b.inc(wire_key("load_tokens", tier), n)
+        b.inc("load_bytes", outcome.nbytes)
+        b.observe("operation_seconds|load", outcome.seconds)
+        for chunk in outcome.failures():
+            b.inc(wire_key("failed_chunks", "load", chunk.planned_tier, chunk.reason.value))
+        if outcome.failed_block_ids:
+            first = outcome.failures()
+            reason = first[0].reason.value if first else "not_loadable"
+            b.inc("failed_load_requests")
+            b.inc(wire_key("failed_blocks", reason), len(outcome.failed_block_ids))
+            if self._recompute:
+                b.inc("recomputed_tokens", affected)
+
+    def _load_failed(self, rid: str, outcome: LoadOutcome, affected: int) -> None:
+        if self._events is None:
+            s = self._settings
+            self._events = EventLog(s.event_log, s.event_log_max_bytes, s.event_log_backups)
+        failures = outcome.failures()
+        tiers = list(dict.fromkeys(c.planned_tier for c in failures))
+        reasons = list(
+            dict.fromkeys(f"{c.reason.value}: {c.detail}" if c.detail else c.reason.value for c in failures)
+        )
+        self._events.append(
+            load_failed_event(
+                rid,
+                tiers,
+                outcome.failed_block_ids,
+                affected if self._recompute else len(outcome.failed_block_ids) * self._block_size,
+                "; ".join(reasons) or "not_loadable",
+                self._recompute,
+                self._engine,
+                self._model,
+            )
+        )
+
+    # ---- finish and stats ---------------------------------------------------------------
+    def finished(self, request_id: str, unscheduled: LookupOutcome | None) -> None:
+        if unscheduled is not None:
+            self.lookup_final(unscheduled)
+        self._timings.pop(request_id, None)
+
+    def stats(
+        self, sizes: Mapping[str, float], idle: bool, evictions: Mapping[str, int]
+    ) -> dict[str, Any] | None:
+        """This step's payload for vLLM (None when empty or metrics are off)."""
+        if not self._metrics:
+            return None
+        now = time.monotonic()
+        if now - self._gauges_at >= GAUGE_INTERVAL_S or idle:
+            self._gauges_at = now  # exact whenever nothing runs, so a drained engine shows zeros
+            self._set_gauges({**sizes, "telemetry_open_requests": len(self._timings)})
+        for tier, n in evictions.items():
+            self._buffer.inc(wire_key("evictions", tier), n)
+        data = self._buffer.take()
+        if data is not None and self._exporter is not None:
+            self._exporter.observe(data)
+        return data if self._ship else None
+
+    def _set_gauges(self, gauges: Mapping[str, float]) -> None:
+        last = self._last_gauges
+        for key, value in gauges.items():
+            if last.get(key) != value:
+                last[key] = value
+                self._buffer.set(key, value)
+
+    def on_worker_stats(self, data: dict[str, Any] | None) -> None:
+        """Worker payloads reach vLLM's /metrics by themselves; the offline exporter needs them."""
+        if data and self._exporter is not None:
+            self._exporter.observe(data)
+
+    def shutdown(self) -> None:
+        if self._tracing:
+            tr.flush()
+        if self._exporter is not None:
+            self._exporter.close()
+            self._exporter = None
+
+
+def _start_exporter(
+    port: int | None, model: str, engine: str, tiers: tuple[str, ...]
+) -> LocalExporter | None:
+    """The optional localhost exporter; a busy port costs the exporter, never the engine."""
+    if not port:
+        return None
+    try:
+        return LocalExporter(port, model, engine, tiers)
+    except OSError as e:
+        logger.warning("KVLens: no metrics exporter on 127.0.0.1:%d: %s", port, e)
+        return None
