@@ -234,7 +234,7 @@ def test_lookup_span_attributes_and_trace_context_reaches_the_plan(tmp_path, spa
 def test_with_telemetry_off_lookups_are_not_timed_and_nothing_is_shipped(tmp_path, spans):
     sched, tel = make(tmp_path, tracing_on=False, metrics=False)
     a = request("a", PROMPT, trace_headers={"traceparent": TRACEPARENT})
-    plan = admit(sched, tel, a, range(10, 15))
+    admit(sched, tel, a, range(10, 15))
     assert not tel.rec._timings
     assert tel.stats() is None and not spans.get_finished_spans()
     assert "kvlens" in finish(sched, tel, a)  # the response breakdown is not telemetry
