@@ -308,6 +308,15 @@ PANELS: tuple[Panel, ...] = (
     ),
     Panel(
         "Latency and throughput",
+        "Background write queue",
+        "short",
+        (Target("sum by (instance) (vllm:kvlens_pending_writes)", "{{instance}}"),),
+        "Chunk writes and deletes queued for the disk tier's writer (at most 64). Sampled while the "
+        "engine steps: it keeps its last value when the engine goes idle.",
+        width=8,
+    ),
+    Panel(
+        "Latency and throughput",
         "Operations",
         "ops",
         (Target(_rate("vllm:kvlens_operation_seconds_count", by="operation"), "{{operation}}"),),
@@ -328,7 +337,6 @@ PANELS: tuple[Panel, ...] = (
             ),
         ),
         "What KVLens hits should bring down.",
-        width=12,
     ),
     Panel(
         "Latency and throughput",
@@ -345,7 +353,6 @@ PANELS: tuple[Panel, ...] = (
         ),
         "The cost per computed prompt token that the 'prefill time saved' estimate multiplies by the tokens "
         "KVLens loaded.",
-        width=12,
     ),
     # ---- Tiers and leaks -----------------------------------------------------------------------
     Panel(
