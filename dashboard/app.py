@@ -144,7 +144,8 @@ def overview(frame: pd.DataFrame, fleet: pd.DataFrame, window: float) -> None:
             st.info("No prompt tokens yet.")
     with right:
         st.subheader("Per instance")
-        st.dataframe(views.instance_table(fleet), width="stretch")
+        percent = st.column_config.NumberColumn(format="percent")
+        st.dataframe(views.instance_table(fleet), width="stretch", column_config={"KVLens hit rate": percent})
     st.caption(f"Rates over {window:.0f} s windows. KVLens per tier: tokens it loaded into vLLM.")
 
 
@@ -183,6 +184,10 @@ def latency_and_throughput(frame: pd.DataFrame, window: float) -> None:
     with right:
         st.subheader("Operations")
         chart(views.operations(frame, window), charts.OPS_PER_S, NO_TRAFFIC)
+    st.subheader("Background write queue")
+    queue = views.gauge(frame, views.kvlens("pending_writes"), ("instance",))
+    chart(queue, charts.COUNT, "No background writer reported.")
+    st.caption("Disk writes and deletes queued (at most 64); sampled while the engine steps.")
 
 
 def tiers_and_leaks(frame: pd.DataFrame, fleet: pd.DataFrame, window: float, idle_for_s: float) -> None:
@@ -202,7 +207,8 @@ def tiers_and_leaks(frame: pd.DataFrame, fleet: pd.DataFrame, window: float, idl
             st.info("No tier reported yet.")
         else:
             st.altair_chart(charts.tier_fill(table), width="stretch")
-            st.dataframe(table, width="stretch")
+            fill = st.column_config.NumberColumn(format="percent")
+            st.dataframe(table, width="stretch", column_config={"fill": fill})
     with right:
         st.subheader("Evictions")
         evictions = views.rate(frame, views.kvlens("evictions"), ("tier",), window)

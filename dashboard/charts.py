@@ -27,6 +27,7 @@ COUNT = Unit("count", ",.4~s")
 TOKENS = Unit("tokens", ",.4~s")
 
 HEIGHT = 240
+TIME_AXIS = alt.Axis(format="%H:%M:%S", labelOverlap=True)
 
 
 def to_long(wide: pd.DataFrame, factor: float = 1.0) -> pd.DataFrame:
@@ -49,7 +50,7 @@ def line(wide: pd.DataFrame, unit: Unit, stack: bool = False, zero_to_one: bool 
     base = alt.Chart(data)
     mark = base.mark_area(opacity=0.7, interpolate="step-after") if stack else base.mark_line(point=False)
     return mark.encode(
-        x=alt.X("time:T", title=None),
+        x=alt.X("time:T", title=None, axis=TIME_AXIS),
         y=y,
         color=alt.Color("series:N", title=None, legend=alt.Legend(orient="bottom")),
         tooltip=[
@@ -72,14 +73,17 @@ def bars(values: pd.Series, unit: Unit, label: str = "") -> alt.Chart:
             color=alt.Color("name:N", legend=None),
             tooltip=["name:N", alt.Tooltip("value:Q", format=unit.fmt, title=unit.title)],
         )
-        .properties(height=max(60, 36 * len(data)))
+        .properties(height=alt.Step(28))
     )
 
 
 def tier_fill(table: pd.DataFrame) -> alt.Chart:
-    """Used against capacity per tier: a bar of the budget with the used part over it."""
+    """Each tier's fill (used of capacity) on one 0-100% scale, whatever the tiers' sizes."""
     data = table.reset_index().assign(
-        used=lambda d: d["used_bytes"] * MB.factor, capacity=lambda d: d["capacity_bytes"] * MB.factor
+        used=lambda d: d["used_bytes"] * MB.factor,
+        capacity=lambda d: d["capacity_bytes"] * MB.factor,
+        full=1.0,
+        fill=lambda d: d["fill"].fillna(0.0),
     )
     base = alt.Chart(data).encode(y=alt.Y("tier:N", title=None))
     tooltip = [
@@ -88,11 +92,10 @@ def tier_fill(table: pd.DataFrame) -> alt.Chart:
         alt.Tooltip("capacity:Q", format=MB.fmt, title="capacity (MB)"),
         alt.Tooltip("fill:Q", format=".1%"),
     ]
-    capacity = base.mark_bar(color="#dddddd").encode(
-        x=alt.X("capacity:Q", title="MB (used of capacity)", axis=alt.Axis(format=MB.fmt)), tooltip=tooltip
-    )
-    used = base.mark_bar().encode(x="used:Q", color=alt.Color("tier:N", legend=None), tooltip=tooltip)
-    return (capacity + used).properties(height=max(60, 40 * len(data)))
+    x = alt.X("full:Q", title="used of capacity", axis=alt.Axis(format=".0%"), scale=alt.Scale(domain=[0, 1]))
+    capacity = base.mark_bar(color="#dddddd").encode(x=x, tooltip=tooltip)
+    used = base.mark_bar().encode(x="fill:Q", color=alt.Color("tier:N", legend=None), tooltip=tooltip)
+    return (capacity + used).properties(height=alt.Step(32))
 
 
 def event_timeline(events: pd.DataFrame) -> alt.Chart:
@@ -101,7 +104,7 @@ def event_timeline(events: pd.DataFrame) -> alt.Chart:
         alt.Chart(events)
         .mark_circle(opacity=0.8)
         .encode(
-            x=alt.X("time:T", title=None),
+            x=alt.X("time:T", title=None, axis=TIME_AXIS),
             y=alt.Y("tier:N", title="tier"),
             size=alt.Size("num_blocks:Q", title="blocks", scale=alt.Scale(range=[60, 600])),
             color=alt.Color("reason_kind:N", title="reason", legend=alt.Legend(orient="bottom")),

@@ -189,7 +189,8 @@ class PrometheusSource:
         start = end - dt.timedelta(minutes=minutes)
         query = names_selector(APP_SAMPLE_NAMES)
         try:
-            result = self._client.custom_query_range(query, start, end, f"{range_step(minutes):g}s")
+            # A number of seconds: Prometheus parses "7.5" but not "7.5s" as a step.
+            result = self._client.custom_query_range(query, start, end, f"{range_step(minutes):g}")
         except Exception as e:  # noqa: BLE001 - requests, HTTP and JSON errors all mean "query failed"
             self.status = Status(self.url, QUERY_FAILED, f"{type(e).__name__}: {e}"[:500])
             return empty_frame()

@@ -68,3 +68,19 @@ def test_to_long_drops_missing_points():
     wide = pd.DataFrame({"a": [1.0, None], "b": [None, 2.0]}, index=[0.0, 10.0])
     long = charts.to_long(wide)
     assert list(long["series"]) == ["a", "b"] and str(long["time"].dt.tz) == "UTC"
+
+
+def test_tier_fill_puts_tiers_of_any_size_on_one_percent_scale():
+    from dashboard import views
+
+    from .frames import frame, row
+
+    f = frame(
+        row(0, "vllm:kvlens_tier_used_bytes", 2e6, tier="cpu"),
+        row(0, "vllm:kvlens_tier_capacity_bytes", 2e6, tier="cpu"),
+        row(0, "vllm:kvlens_tier_used_bytes", 1e8, tier="disk"),
+        row(0, "vllm:kvlens_tier_capacity_bytes", 1e9, tier="disk"),
+    )
+    spec = charts.tier_fill(views.tier_table(f)).to_dict()
+    rows = {r["tier"]: r for r in spec["datasets"][next(iter(spec["datasets"]))]}
+    assert rows["cpu"]["fill"] == 1.0 and rows["disk"]["fill"] == 0.1 and rows["disk"]["capacity"] == 1000
