@@ -56,6 +56,12 @@ def dashboard_exprs() -> list[str]:
     return out
 
 
+def rule_exprs() -> list[str]:
+    import yaml
+
+    return [r["expr"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+
+
 def panel_queries() -> list[tuple[str, str, str]]:
     """(panel title, legend, concrete PromQL) for every target of ``grafana.panels.PANELS``."""
     return [(p.title, t.legend, with_selector(t.expr)) for p in PANELS for t in p.targets]

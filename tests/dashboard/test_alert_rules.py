@@ -77,3 +77,16 @@ def test_the_leak_alert_watches_every_leak_gauge():
 def test_rules_use_only_metrics_kvlens_or_vllm_export():
     used = {n for r in rules() for n in metric_names(r["expr"])}
     assert used <= kvlens_sample_names() | VLLM_SAMPLE_NAMES, used - kvlens_sample_names() - VLLM_SAMPLE_NAMES
+
+
+def test_scaled_rules_for_live_tests_still_parse(tmp_path):
+    from .prom import scale_durations
+
+    scaled = scale_durations(RULES.read_text(), 60)
+    assert "[5s]" in scaled and "offset 10s" in scaled and "for: 15s" in scaled and "[60s]" in scaled
+    assert "[5m]" not in scaled and "for: 10m" not in scaled
+    (tmp_path / "r.yml").write_text(scaled)
+    out = subprocess.run(
+        ["promtool", "check", "rules", str(tmp_path / "r.yml")], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
