@@ -152,7 +152,7 @@ def test_panels_show_what_the_workload_did(live):
     assert values_by_legend(live, "Prefill time saved (estimated)")["Prefill time saved (estimated)"] > 0
     assert values_by_legend(live, "Leaked state while idle")[live.target] == 0
     hit = values_by_legend(live, "Hit rate")
-    assert 0.2 < hit["KVLens, tokens"] < 0.6 and hit["KVLens, requests"] > 0.3
+    assert 0.1 < hit["KVLens, tokens"] < 0.9 and 0.1 < hit["KVLens, requests"] < 0.9
 
 
 def test_every_metric_name_is_one_kvlens_or_vllm_exports(live):
