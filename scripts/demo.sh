@@ -5,7 +5,9 @@
 #   bash scripts/demo.sh [workload.py options, e.g. --rounds 4 --reset request --expect-kvlens]
 #
 # Environment: PORT (default 8000); KVLENS_DEMO_NO_CONNECTOR=1 starts vLLM without
-# --kv-transfer-config (baseline); KVLENS_DEMO_STARTUP_TIMEOUT (default 300 s).
+# --kv-transfer-config (baseline); KVLENS_DEMO_STARTUP_TIMEOUT (default 300 s);
+# KVLENS_DEMO_KEEP=1 keeps the server running after the workload (Ctrl-C stops it), to watch
+# it in the dashboard (streamlit run dashboard/app.py).
 # The server log is .run/serve.log.
 set -euo pipefail
 
@@ -96,5 +98,17 @@ rc=0
 "$PY" scripts/workload.py --url "$BASE" "$@" || rc=$?
 if [ "$rc" -ne 0 ]; then
     echo "[demo] workload failed (exit $rc); server log: $LOG" >&2
+fi
+
+DASHBOARD=("$PY" -m streamlit run dashboard/app.py -- --metrics "127.0.0.1:$PORT")
+if [ "${KVLENS_DEMO_KEEP:-0}" = 1 ]; then
+    echo "[demo] vLLM keeps running on $BASE (Ctrl-C stops it). Watch it in the dashboard:"
+    echo "         ${DASHBOARD[*]}"
+    echo "       then open http://localhost:8501 (send more traffic: $PY scripts/workload.py --url $BASE)"
+    wait "$SERVER_PID" || true
+else
+    echo "[demo] To watch this server in the dashboard, run the demo keeping vLLM up:"
+    echo "         KVLENS_DEMO_KEEP=1 PORT=$PORT bash scripts/demo.sh"
+    echo "       and in another terminal: ${DASHBOARD[*]}   (then open http://localhost:8501)"
 fi
 exit "$rc"

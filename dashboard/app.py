@@ -1,0 +1,288 @@
+"""KVLens dashboard: what the KV cache saves, where it misses, how fast it is, what leaks, what
+failed. Lays out what ``dashboard.sources/views/charts/failures`` compute.
+
+    streamlit run dashboard/app.py                                   # the demo server, 127.0.0.1:8000
+    streamlit run dashboard/app.py -- --metrics HOST:PORT [--metrics HOST2:PORT] [--events LOG]
+    streamlit run dashboard/app.py -- --prometheus http://127.0.0.1:9090
+
+Flags and environment variables: see ``dashboard/settings.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+
+# `streamlit run` puts dashboard/ on sys.path; the repository root makes `dashboard` and
+# `telemetry` importable without installing anything.
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import pandas as pd  # noqa: E402
+import streamlit as st  # noqa: E402
+
+from dashboard import charts, failures, settings, sources, text, views  # noqa: E402
+
+ALL = "All instances (sum)"
+ROWS = ("Overview", "Hits and misses", "Latency and throughput", "Tiers and leaks", "Failures")
+
+
+def _argv() -> list[str]:
+    """The flags after ``--`` when this file is what ``streamlit run`` runs (not under a test)."""
+    ours = Path(sys.argv[0]).resolve() == Path(__file__).resolve() if sys.argv else False
+    return sys.argv[1:] if ours else []
+
+
+@contextlib.contextmanager
+def guarded(what: str):
+    """A failure in one part of the page is one line of text, never a stack trace."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001
+        st.error(f"{what} could not be shown: {type(e).__name__}: {e}")
+
+
+@st.cache_resource(show_spinner=False)
+def history(url: str, max_points: int) -> sources.MetricsHistory:
+    return sources.MetricsHistory(url, max_points=max_points)
+
+
+@st.cache_resource(show_spinner=False)
+def prometheus(url: str) -> sources.PrometheusSource:
+    return sources.PrometheusSource(url)
+
+
+def sidebar(defaults: settings.Settings) -> settings.Settings:
+    sb = st.sidebar
+    sb.header("Data sources")
+    kinds = {settings.METRICS: "vLLM /metrics (direct)", settings.PROMETHEUS: "Prometheus"}
+    source = sb.radio(
+        "Read from", list(kinds), format_func=kinds.get, index=list(kinds).index(defaults.source)
+    )
+    endpoints = sb.text_area(
+        "vLLM endpoints (one per line)",
+        "\n".join(defaults.endpoints),
+        help="host:port or a /metrics URL; history is kept in memory while the app runs.",
+        disabled=source != settings.METRICS,
+    )
+    prom = sb.text_input("Prometheus URL", defaults.prometheus, disabled=source != settings.PROMETHEUS)
+    events = sb.text_area("Failed-load event logs (one per line)", "\n".join(defaults.events))
+    minutes = sb.number_input("Time range (minutes)", 1.0, 24 * 60.0, defaults.minutes, step=5.0)
+    refresh = sb.number_input("Refresh every (seconds)", 1.0, 600.0, defaults.refresh_s, step=1.0)
+    return settings.Settings(
+        source=source,
+        endpoints=settings.split_list(endpoints) or defaults.endpoints,
+        prometheus=prom.strip(),
+        events=settings.split_list(events),
+        refresh_s=float(refresh),
+        minutes=float(minutes),
+    )
+
+
+def load(cfg: settings.Settings) -> tuple[pd.DataFrame, list[sources.Status], float]:
+    """The sample frame, each source's status, and the rate window in seconds."""
+    if cfg.source == settings.PROMETHEUS:
+        if not cfg.prometheus:
+            return sources.empty_frame(), [sources.Status("(none)", sources.QUERY_FAILED, "no URL")], 30.0
+        src = prometheus(cfg.prometheus)
+        frame = src.frame(cfg.minutes)
+        return frame, [src.status], max(30.0, 4 * sources.range_step(cfg.minutes))
+    now = time.time()
+    points = int(cfg.minutes * 60 / cfg.refresh_s) + 1
+    held = [history(sources.metrics_url(e), points) for e in cfg.endpoints]
+    statuses = [h.scrape(now) for h in held]
+    return sources.combine(h.frame() for h in held), statuses, max(30.0, 3 * cfg.refresh_s)
+
+
+def chart(wide: pd.DataFrame, unit: charts.Unit, empty: str, **kwargs) -> None:
+    if wide.empty:
+        st.info(empty)
+    else:
+        st.altair_chart(charts.line(wide, unit, **kwargs), width="stretch")
+
+
+WAITING = "Waiting for a second reading to compute rates."
+NO_TRAFFIC = "No traffic in range."
+
+
+def overview(frame: pd.DataFrame, fleet: pd.DataFrame, window: float) -> None:
+    s = views.savings(frame)
+    a, b, c, d = st.columns(4)
+    a.metric("Prompt tokens KVLens held", text.percent(s.hit_rate), help="Since the servers started.")
+    b.metric(
+        "Prompt tokens loaded by KVLens",
+        text.number(s.loaded_tokens),
+        delta=f"+{text.number(s.loaded_tokens_window)} in range",
+        delta_color="off",
+    )
+    c.metric(
+        "Prefill time saved (estimated)",
+        text.seconds(s.seconds_saved),
+        help="Tokens KVLens loaded times vLLM's prefill seconds per computed prompt token "
+        "(vllm:request_prefill_time_seconds_sum / vllm:prompt_tokens_by_source_total{source=local_compute}). "
+        "An estimate: per-token prefill cost grows with context length.",
+    )
+    d.metric("Requests with failed loads", text.number(s.failed_loads), help="Since the servers started.")
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Hit rate")
+        chart(views.hit_rates(frame, window), charts.RATIO, NO_TRAFFIC, zero_to_one=True)
+    with right:
+        st.subheader("Where prompt tokens came from")
+        chart(views.token_sources(frame, window), charts.TOKENS_PER_S, NO_TRAFFIC, stack=True)
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Prompt tokens since start, by source")
+        totals = views.token_totals(frame)
+        if totals.sum() > 0:
+            st.altair_chart(charts.bars(totals, charts.TOKENS), width="stretch")
+        else:
+            st.info("No prompt tokens yet.")
+    with right:
+        st.subheader("Per instance")
+        percent = st.column_config.NumberColumn(format="percent")
+        st.dataframe(views.instance_table(fleet), width="stretch", column_config={"KVLens hit rate": percent})
+    st.caption(f"Rates over {window:.0f} s windows. KVLens per tier: tokens it loaded into vLLM.")
+
+
+def hits_and_misses(frame: pd.DataFrame, window: float) -> None:
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Misses by reason")
+        chart(views.misses_by_reason(frame, window), charts.REQUESTS_PER_S, "No misses in range.", stack=True)
+    with right:
+        st.subheader("Stores skipped by reason")
+        chart(views.save_skips_by_reason(frame, window), charts.REQUESTS_PER_S, "No skipped stores in range.")
+    left, right = st.columns(2)
+    with left:
+        st.subheader("KVLens hits by tier")
+        hits = views.rate(frame, views.kvlens("hit_tokens"), ("tier",), window)
+        chart(hits, charts.TOKENS_PER_S, NO_TRAFFIC, stack=True)
+    with right:
+        st.subheader("Misses since start")
+        misses = views.total(frame, views.kvlens("miss_requests"), ("reason",))
+        if misses.empty:
+            st.info("No misses yet.")
+        else:
+            st.altair_chart(charts.bars(misses, charts.COUNT, "reason"), width="stretch")
+
+
+def latency_and_throughput(frame: pd.DataFrame, window: float) -> None:
+    cols = st.columns(3)
+    for col, op in zip(cols, ("lookup", "load", "store"), strict=True):
+        with col:
+            st.subheader(f"{op.capitalize()} latency")
+            chart(views.latency(frame, op, window), charts.MS, f"No {op}s in range.")
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Transfer speed")
+        chart(views.transfer_speed(frame, window), charts.GB_PER_S, "No loads or stores in range.")
+    with right:
+        st.subheader("Operations")
+        chart(views.operations(frame, window), charts.OPS_PER_S, NO_TRAFFIC)
+    st.subheader("Background write queue")
+    queue = views.gauge(frame, views.kvlens("pending_writes"), ("instance",))
+    chart(queue, charts.COUNT, "No background writer reported.")
+    st.caption("Disk writes and deletes queued (at most 64); sampled while the engine steps.")
+
+
+def tiers_and_leaks(frame: pd.DataFrame, fleet: pd.DataFrame, window: float, idle_for_s: float) -> None:
+    flags = views.leak_flags(fleet, idle_for_s)
+    for f in flags:
+        st.error(
+            f"Possible leak on {f.instance}: {f.gauge} = {f.value:g} while the engine has been idle "
+            f"for {f.idle_s:.0f} s (nothing running or waiting)."
+        )
+    if not flags:
+        st.success(f"No leak: every leak gauge returns to 0 once an engine is idle for {idle_for_s:.0f} s.")
+    table = views.tier_table(frame)
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Tiers: used of capacity")
+        if table.empty:
+            st.info("No tier reported yet.")
+        else:
+            st.altair_chart(charts.tier_fill(table), width="stretch")
+            fill = st.column_config.NumberColumn(format="percent")
+            st.dataframe(table, width="stretch", column_config={"fill": fill})
+    with right:
+        st.subheader("Evictions")
+        evictions = views.rate(frame, views.kvlens("evictions"), ("tier",), window)
+        chart(evictions, charts.Unit("chunks/s", ",.3~f"), "No evictions reported.")
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Leak gauges")
+        chart(views.leak_gauges(frame), charts.COUNT, "No leak gauges reported.")
+    with right:
+        st.subheader("Pinned bytes")
+        pinned = views.gauge(frame, views.kvlens("pinned_bytes"), ("tier",))
+        chart(pinned, charts.MB, "No pinned bytes reported.")
+
+
+def failures_view(frame: pd.DataFrame, window: float, logs: tuple[str, ...]) -> None:
+    st.subheader("Failed blocks by reason")
+    chart(views.failures(frame, window), charts.BLOCKS_PER_S, "No failed blocks in range.")
+    events, statuses = failures.load_events(logs)
+    for s in statuses:
+        message = text.log_message(s)
+        if message:
+            st.info(message)
+    if events.empty:
+        return
+    st.subheader("Failed loads")
+    st.altair_chart(charts.event_timeline(events), width="stretch")
+    cols = st.columns(4)
+    tiers = cols[0].multiselect("Tier", sorted(events["tier"].unique()), key="ev_tier")
+    reasons = cols[1].multiselect("Reason", sorted(events["reason_kind"].unique()), key="ev_reason")
+    chosen_logs = cols[2].multiselect("Log", sorted(events["log"].unique()), key="ev_log")
+    request = cols[3].text_input("Request id contains", key="ev_request")
+    shown = failures.filter_events(events, tiers, reasons, request, chosen_logs)
+    st.dataframe(
+        shown.rename(columns={"num_blocks": "blocks", "tokens_affected": "tokens recomputed"}),
+        width="stretch",
+        hide_index=True,
+    )
+    st.dataframe(failures.summary(shown), width="stretch", hide_index=True)
+
+
+def live(cfg: settings.Settings) -> None:
+    with guarded("The data"):
+        fleet, statuses, window = load(cfg)
+        for status in statuses:
+            message = text.status_message(status)
+            if message:
+                getattr(st, message[0])(message[1])
+        if not fleet.empty and fleet["time"].nunique() < 2:
+            st.info(WAITING)
+        names = views.instances(fleet)
+        choice = st.selectbox("Instance", [ALL, *names], key="instance") if len(names) > 1 else ALL
+        frame = fleet if choice == ALL else views.for_instances(fleet, [choice])
+        idle_for_s = max(30.0, 3 * cfg.refresh_s)
+        tabs = st.tabs(list(ROWS))
+        with tabs[0], guarded("Overview"):
+            overview(frame, fleet, window)
+        with tabs[1], guarded("Hits and misses"):
+            hits_and_misses(frame, window)
+        with tabs[2], guarded("Latency and throughput"):
+            latency_and_throughput(frame, window)
+        with tabs[3], guarded("Tiers and leaks"):
+            tiers_and_leaks(frame, fleet, window, idle_for_s)
+        with tabs[4], guarded("Failures"):
+            failures_view(frame, window, cfg.events)
+        st.caption(f"Updated {time.strftime('%H:%M:%S')}; refreshes every {cfg.refresh_s:g} s.")
+
+
+def main() -> None:
+    st.set_page_config(page_title="KVLens", layout="wide")
+    st.set_option("client.showErrorDetails", "none")
+    st.title("KVLens")
+    with guarded("The settings"):
+        cfg = sidebar(settings.parse(_argv(), os.environ))
+        st.fragment(run_every=cfg.refresh_s)(live)(cfg)
+
+
+main()

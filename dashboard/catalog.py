@@ -1,0 +1,91 @@
+"""The metric names the dashboards read, in one place.
+
+KVLens names come from ``telemetry.metrics`` (a typo here fails at import); vLLM's own are the
+series vLLM 0.32 puts on ``/metrics`` next to them. Prometheus sample names: counters end in
+``_total``, histograms come as ``_bucket``/``_sum``/``_count``.
+"""
+
+from __future__ import annotations
+
+from telemetry.metrics import COUNTER, HISTOGRAM, METRICS
+
+# Labels a dashboard groups by; every other label (job, ...) is summed away.
+LABELS = ("model_name", "engine", "tier", "operation", "reason", "source", "le")
+
+
+def kvlens(key: str, suffix: str = "") -> str:
+    """The sample name of a KVLens metric: counters get ``_total``, histograms ``suffix``."""
+    metric = METRICS[key]
+    if metric.kind == COUNTER:
+        return metric.name + "_total"
+    if metric.kind == HISTOGRAM:
+        if suffix not in ("_bucket", "_sum", "_count"):
+            raise ValueError(f"{metric.name} is a histogram: name a _bucket, _sum or _count sample")
+        return metric.name + suffix
+    return metric.name
+
+
+def kvlens_sample_names() -> frozenset[str]:
+    """Every sample name KVLens can put on /metrics."""
+    out = set()
+    for key, metric in METRICS.items():
+        if metric.kind == HISTOGRAM:
+            out.update(kvlens(key, s) for s in ("_bucket", "_sum", "_count"))
+        else:
+            out.add(kvlens(key))
+    return frozenset(out)
+
+
+# Internal sizes that must return to zero when the engine is idle (the README's "Leaks" row).
+# pending_writes is a queue depth, not one of them: the worker samples it during engine steps,
+# so it keeps its last value while the engine is idle.
+LEAK_GAUGES = (
+    "request_trackers",
+    "load_specs",
+    "pending_saves",
+    "unfinished_requests",
+    "invalid_block_ids",
+    "pinned_requests",
+    "pinned_chunks",
+    "pinned_bytes",
+    "telemetry_open_requests",
+)
+
+# vLLM's own series the dashboards use.
+VLLM_PROMPT_TOKENS = "vllm:prompt_tokens_total"
+# source: local_compute / local_cache_hit / external_kv_transfer
+VLLM_PROMPT_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+VLLM_CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"  # device / host / disk / ...
+VLLM_PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+VLLM_PREFIX_HITS = "vllm:prefix_cache_hits_total"
+VLLM_EXTERNAL_QUERIES = "vllm:external_prefix_cache_queries_total"
+VLLM_EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+VLLM_PREFILL_SECONDS_SUM = "vllm:request_prefill_time_seconds_sum"
+VLLM_PREFILL_SECONDS_COUNT = "vllm:request_prefill_time_seconds_count"
+VLLM_TTFT_BUCKET = "vllm:time_to_first_token_seconds_bucket"
+VLLM_RUNNING = "vllm:num_requests_running"
+VLLM_WAITING = "vllm:num_requests_waiting"
+
+VLLM_SAMPLE_NAMES = frozenset(
+    {
+        VLLM_PROMPT_TOKENS,
+        VLLM_PROMPT_BY_SOURCE,
+        VLLM_CACHED_BY_SOURCE,
+        VLLM_PREFIX_QUERIES,
+        VLLM_PREFIX_HITS,
+        VLLM_EXTERNAL_QUERIES,
+        VLLM_EXTERNAL_HITS,
+        VLLM_PREFILL_SECONDS_SUM,
+        VLLM_PREFILL_SECONDS_COUNT,
+        VLLM_TTFT_BUCKET,
+        VLLM_RUNNING,
+        VLLM_WAITING,
+    }
+)
+
+# What the Streamlit app keeps from each /metrics scrape (histograms other than the
+# operation latencies are not drawn, so their buckets are not kept).
+APP_SAMPLE_NAMES = frozenset(
+    (kvlens_sample_names() - {kvlens("request_hit_ratio", "_bucket")})
+    | (VLLM_SAMPLE_NAMES - {VLLM_TTFT_BUCKET})
+)

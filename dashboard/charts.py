@@ -1,0 +1,122 @@
+"""Altair charts for the views: every chart names its unit on the value axis."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import altair as alt
+import pandas as pd
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    title: str  # axis title
+    fmt: str  # d3 format of axis labels and tooltips
+    factor: float = 1.0  # multiply raw values (seconds, bytes) into this unit
+
+
+RATIO = Unit("share", ".0%")
+TOKENS_PER_S = Unit("tokens/s", ",.4~s")
+REQUESTS_PER_S = Unit("requests/s", ",.3~f")
+OPS_PER_S = Unit("operations/s", ",.3~f")
+BLOCKS_PER_S = Unit("blocks/s", ",.3~f")
+MS = Unit("ms", ",.3~f", 1e3)
+GB_PER_S = Unit("GB/s", ",.3~f", 1e-9)
+MB = Unit("MB", ",.3~f", 1e-6)
+COUNT = Unit("count", ",.4~s")
+TOKENS = Unit("tokens", ",.4~s")
+
+HEIGHT = 240
+TIME_AXIS = alt.Axis(format="%H:%M:%S", labelOverlap=True)
+
+
+def to_long(wide: pd.DataFrame, factor: float = 1.0) -> pd.DataFrame:
+    """A wide frame (index: epoch seconds, one column per line) as time / series / value rows."""
+    if wide.empty:
+        return pd.DataFrame({"time": pd.Series(dtype="datetime64[ns, UTC]"), "series": [], "value": []})
+    long = wide.rename_axis("t").reset_index().melt(id_vars="t", var_name="series", value_name="value")
+    long = long.dropna(subset=["value"])
+    long["time"] = pd.to_datetime(long["t"], unit="s", utc=True)
+    long["value"] = long["value"].astype(float) * factor
+    return long[["time", "series", "value"]]
+
+
+def line(wide: pd.DataFrame, unit: Unit, stack: bool = False, zero_to_one: bool = False) -> alt.Chart:
+    data = to_long(wide, unit.factor)
+    scale = alt.Scale(domain=[0, 1]) if zero_to_one else alt.Scale(zero=True)
+    y = alt.Y("value:Q", title=unit.title, axis=alt.Axis(format=unit.fmt), scale=scale)
+    if stack:
+        y = alt.Y("value:Q", title=unit.title, axis=alt.Axis(format=unit.fmt), stack="zero")
+    base = alt.Chart(data)
+    mark = base.mark_area(opacity=0.7, interpolate="step-after") if stack else base.mark_line(point=False)
+    return mark.encode(
+        x=alt.X("time:T", title=None, axis=TIME_AXIS),
+        y=y,
+        color=alt.Color("series:N", title=None, legend=alt.Legend(orient="bottom")),
+        tooltip=[
+            alt.Tooltip("time:T", format="%H:%M:%S"),
+            "series:N",
+            alt.Tooltip("value:Q", format=unit.fmt, title=unit.title),
+        ],
+    ).properties(height=HEIGHT)
+
+
+def bars(values: pd.Series, unit: Unit, label: str = "") -> alt.Chart:
+    """Horizontal bars, one per index entry."""
+    data = pd.DataFrame({"name": [str(i) for i in values.index], "value": values.astype(float) * unit.factor})
+    return (
+        alt.Chart(data)
+        .mark_bar()
+        .encode(
+            y=alt.Y("name:N", title=label or None, sort=None),
+            x=alt.X("value:Q", title=unit.title, axis=alt.Axis(format=unit.fmt)),
+            color=alt.Color("name:N", legend=None),
+            tooltip=["name:N", alt.Tooltip("value:Q", format=unit.fmt, title=unit.title)],
+        )
+        .properties(height=alt.Step(28))
+    )
+
+
+def tier_fill(table: pd.DataFrame) -> alt.Chart:
+    """Each tier's fill (used of capacity) on one 0-100% scale, whatever the tiers' sizes."""
+    data = table.reset_index().assign(
+        used=lambda d: d["used_bytes"] * MB.factor,
+        capacity=lambda d: d["capacity_bytes"] * MB.factor,
+        full=1.0,
+        fill=lambda d: d["fill"].fillna(0.0),
+    )
+    base = alt.Chart(data).encode(y=alt.Y("tier:N", title=None))
+    tooltip = [
+        "tier:N",
+        alt.Tooltip("used:Q", format=MB.fmt, title="used (MB)"),
+        alt.Tooltip("capacity:Q", format=MB.fmt, title="capacity (MB)"),
+        alt.Tooltip("fill:Q", format=".1%"),
+    ]
+    x = alt.X("full:Q", title="used of capacity", axis=alt.Axis(format=".0%"), scale=alt.Scale(domain=[0, 1]))
+    capacity = base.mark_bar(color="#dddddd").encode(x=x, tooltip=tooltip)
+    used = base.mark_bar().encode(x="fill:Q", color=alt.Color("tier:N", legend=None), tooltip=tooltip)
+    return (capacity + used).properties(height=alt.Step(32))
+
+
+def event_timeline(events: pd.DataFrame) -> alt.Chart:
+    """Failed loads as points in time: one row per tier, size by blocks, colour by reason."""
+    return (
+        alt.Chart(events)
+        .mark_circle(opacity=0.8)
+        .encode(
+            x=alt.X("time:T", title=None, axis=TIME_AXIS),
+            y=alt.Y("tier:N", title="tier"),
+            size=alt.Size("num_blocks:Q", title="blocks", scale=alt.Scale(range=[60, 600])),
+            color=alt.Color("reason_kind:N", title="reason", legend=alt.Legend(orient="bottom")),
+            tooltip=[
+                alt.Tooltip("time:T", format="%Y-%m-%d %H:%M:%S"),
+                "request_id:N",
+                "tier:N",
+                "reason:N",
+                alt.Tooltip("num_blocks:Q", title="blocks"),
+                alt.Tooltip("tokens_affected:Q", title="tokens recomputed"),
+                "log:N",
+            ],
+        )
+        .properties(height=max(120, 50 * events["tier"].nunique()))
+    )

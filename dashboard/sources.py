@@ -1,0 +1,217 @@
+"""Where the dashboard's numbers come from: vLLM ``/metrics`` endpoints read directly (with a
+bounded in-memory history, so rates work without Prometheus) or a Prometheus HTTP API.
+
+Both give the same long frame, one row per sample: ``time`` (epoch seconds), ``instance``,
+``name`` (the sample name, ``..._total`` for counters), the label columns of
+``catalog.LABELS`` ("" when absent) and ``value``. ``views`` computes everything from it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import pandas as pd
+from prometheus_client.parser import text_string_to_metric_families
+
+from .catalog import APP_SAMPLE_NAMES, LABELS
+
+COLUMNS = ("time", "instance", "name", *LABELS, "value")
+
+OK = "ok"
+UNREACHABLE = "unreachable"
+NO_KVLENS = "no_kvlens"
+BAD_RESPONSE = "bad_response"
+QUERY_FAILED = "query_failed"
+NO_DATA = "no_data"
+
+Sample = tuple[str, tuple[str, ...], float]  # name, label values in LABELS order, value
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    source: str  # the endpoint URL or the Prometheus URL
+    state: str  # OK, UNREACHABLE, NO_KVLENS, BAD_RESPONSE, QUERY_FAILED or NO_DATA
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.state == OK
+
+
+def metrics_url(endpoint: str) -> str:
+    """``host:port``, ``http://host:port`` or a full URL -> the URL of its ``/metrics``."""
+    endpoint = endpoint.strip()
+    if "://" not in endpoint:
+        endpoint = "http://" + endpoint
+    parts = urlsplit(endpoint)
+    if parts.path in ("", "/"):
+        endpoint = endpoint.rstrip("/") + "/metrics"
+    return endpoint
+
+
+def instance_of(url: str) -> str:
+    """The ``instance`` label Prometheus would give this target: ``host:port``."""
+    return urlsplit(url).netloc
+
+
+def fetch_text(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode("utf-8", errors="replace")
+
+
+def parse_samples(text: str, keep: frozenset[str] = APP_SAMPLE_NAMES) -> list[Sample]:
+    """The samples named in ``keep`` from Prometheus text exposition (``_created`` dropped)."""
+    out: list[Sample] = []
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in keep:
+                out.append((s.name, tuple(s.labels.get(k, "") for k in LABELS), float(s.value)))
+    return out
+
+
+def has_kvlens(samples: Iterable[Sample]) -> bool:
+    return any(name.startswith("vllm:kvlens_") for name, _, _ in samples)
+
+
+def scrape(url: str, fetch: Callable[[str], str] = fetch_text) -> tuple[list[Sample], Status]:
+    """One read of an endpoint, never raising: the samples and what went wrong, if anything."""
+    try:
+        text = fetch(url)
+    except urllib.error.HTTPError as e:
+        return [], Status(url, UNREACHABLE, f"HTTP {e.code} {e.reason}")
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        return [], Status(url, UNREACHABLE, str(reason))
+    try:
+        samples = parse_samples(text)
+    except (ValueError, TypeError, IndexError) as e:
+        return [], Status(url, BAD_RESPONSE, f"not Prometheus text exposition: {e}")
+    if not has_kvlens(samples):
+        return samples, Status(url, NO_KVLENS, "no vllm:kvlens_* series")
+    return samples, Status(url, OK)
+
+
+class MetricsHistory:
+    """The last ``max_points`` scrapes of one endpoint, in memory; thread-safe.
+
+    A scrape within ``min_interval_s`` of the previous one is skipped, so several browser
+    sessions refreshing at once share one history instead of multiplying scrapes.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        max_points: int = 720,
+        min_interval_s: float = 1.0,
+        fetch: Callable[[str], str] = fetch_text,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.url = url
+        self.instance = instance_of(url)
+        self._points: deque[tuple[float, list[Sample]]] = deque(maxlen=max_points)
+        self._min_interval_s = min_interval_s
+        self._fetch = fetch
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last_try = float("-inf")
+        self.status = Status(url, NO_DATA, "not read yet")
+
+    def scrape(self, now: float | None = None) -> Status:
+        now = self._clock() if now is None else now
+        with self._lock:
+            if now - self._last_try < self._min_interval_s:
+                return self.status
+            self._last_try = now
+            samples, self.status = scrape(self.url, self._fetch)
+            if samples:
+                self._points.append((now, samples))
+            return self.status
+
+    def __len__(self) -> int:
+        return len(self._points)
+
+    def frame(self) -> pd.DataFrame:
+        with self._lock:
+            points = list(self._points)
+        rows = [
+            (t, self.instance, name, *labels, value)
+            for t, samples in points
+            for name, labels, value in samples
+        ]
+        return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def empty_frame() -> pd.DataFrame:
+    return pd.DataFrame([], columns=list(COLUMNS))
+
+
+def combine(frames: Iterable[pd.DataFrame]) -> pd.DataFrame:
+    frames = [f for f in frames if not f.empty]
+    return pd.concat(frames, ignore_index=True) if frames else empty_frame()
+
+
+def names_selector(names: Iterable[str]) -> str:
+    """A PromQL selector for exactly these metric names."""
+    return '{__name__=~"' + "|".join(re.escape(n) for n in sorted(names)) + '"}'
+
+
+def range_step(minutes: float, points: int = 240, min_step_s: float = 1.0) -> float:
+    return max(minutes * 60 / points, min_step_s)
+
+
+class PrometheusSource:
+    """Raw KVLens and vLLM series over a time range from Prometheus's HTTP API, through
+    ``prometheus_api_client`` (the same computations as for direct scrapes then apply)."""
+
+    def __init__(self, url: str, timeout: float = 10.0, connect: Callable[..., object] | None = None) -> None:
+        from prometheus_api_client import PrometheusConnect
+        from urllib3.util.retry import Retry
+
+        self.url = url.rstrip("/")
+        factory = connect or PrometheusConnect
+        self._client = factory(
+            url=self.url, disable_ssl=True, retry=Retry(total=0), timeout=timeout, method="POST"
+        )
+        self.status = Status(self.url, NO_DATA, "not queried yet")
+
+    def frame(self, minutes: float = 30.0, now: float | None = None) -> pd.DataFrame:
+        """Never raises: a failed query gives an empty frame and ``status`` says why."""
+        end = dt.datetime.fromtimestamp(now if now is not None else time.time(), dt.timezone.utc)
+        start = end - dt.timedelta(minutes=minutes)
+        query = names_selector(APP_SAMPLE_NAMES)
+        try:
+            # A number of seconds: Prometheus parses "7.5" but not "7.5s" as a step.
+            result = self._client.custom_query_range(query, start, end, f"{range_step(minutes):g}")
+        except Exception as e:  # noqa: BLE001 - requests, HTTP and JSON errors all mean "query failed"
+            self.status = Status(self.url, QUERY_FAILED, f"{type(e).__name__}: {e}"[:500])
+            return empty_frame()
+        frame = frame_from_matrix(result)
+        if frame.empty:
+            self.status = Status(self.url, NO_DATA, "no KVLens or vLLM series in the time range")
+        elif not frame["name"].str.startswith("vllm:kvlens_").any():
+            self.status = Status(self.url, NO_KVLENS, "vLLM series but no vllm:kvlens_* series")
+        else:
+            self.status = Status(self.url, OK)
+        return frame
+
+
+def frame_from_matrix(result: list[dict]) -> pd.DataFrame:
+    """A Prometheus range-query result (``resultType: matrix``) as the long frame."""
+    rows = []
+    for series in result:
+        metric = series.get("metric", {})
+        name = metric.get("__name__", "")
+        labels = tuple(metric.get(k, "") for k in LABELS)
+        instance = metric.get("instance", "")
+        for t, v in series.get("values", []):
+            rows.append((float(t), instance, name, *labels, float(v)))
+    return pd.DataFrame(rows, columns=list(COLUMNS)) if rows else empty_frame()

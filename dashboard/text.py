@@ -1,0 +1,64 @@
+"""Words and numbers the app shows: status messages and human-readable figures."""
+
+from __future__ import annotations
+
+import math
+
+from . import failures, sources
+
+ERROR, WARNING, INFO = "error", "warning", "info"
+
+
+def status_message(status: sources.Status) -> tuple[str, str] | None:
+    """(level, text) for a source that is not OK, else None."""
+    where = status.source
+    detail = f" ({status.detail})" if status.detail else ""
+    if status.state == sources.UNREACHABLE:
+        return ERROR, f"Endpoint unreachable: {where}{detail}. Is vLLM running there?"
+    if status.state == sources.NO_KVLENS:
+        return WARNING, (
+            f"No KVLens metrics at this endpoint: {where}. vLLM answers, but without vllm:kvlens_* series: "
+            "start it with --kv-transfer-config for KVLensConnector (and KVLENS_METRICS not 0)."
+        )
+    if status.state == sources.QUERY_FAILED:
+        return ERROR, f"Prometheus query failed: {where}{detail}"
+    if status.state == sources.BAD_RESPONSE:
+        return ERROR, f"Not a Prometheus /metrics page: {where}{detail}"
+    if status.state == sources.NO_DATA:
+        return INFO, f"No data yet from {where}{detail}"
+    return None
+
+
+def log_message(status: failures.LogStatus) -> str | None:
+    if status.state == failures.MISSING:
+        return f"No events yet: {status.path} does not exist (it is created at the first failed load)."
+    if status.state == failures.EMPTY:
+        return f"No events yet: {status.path} holds no failed load."
+    return None
+
+
+def number(value: float | None, unit: str = "") -> str:
+    """1234567 -> '1.23M', with an optional unit; '–' when unknown."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    for size, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= size:
+            return f"{value / size:.3g}{suffix}{' ' + unit if unit else ''}"
+    text = f"{value:.3g}" if not float(value).is_integer() else f"{int(value)}"
+    return f"{text}{' ' + unit if unit else ''}"
+
+
+def seconds(value: float | None) -> str:
+    if value is None or math.isnan(value):
+        return "–"
+    if value < 1:
+        return f"{value * 1000:.3g} ms"
+    if value < 120:
+        return f"{value:.3g} s"
+    if value < 7200:
+        return f"{value / 60:.3g} min"
+    return f"{value / 3600:.3g} h"
+
+
+def percent(value: float | None) -> str:
+    return "–" if value is None or math.isnan(value) else f"{value:.1%}"

@@ -1,0 +1,407 @@
+"""What the dashboard shows, computed from the long sample frame of ``sources``.
+
+Plain pandas functions, no Streamlit: rates from counter snapshots (resets handled, and a
+series that appears after its instance was first read counts from 0, as a labelled counter
+does at its first increment), ratios that are missing instead of NaN when nothing happened,
+histogram quantiles the way Prometheus's ``histogram_quantile`` computes them, and the leak
+check. Time series come back "wide": indexed by ``time`` (epoch seconds), one column per line.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from . import catalog as c
+from .catalog import LABELS, LEAK_GAUGES, kvlens
+
+SERIES = ("instance", "name", *LABELS)
+DEFAULT_WINDOW_S = 30.0
+
+
+def select(frame: pd.DataFrame, name: str, **labels: str) -> pd.DataFrame:
+    df = frame[frame["name"] == name]
+    for k, v in labels.items():
+        df = df[df[k] == v]
+    return df
+
+
+def for_instances(frame: pd.DataFrame, instances: Sequence[str] | None) -> pd.DataFrame:
+    return frame if not instances else frame[frame["instance"].isin(list(instances))]
+
+
+def instances(frame: pd.DataFrame) -> list[str]:
+    return sorted(frame["instance"].unique()) if not frame.empty else []
+
+
+# ---- counters --------------------------------------------------------------------------------
+def _cumulative(df: pd.DataFrame, instance_times: dict[str, np.ndarray]) -> pd.DataFrame:
+    """Per series, reset-corrected running totals; a series first seen after its instance's
+    first read gets a 0 at the instance's previous read."""
+    out = []
+    for key, g in df.sort_values("time").groupby(list(SERIES), sort=False):
+        t = g["time"].to_numpy(dtype=float)
+        v = g["value"].to_numpy(dtype=float)
+        seen = instance_times.get(key[0])
+        if seen is not None:
+            earlier = seen[seen < t[0]]
+            if earlier.size:
+                t, v = np.concatenate(([earlier[-1]], t)), np.concatenate(([0.0], v))
+        d = np.diff(v, prepend=0.0)
+        d = np.where(d < 0, v, d)  # a reset: the counter restarted from 0
+        d[0] = v[0]
+        labels = dict(zip(SERIES, key, strict=True))
+        out.append(pd.DataFrame({"time": t, "sid": len(out), "cum": np.cumsum(d), **labels}))
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame()
+
+
+def _instance_times(frame: pd.DataFrame) -> dict[str, np.ndarray]:
+    return {i: np.sort(g["time"].unique()) for i, g in frame.groupby("instance")}
+
+
+def _rates(frame: pd.DataFrame, name: str, window_s: float, **labels: str) -> pd.DataFrame:
+    df = select(frame, name, **labels)
+    if df.empty:
+        return pd.DataFrame()
+    cum = _cumulative(df, _instance_times(frame))
+    parts = []
+    for _, g in cum.groupby("sid", sort=False):
+        t, y = g["time"].to_numpy(), g["cum"].to_numpy()
+        j = np.clip(np.searchsorted(t, t - window_s, side="right") - 1, 0, None)
+        dt = t - t[j]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r = np.where(dt > 0, (y - y[j]) / np.where(dt > 0, dt, 1), np.nan)
+        parts.append(g.assign(v=r).iloc[1:])
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+
+
+def _sum_aligned(long: pd.DataFrame, by: Sequence[str], label: Callable[[tuple], str]) -> pd.DataFrame:
+    """Sum per-series values into one column per ``by`` group at every time any series has a
+    value, each series carrying its last value forward (instances are read at different times)."""
+    if long.empty:
+        return pd.DataFrame()
+    wide = long.pivot_table(index="time", columns="sid", values="v", aggfunc="sum").sort_index().ffill()
+    keys = long.drop_duplicates("sid").set_index("sid")
+    if by:
+        groups = keys[list(by)].apply(lambda row: label(tuple(row)), axis=1)
+    else:
+        groups = pd.Series(label(()), index=keys.index)
+    out = wide.T.groupby(groups.reindex(wide.columns)).sum(min_count=1).T
+    out.columns.name = None
+    return out.dropna(how="all")
+
+
+def _label(prefix: str = "", default: str = "") -> Callable[[tuple], str]:
+    return lambda key: (prefix + " ".join(k for k in key if k)).strip() or default
+
+
+def rate(
+    frame: pd.DataFrame,
+    name: str,
+    by: Sequence[str] = (),
+    window_s: float = DEFAULT_WINDOW_S,
+    legend: str = "",
+    prefix: str = "",
+    **labels: str,
+) -> pd.DataFrame:
+    """Per-second rate of a counter summed over instances, engines and labels not in ``by``."""
+    long = _rates(frame, name, window_s, **labels)
+    return _sum_aligned(long, by, _label(prefix, legend or name))
+
+
+def increase(frame: pd.DataFrame, name: str, by: Sequence[str] = (), **labels: str) -> pd.Series:
+    """How much a counter grew over the frame, per ``by`` group (resets handled)."""
+    df = select(frame, name, **labels)
+    if df.empty:
+        return pd.Series(dtype=float)
+    cum = _cumulative(df, _instance_times(frame))
+    grew = cum.groupby("sid").agg(
+        first=("cum", "first"), last=("cum", "last"), **{k: (k, "first") for k in by}
+    )
+    grew["v"] = grew["last"] - grew["first"]
+    return grew.groupby(list(by))["v"].sum() if by else pd.Series({"": grew["v"].sum()})
+
+
+def total(frame: pd.DataFrame, name: str, by: Sequence[str] = (), **labels: str) -> pd.Series:
+    """The latest value of each series (a counter: since its server started), summed per group."""
+    df = select(frame, name, **labels)
+    if df.empty:
+        return pd.Series(dtype=float)
+    last = df.sort_values("time").groupby(list(SERIES), sort=False).tail(1)
+    return last.groupby(list(by))["value"].sum() if by else pd.Series({"": last["value"].sum()})
+
+
+def scalar(series: pd.Series) -> float:
+    return float(series.sum()) if not series.empty else 0.0
+
+
+def gauge(
+    frame: pd.DataFrame, name: str, by: Sequence[str] = (), legend: str = "", **labels: str
+) -> pd.DataFrame:
+    df = select(frame, name, **labels)
+    if df.empty:
+        return pd.DataFrame()
+    long = df.assign(sid=df.groupby(list(SERIES)).ngroup(), v=df["value"])
+    return _sum_aligned(long, by, _label("", legend or name))
+
+
+def ratio(num: pd.DataFrame, den: pd.DataFrame) -> pd.DataFrame:
+    """Column by column ``num / den`` where ``den > 0``; missing where nothing was looked up."""
+    if num.empty or den.empty:
+        return pd.DataFrame()
+    num, den = num.align(den, join="outer", axis=0)
+    out = num.iloc[:, 0:0].copy()
+    for col in num.columns:
+        d = den[col] if col in den.columns else den.iloc[:, 0]
+        out[col] = (num[col].fillna(0) / d.where(d > 0)).clip(lower=0)
+    return out.dropna(how="all")
+
+
+def join(*parts: pd.DataFrame) -> pd.DataFrame:
+    parts = tuple(p for p in parts if not p.empty)
+    if not parts:
+        return pd.DataFrame()
+    return pd.concat(parts, axis=1).sort_index()
+
+
+# ---- histograms ------------------------------------------------------------------------------
+def bucket_quantile(q: float, bounds: np.ndarray, counts: np.ndarray) -> float:
+    """Prometheus's ``histogram_quantile`` for one histogram: ``bounds`` ascending (last +Inf),
+    ``counts`` cumulative; linear interpolation inside the bucket holding the rank."""
+    if len(counts) < 2 or not np.isfinite(counts[-1]) or counts[-1] <= 0:
+        return math.nan
+    rank = q * counts[-1]
+    b = int(np.searchsorted(counts, rank, side="left"))
+    b = min(b, len(counts) - 1)
+    if math.isinf(bounds[b]):
+        return float(bounds[-2])
+    lower = 0.0 if b == 0 else float(bounds[b - 1])
+    below = 0.0 if b == 0 else float(counts[b - 1])
+    inside = float(counts[b]) - below
+    if b == 0 and bounds[0] <= 0:
+        return float(bounds[0])
+    return lower + (float(bounds[b]) - lower) * ((rank - below) / inside if inside > 0 else 1.0)
+
+
+def quantiles(
+    frame: pd.DataFrame,
+    bucket: str,
+    qs: Sequence[float] = (0.5, 0.95, 0.99),
+    window_s: float = DEFAULT_WINDOW_S,
+    **labels: str,
+) -> pd.DataFrame:
+    """One column per quantile (``p50`` ...) of a histogram's observations in each window."""
+    rates = _sum_aligned(_rates(frame, bucket, window_s, **labels), ("le",), lambda k: k[0])
+    if rates.empty:
+        return pd.DataFrame()
+    order = sorted(rates.columns, key=float)
+    bounds = np.array([float(b) for b in order])
+    counts = rates[order].to_numpy()
+    out = {
+        f"p{round(q * 100)}": [bucket_quantile(q, bounds, np.nan_to_num(row)) for row in counts] for q in qs
+    }
+    return pd.DataFrame(out, index=rates.index).dropna(how="all")
+
+
+# ---- the views -------------------------------------------------------------------------------
+def hit_rates(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
+    def r(name: str, legend: str) -> pd.DataFrame:
+        return rate(frame, name, window_s=window_s, legend=legend)
+
+    return join(
+        ratio(r(kvlens("hit_tokens"), "KVLens, tokens"), r(kvlens("lookup_tokens"), "KVLens, tokens")),
+        ratio(
+            r(kvlens("hit_requests"), "KVLens, requests"), r(kvlens("lookup_requests"), "KVLens, requests")
+        ),
+        ratio(
+            r(c.VLLM_PREFIX_HITS, "vLLM prefix cache, tokens"),
+            r(c.VLLM_PREFIX_QUERIES, "vLLM prefix cache, tokens"),
+        ),
+    )
+
+
+def token_sources(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
+    """Prompt tokens per second by where their KV came from."""
+    return join(
+        rate(
+            frame,
+            c.VLLM_PROMPT_BY_SOURCE,
+            window_s=window_s,
+            legend="vLLM prefix cache",
+            source="local_cache_hit",
+        ),
+        rate(frame, kvlens("load_tokens"), ("tier",), window_s, prefix="KVLens "),
+        rate(frame, c.VLLM_PROMPT_BY_SOURCE, window_s=window_s, legend="computed", source="local_compute"),
+    )
+
+
+def token_totals(frame: pd.DataFrame) -> pd.Series:
+    """Prompt tokens since each server started, by where their KV came from."""
+    parts = {"vLLM prefix cache": scalar(total(frame, c.VLLM_PROMPT_BY_SOURCE, source="local_cache_hit"))}
+    for tier, v in total(frame, kvlens("load_tokens"), ("tier",)).items():
+        parts[f"KVLens {tier}"] = float(v)
+    parts["computed"] = scalar(total(frame, c.VLLM_PROMPT_BY_SOURCE, source="local_compute"))
+    return pd.Series(parts, dtype=float)
+
+
+@dataclass(frozen=True, slots=True)
+class Savings:
+    """What KVLens saved, since the servers started (totals) and within the frame (window)."""
+
+    lookup_tokens: float
+    hit_tokens: float
+    loaded_tokens: float
+    loaded_tokens_window: float
+    prefill_s_per_token: float | None  # vLLM's prefill seconds per computed prompt token
+    failed_loads: float
+    recomputed_tokens: float
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens > 0 else None
+
+    @property
+    def seconds_saved(self) -> float | None:
+        """Estimated: tokens KVLens loaded times what vLLM spent per token it computed."""
+        per = self.prefill_s_per_token
+        return None if per is None else self.loaded_tokens * per
+
+    @property
+    def seconds_saved_window(self) -> float | None:
+        per = self.prefill_s_per_token
+        return None if per is None else self.loaded_tokens_window * per
+
+
+def savings(frame: pd.DataFrame) -> Savings:
+    computed = scalar(total(frame, c.VLLM_PROMPT_BY_SOURCE, source="local_compute"))
+    prefill_s = scalar(total(frame, c.VLLM_PREFILL_SECONDS_SUM))
+    return Savings(
+        lookup_tokens=scalar(total(frame, kvlens("lookup_tokens"))),
+        hit_tokens=scalar(total(frame, kvlens("hit_tokens"))),
+        loaded_tokens=scalar(total(frame, kvlens("load_tokens"))),
+        loaded_tokens_window=scalar(increase(frame, kvlens("load_tokens"))),
+        prefill_s_per_token=prefill_s / computed if computed > 0 and prefill_s > 0 else None,
+        failed_loads=scalar(total(frame, kvlens("failed_load_requests"))),
+        recomputed_tokens=scalar(total(frame, kvlens("recomputed_tokens"))),
+    )
+
+
+def misses_by_reason(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
+    return rate(frame, kvlens("miss_requests"), ("reason",), window_s)
+
+
+def save_skips_by_reason(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
+    return rate(frame, kvlens("save_skipped_requests"), ("reason",), window_s)
+
+
+def latency(frame: pd.DataFrame, operation: str, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
+    return quantiles(frame, kvlens("operation_seconds", "_bucket"), window_s=window_s, operation=operation)
+
+
+def transfer_speed(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
+    """Bytes per second spent loading or storing (GB/s once divided by 1e9)."""
+    seconds = kvlens("operation_seconds", "_sum")
+    return join(
+        ratio(
+            rate(frame, kvlens("load_bytes"), window_s=window_s, legend="load"),
+            rate(frame, seconds, window_s=window_s, legend="load", operation="load"),
+        ),
+        ratio(
+            rate(frame, kvlens("store_bytes"), window_s=window_s, legend="store"),
+            rate(frame, seconds, window_s=window_s, legend="store", operation="store"),
+        ),
+    )
+
+
+def operations(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
+    return rate(frame, kvlens("operation_seconds", "_count"), ("operation",), window_s)
+
+
+def tier_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Latest state of each tier: bytes used, budget, fill, chunks, evictions since start."""
+    cols = {
+        "used_bytes": total(frame, kvlens("tier_used_bytes"), ("tier",)),
+        "capacity_bytes": total(frame, kvlens("tier_capacity_bytes"), ("tier",)),
+        "chunks": total(frame, kvlens("tier_chunks"), ("tier",)),
+        "evictions": total(frame, kvlens("evictions"), ("tier",)),
+    }
+    table = pd.DataFrame(cols).fillna(0)
+    if table.empty:
+        return table
+    cap = table["capacity_bytes"]
+    table["fill"] = (table["used_bytes"] / cap.where(cap > 0)).astype(float)
+    table.index.name = "tier"
+    return table[["used_bytes", "capacity_bytes", "fill", "chunks", "evictions"]]
+
+
+def leak_gauges(frame: pd.DataFrame) -> pd.DataFrame:
+    """Every leak gauge summed over tiers, engines and the instances in the frame."""
+    return join(*(gauge(frame, kvlens(g), legend=g) for g in LEAK_GAUGES if g != "pinned_bytes"))
+
+
+@dataclass(frozen=True, slots=True)
+class LeakFlag:
+    instance: str
+    gauge: str
+    value: float  # the latest value
+    idle_s: float  # how long the engine has had nothing running or waiting
+
+
+def idle_since(frame: pd.DataFrame, instance: str) -> float | None:
+    """When the instance's current idle stretch (nothing running or waiting) began."""
+    one = for_instances(frame, [instance])
+    busy = join(gauge(one, c.VLLM_RUNNING, legend="busy"), gauge(one, c.VLLM_WAITING, legend="waiting"))
+    if busy.empty:
+        return None
+    load = busy.sum(axis=1)
+    if load.iloc[-1] > 0:
+        return None
+    active = load[load > 0]
+    return float(load.index[0] if active.empty else load.index[load.index > active.index[-1]][0])
+
+
+def leak_flags(frame: pd.DataFrame, idle_for_s: float = 30.0) -> list[LeakFlag]:
+    """Gauges that stayed above zero through an idle stretch of at least ``idle_for_s``."""
+    flags = []
+    for inst in instances(frame):
+        start = idle_since(frame, inst)
+        one = for_instances(frame, [inst])
+        if start is None or one.empty:
+            continue
+        idle_s = float(one["time"].max()) - start
+        if idle_s < idle_for_s:
+            continue
+        for g in LEAK_GAUGES:
+            values = gauge(one, kvlens(g), legend=g)
+            if values.empty:
+                continue
+            stretch = values.loc[values.index >= start].iloc[:, 0]
+            if not stretch.empty and (stretch > 0).all():
+                flags.append(LeakFlag(inst, g, float(stretch.iloc[-1]), idle_s))
+    return flags
+
+
+def failures(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
+    return rate(frame, kvlens("failed_blocks"), ("reason",), window_s, prefix="failed blocks ")
+
+
+def instance_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per instance, numbers since its server started."""
+    rows = []
+    for inst in instances(frame):
+        s = savings(for_instances(frame, [inst]))
+        rows.append(
+            {
+                "instance": inst,
+                "KVLens hit rate": s.hit_rate,
+                "tokens loaded by KVLens": s.loaded_tokens,
+                "prefill time saved (est., s)": s.seconds_saved,
+                "requests with failed loads": s.failed_loads,
+                "tokens recomputed": s.recomputed_tokens,
+            }
+        )
+    return pd.DataFrame(rows).set_index("instance") if rows else pd.DataFrame()

@@ -1,0 +1,482 @@
+"""Every panel of the KVLens Grafana dashboard as data: row, title, unit, PromQL.
+
+Adding a panel is adding an entry to ``PANELS``. ``grafana.build`` turns the list into the
+dashboard JSON; the tests run every expression here against a live Prometheus scraping a
+real ``vllm serve`` and fail when one returns nothing. Write plain PromQL: ``with_selector``
+adds the ``model_name`` / ``instance`` variables to every ``vllm:`` selector.
+
+Conventions: ``rate(...[$__rate_interval])`` for time series, ``increase(...[$__range])``
+for stats over the chosen range, ratios as ``num / (den > 0)`` (no traffic gives no series,
+shown as "No traffic", instead of NaN).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dashboard.catalog import LEAK_GAUGES
+
+ROWS = ("Overview", "Hits and misses", "Latency and throughput", "Tiers and leaks", "Failures")
+
+TIMESERIES, STAT = "timeseries", "stat"
+
+# TraceQL searches the panels link to (the trace backend is a Grafana datasource variable).
+TRACES_ALL = '{name=~"kvlens.*"}'
+TRACES_FAILED_LOADS = '{name="kvlens.load" && status=error}'
+TRACES_SLOW = '{name=~"kvlens.*"} | duration > 50ms'
+
+TOKENS_PER_S = "suffix: tok/s"
+TOKENS = "suffix: tok"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    expr: str
+    legend: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Panel:
+    row: str
+    title: str
+    unit: str  # a Grafana unit id ("percentunit", "s", "Bps", ...) or "suffix: ..."
+    targets: tuple[Target, ...]
+    description: str
+    kind: str = TIMESERIES
+    width: int = 8
+    ratio: bool = False  # a 0..1 ratio: axis 0-1, "No traffic" when there is no denominator
+    stack: bool = False
+    height: int | None = None  # grid rows; default 4 for stats, 8 for time series
+    alert_above: float | None = None  # stat turns red above this value
+    traces: str | None = None  # TraceQL the panel links to
+
+
+def _rate(name: str, by: str = "", matchers: str = "", window: str = "$__rate_interval") -> str:
+    group = f" by ({by})" if by else ""
+    sel = f"{{{matchers}}}" if matchers else ""
+    return f"sum{group} (rate({name}{sel}[{window}]))"
+
+
+def _ratio(num: str, den: str) -> str:
+    return f"{num}\n/\n({den} > 0)"
+
+
+def _quantile(q: float, bucket: str, by: str = "", matchers: str = "") -> str:
+    labels = ", ".join(x for x in ("le", by) if x)
+    sel = f"{{{matchers}}}" if matchers else ""
+    return f"histogram_quantile({q}, sum by ({labels}) (rate({bucket}{sel}[$__rate_interval])))"
+
+
+def _increase(name: str, matchers: str = "", by: str = "") -> str:
+    group = f" by ({by})" if by else ""
+    sel = f"{{{matchers}}}" if matchers else ""
+    return f"sum{group} (increase({name}{sel}[$__range]))"
+
+
+def _leak_sum(by: str) -> str:
+    """The count-valued leak gauges added up (pinned_bytes is bytes, shown on its own)."""
+    return "\n+ ".join(f"sum by ({by}) (vllm:kvlens_{g})" for g in LEAK_GAUGES if g != "pinned_bytes")
+
+
+_IDLE = (
+    "(sum by (instance) (vllm:num_requests_running) + sum by (instance) (vllm:num_requests_waiting)"
+    " == bool 0)"
+)
+
+_PREFILL_S_PER_COMPUTED_TOKEN = _ratio(
+    _increase("vllm:request_prefill_time_seconds_sum"),
+    _increase("vllm:prompt_tokens_by_source_total", 'source="local_compute"'),
+)
+
+PANELS: tuple[Panel, ...] = (
+    # ---- Overview ------------------------------------------------------------------------------
+    Panel(
+        "Overview",
+        "Prompt tokens KVLens held",
+        "percentunit",
+        (
+            Target(
+                _ratio(
+                    _increase("vllm:kvlens_hit_tokens_total"),
+                    _increase("vllm:kvlens_lookup_tokens_total"),
+                )
+            ),
+        ),
+        "Share of looked-up prompt tokens KVLens had stored, over the time range.",
+        kind=STAT,
+        width=6,
+        ratio=True,
+    ),
+    Panel(
+        "Overview",
+        "Prompt tokens loaded by KVLens",
+        TOKENS,
+        (Target(_increase("vllm:kvlens_load_tokens_total")),),
+        "Prefill tokens not computed because KVLens loaded their KV, over the time range.",
+        kind=STAT,
+        width=6,
+    ),
+    Panel(
+        "Overview",
+        "Prefill time saved (estimated)",
+        "s",
+        (
+            Target(
+                f"{_increase('vllm:kvlens_load_tokens_total')}\n* on ()\n({_PREFILL_S_PER_COMPUTED_TOKEN})"
+            ),
+        ),
+        "Tokens KVLens loaded times vLLM's observed prefill seconds per computed token over the range "
+        "(vllm:request_prefill_time_seconds / prompt tokens computed). An estimate: per-token prefill "
+        "cost grows with context length.",
+        kind=STAT,
+        width=6,
+    ),
+    Panel(
+        "Overview",
+        "Requests with failed loads",
+        "short",
+        (Target(_increase("vllm:kvlens_failed_load_requests_total")),),
+        "Requests with blocks KVLens could not load over the time range (recomputed or failed, by "
+        "kv_load_failure_policy). Which ones: the failed-load event log or the trace link.",
+        kind=STAT,
+        width=6,
+        alert_above=0,
+        traces=TRACES_FAILED_LOADS,
+    ),
+    Panel(
+        "Overview",
+        "Hit rate",
+        "percentunit",
+        (
+            Target(
+                _ratio(_rate("vllm:kvlens_hit_tokens_total"), _rate("vllm:kvlens_lookup_tokens_total")),
+                "KVLens, tokens",
+            ),
+            Target(
+                _ratio(_rate("vllm:kvlens_hit_requests_total"), _rate("vllm:kvlens_lookup_requests_total")),
+                "KVLens, requests",
+            ),
+            Target(
+                _ratio(_rate("vllm:prefix_cache_hits_total"), _rate("vllm:prefix_cache_queries_total")),
+                "vLLM prefix cache, tokens",
+            ),
+        ),
+        "KVLens: share of looked-up prompt tokens (and of requests) it held. vLLM: its own prefix cache.",
+        ratio=True,
+    ),
+    Panel(
+        "Overview",
+        "Where prompt tokens came from",
+        TOKENS_PER_S,
+        (
+            Target(
+                _rate("vllm:prompt_tokens_by_source_total", matchers='source="local_cache_hit"'),
+                "vLLM prefix cache",
+            ),
+            Target(_rate("vllm:kvlens_load_tokens_total", by="tier"), "KVLens {{tier}}"),
+            Target(
+                _rate("vllm:prompt_tokens_by_source_total", matchers='source="local_compute"'), "computed"
+            ),
+        ),
+        "Prompt tokens per second served by vLLM's prefix cache, loaded by each KVLens tier, or computed.",
+        stack=True,
+    ),
+    Panel(
+        "Overview",
+        "KVLens hit rate by instance",
+        "percentunit",
+        (
+            Target(
+                _ratio(
+                    _rate("vllm:kvlens_hit_tokens_total", by="instance"),
+                    _rate("vllm:kvlens_lookup_tokens_total", by="instance"),
+                ),
+                "{{instance}}",
+            ),
+        ),
+        "Share of looked-up prompt tokens KVLens held, per instance.",
+        ratio=True,
+    ),
+    # ---- Hits and misses -----------------------------------------------------------------------
+    Panel(
+        "Hits and misses",
+        "Cached prompt tokens by source (vLLM)",
+        TOKENS_PER_S,
+        (Target(_rate("vllm:prompt_tokens_cached_by_source_total", by="source"), "{{source}}"),),
+        "vLLM's own attribution: device (its prefix cache), host (KVLens CPU tier), disk (KVLens disk tier).",
+        stack=True,
+    ),
+    Panel(
+        "Hits and misses",
+        "Looked up, held, loaded, recomputed",
+        TOKENS_PER_S,
+        (
+            Target(_rate("vllm:kvlens_lookup_tokens_total"), "looked up"),
+            Target(_rate("vllm:kvlens_hit_tokens_total"), "held at lookup"),
+            Target(_rate("vllm:kvlens_load_tokens_total"), "loaded"),
+            Target(_rate("vllm:kvlens_recomputed_tokens_total"), "recomputed after a failed load"),
+        ),
+        "Reconciles lookups with loads: tokens held at lookup but not loaded were served by vLLM's own "
+        "cache, skipped, or failed.",
+    ),
+    Panel(
+        "Hits and misses",
+        "KVLens hits by tier",
+        TOKENS_PER_S,
+        (Target(_rate("vllm:kvlens_hit_tokens_total", by="tier"), "{{tier}}"),),
+        "Prompt tokens KVLens held at lookup, by the tier holding them.",
+        stack=True,
+    ),
+    Panel(
+        "Hits and misses",
+        "Misses by reason",
+        "reqps",
+        (Target(_rate("vllm:kvlens_miss_requests_total", by="reason"), "{{reason}}"),),
+        "Requests KVLens could not fully serve, by reason (not_stored, evicted, partial_chunk, "
+        "vllm_hit, ...).",
+        stack=True,
+    ),
+    Panel(
+        "Hits and misses",
+        "Stores skipped by reason",
+        "reqps",
+        (Target(_rate("vllm:kvlens_save_skipped_requests_total", by="reason"), "{{reason}}"),),
+        "Requests KVLens did not store (skip_save, priority_limit, consumer_role, ...).",
+        stack=True,
+    ),
+    Panel(
+        "Hits and misses",
+        "Per-request hit ratio",
+        "percentunit",
+        (
+            Target(_quantile(0.5, "vllm:kvlens_request_hit_ratio_bucket"), "p50"),
+            Target(_quantile(0.9, "vllm:kvlens_request_hit_ratio_bucket"), "p90"),
+        ),
+        "Distribution of the share of each request's prompt that KVLens held.",
+        ratio=True,
+    ),
+    # ---- Latency and throughput ----------------------------------------------------------------
+    *(
+        Panel(
+            "Latency and throughput",
+            f"{op.capitalize()} latency",
+            "s",
+            tuple(
+                Target(
+                    _quantile(q, "vllm:kvlens_operation_seconds_bucket", matchers=f'operation="{op}"'),
+                    f"p{round(q * 100)}",
+                )
+                for q in (0.5, 0.95, 0.99)
+            ),
+            f"Time per request spent in KVLens {op}s (histogram quantiles).",
+            traces=TRACES_SLOW,
+        )
+        for op in ("lookup", "load", "store")
+    ),
+    Panel(
+        "Latency and throughput",
+        "Transfer speed",
+        "Bps",
+        (
+            Target(
+                _ratio(
+                    _rate("vllm:kvlens_load_bytes_total"),
+                    _rate("vllm:kvlens_operation_seconds_sum", matchers='operation="load"'),
+                ),
+                "load",
+            ),
+            Target(
+                _ratio(
+                    _rate("vllm:kvlens_store_bytes_total"),
+                    _rate("vllm:kvlens_operation_seconds_sum", matchers='operation="store"'),
+                ),
+                "store",
+            ),
+        ),
+        "Bytes moved per second spent loading or storing (all ranks).",
+    ),
+    Panel(
+        "Latency and throughput",
+        "Data moved",
+        "Bps",
+        (
+            Target(_rate("vllm:kvlens_load_bytes_total"), "loaded"),
+            Target(_rate("vllm:kvlens_store_bytes_total", by="tier"), "stored {{tier}}"),
+        ),
+        "Bytes of KV per second of wall time loaded into vLLM and stored per tier.",
+    ),
+    Panel(
+        "Latency and throughput",
+        "Background write queue",
+        "short",
+        (Target("sum by (instance) (vllm:kvlens_pending_writes)", "{{instance}}"),),
+        "Chunk writes and deletes queued for the disk tier's writer (at most 64). Sampled while the "
+        "engine steps: it keeps its last value when the engine goes idle.",
+        width=8,
+    ),
+    Panel(
+        "Latency and throughput",
+        "Operations",
+        "ops",
+        (Target(_rate("vllm:kvlens_operation_seconds_count", by="operation"), "{{operation}}"),),
+        "KVLens lookups, loads and stores per second.",
+    ),
+    Panel(
+        "Latency and throughput",
+        "Time to first token and prefill (vLLM)",
+        "s",
+        (
+            Target(_quantile(0.95, "vllm:time_to_first_token_seconds_bucket"), "TTFT p95"),
+            Target(
+                _ratio(
+                    _rate("vllm:request_prefill_time_seconds_sum"),
+                    _rate("vllm:request_prefill_time_seconds_count"),
+                ),
+                "mean prefill",
+            ),
+        ),
+        "What KVLens hits should bring down.",
+    ),
+    Panel(
+        "Latency and throughput",
+        "Prefill seconds per computed token (vLLM)",
+        "s",
+        (
+            Target(
+                _ratio(
+                    _rate("vllm:request_prefill_time_seconds_sum"),
+                    _rate("vllm:prompt_tokens_by_source_total", matchers='source="local_compute"'),
+                ),
+                "prefill s / computed token",
+            ),
+        ),
+        "The cost per computed prompt token that the 'prefill time saved' estimate multiplies by the tokens "
+        "KVLens loaded.",
+    ),
+    # ---- Tiers and leaks -----------------------------------------------------------------------
+    Panel(
+        "Tiers and leaks",
+        "Tier fill",
+        "percentunit",
+        (
+            Target(
+                _ratio(
+                    "sum by (tier) (vllm:kvlens_tier_used_bytes)",
+                    "sum by (tier) (vllm:kvlens_tier_capacity_bytes)",
+                ),
+                "{{tier}}",
+            ),
+        ),
+        "Bytes held against each tier's budget.",
+        width=6,
+        ratio=True,
+    ),
+    Panel(
+        "Tiers and leaks",
+        "Tier used and capacity",
+        "bytes",
+        (
+            Target("sum by (tier) (vllm:kvlens_tier_used_bytes)", "{{tier}} used"),
+            Target("sum by (tier) (vllm:kvlens_tier_capacity_bytes)", "{{tier}} capacity"),
+        ),
+        "Bytes each tier holds and its budget (one rank's share, summed over instances).",
+        width=6,
+    ),
+    Panel(
+        "Tiers and leaks",
+        "Evictions",
+        "cps",
+        (Target(_rate("vllm:kvlens_evictions_total", by="tier"), "{{tier}}"),),
+        "Chunks evicted per second to make room, by tier.",
+        width=6,
+    ),
+    Panel(
+        "Tiers and leaks",
+        "Chunks per tier",
+        "short",
+        (Target("sum by (tier) (vllm:kvlens_tier_chunks)", "{{tier}}"),),
+        "Chunks each tier holds.",
+        width=6,
+    ),
+    Panel(
+        "Tiers and leaks",
+        "Leak gauges",
+        "short",
+        tuple(Target(f"sum (vllm:kvlens_{g})", g) for g in LEAK_GAUGES if g != "pinned_bytes"),
+        "Internal sizes: they rise with load and must return to 0 when the engine is idle.",
+        width=10,
+    ),
+    Panel(
+        "Tiers and leaks",
+        "Leaked state while idle",
+        "short",
+        (Target(f"(\n{_leak_sum('instance')}\n)\n* on (instance) {_IDLE}", "{{instance}}"),),
+        "Sum of the leak gauges on instances with no request running or waiting (0 while busy). "
+        "A value that stays above 0 is state KVLens did not release.",
+        kind=STAT,
+        width=6,
+        height=8,
+        alert_above=0,
+    ),
+    Panel(
+        "Tiers and leaks",
+        "Pinned bytes",
+        "bytes",
+        (Target("sum by (tier) (vllm:kvlens_pinned_bytes)", "{{tier}}"),),
+        "Bytes pinned by pending loads (not evictable); must return to 0 when idle.",
+    ),
+    # ---- Failures ------------------------------------------------------------------------------
+    Panel(
+        "Failures",
+        "Failed blocks by reason",
+        "cps",
+        (Target(_rate("vllm:kvlens_failed_blocks_total", by="reason"), "{{reason}}"),),
+        "vLLM blocks per second KVLens failed to load. Each failure is also an annotation and a line "
+        "in the failed-load event log.",
+        traces=TRACES_FAILED_LOADS,
+    ),
+    Panel(
+        "Failures",
+        "Cost of failed loads",
+        TOKENS_PER_S,
+        (Target(_rate("vllm:kvlens_recomputed_tokens_total"), "tokens recomputed"),),
+        "Prompt tokens vLLM recomputed because a KVLens load failed (kv_load_failure_policy=recompute).",
+        traces=TRACES_FAILED_LOADS,
+    ),
+    Panel(
+        "Failures",
+        "Failed chunk reads and writes",
+        "cps",
+        (
+            Target(
+                _rate("vllm:kvlens_failed_chunks_total", by="operation, tier, reason"),
+                "{{operation}} {{tier}} {{reason}}",
+            ),
+            Target(_rate("vllm:kvlens_failed_load_requests_total"), "requests with a failed load"),
+        ),
+        "Chunk operations that failed per second, by operation, tier and reason.",
+        traces=TRACES_FAILED_LOADS,
+    ),
+)
+
+# Failed loads as annotations on every time series. The counter without a reason label is
+# used because it exists from start-up: increase() cannot see the first failure of a series
+# that appears with it (failed_blocks{reason}).
+FAILED_LOADS_ANNOTATION = Target(
+    "sum by (instance) (increase(vllm:kvlens_failed_load_requests_total[$__interval])) > 0",
+    "KVLens failed to load blocks for {{value}} requests on {{instance}}",
+)
+
+_SELECTOR = 'model_name=~"$model_name", instance=~"$instance"'
+_METRIC = re.compile(r"(vllm:[A-Za-z0-9_:]+)(\{([^}]*)\})?")
+
+
+def with_selector(expr: str, selector: str = _SELECTOR) -> str:
+    """Adds the dashboard's variable matchers to every ``vllm:`` selector of ``expr``."""
+
+    def add(m: re.Match[str]) -> str:
+        inner = m.group(3)
+        return f"{m.group(1)}{{{selector}{', ' + inner if inner else ''}}}"
+
+    return _METRIC.sub(add, expr)

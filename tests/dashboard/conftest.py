@@ -1,0 +1,76 @@
+"""Fixtures for the dashboard tests: a local HTTP server that serves canned /metrics text
+(captured from a real vllm serve with KVLens) and failed-load event logs written by KVLens's
+own writer."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from pathlib import Path
+
+import pytest
+
+from telemetry.events import EventLog, load_failed_event
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+class TextServer:
+    """Serves ``self.text`` at every path on 127.0.0.1 (status ``self.status``)."""
+
+    def __init__(self, text: str = "") -> None:
+        self.text, self.status = text, 200
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                body = outer.text.encode()
+                self.send_response(outer.status)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_POST = do_GET  # noqa: N815
+
+            def log_message(self, *args):
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self._server.server_address[1]
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture
+def metrics_text() -> str:
+    return (DATA / "metrics-kvlens.txt").read_text()
+
+
+@pytest.fixture
+def text_server():
+    server = TextServer()
+    yield server
+    server.close()
+
+
+def write_events(path: Path, *events: tuple[str, str, int, str]) -> None:
+    """(request id, tier, blocks, reason) -> lines in a KVLens event log at ``path``."""
+    log = EventLog(str(path))
+    for request_id, tier, blocks, reason in events:
+        ids = list(range(blocks))
+        log.append(load_failed_event(request_id, [tier], ids, blocks * 128, reason, True, "0", "tiny"))
+
+
+@pytest.fixture
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

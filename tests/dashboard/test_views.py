@@ -1,0 +1,176 @@
+"""The dashboard's computations on hand-written sample frames with known answers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from dashboard import views
+from dashboard.catalog import VLLM_PREFILL_SECONDS_SUM, VLLM_PROMPT_BY_SOURCE, VLLM_RUNNING, VLLM_WAITING
+
+from .frames import frame, row, series
+
+HITS = "vllm:kvlens_hit_tokens_total"
+LOOKUPS = "vllm:kvlens_lookup_tokens_total"
+
+
+def test_rate_of_a_steady_counter_is_its_slope():
+    f = frame(*series(HITS, [0, 100, 200, 300, 400], tier="cpu"))
+    r = views.rate(f, HITS, window_s=20)
+    assert list(r.index) == [10, 20, 30, 40]
+    assert np.allclose(r[HITS], 10.0)
+
+
+def test_rate_survives_a_counter_reset():
+    f = frame(*series(HITS, [0, 100, 200, 50, 150], tier="cpu"))  # server restarted before t=30
+    r = views.rate(f, HITS, window_s=10)
+    assert np.allclose(r[HITS].to_numpy(), [10, 10, 5, 10])
+
+
+def test_a_labelled_counter_that_appears_later_counts_from_zero():
+    # failed_blocks{reason} appears with its first increment; the instance was read before.
+    f = frame(
+        *series(LOOKUPS, [0, 10, 20, 30]),
+        row(20, "vllm:kvlens_failed_blocks_total", 4, reason="corrupt"),
+        row(30, "vllm:kvlens_failed_blocks_total", 4, reason="corrupt"),
+    )
+    assert views.scalar(views.increase(f, "vllm:kvlens_failed_blocks_total")) == 4
+    r = views.failures(f, window_s=10)
+    assert r.loc[20, "failed blocks corrupt"] == pytest.approx(0.4)
+    assert r.loc[30, "failed blocks corrupt"] == 0
+
+
+def test_rates_of_instances_read_at_different_times_add_up():
+    f = frame(
+        *series(HITS, [0, 100, 200, 300], "a:8000", tier="cpu"),
+        *series(HITS, [0, 50, 100, 150], "b:8000", start=5, tier="cpu"),
+    )
+    r = views.rate(f, HITS, window_s=10)
+    assert r.loc[30, HITS] == pytest.approx(15.0)  # a's 10/s plus b's last 5/s
+
+
+def test_rate_groups_by_label_with_a_prefix():
+    f = frame(*series(HITS, [0, 10, 20], tier="cpu"), *series(HITS, [0, 30, 60], tier="disk"))
+    r = views.rate(f, HITS, ("tier",), 10, prefix="KVLens ")
+    assert sorted(r.columns) == ["KVLens cpu", "KVLens disk"]
+    assert r.loc[20, "KVLens disk"] == pytest.approx(3.0)
+
+
+def test_hit_rate_is_missing_not_nan_when_nothing_was_looked_up():
+    f = frame(*series(HITS, [0, 50, 50, 50], tier="cpu"), *series(LOOKUPS, [0, 100, 100, 100]))
+    r = views.hit_rates(f, window_s=10)
+    assert list(r.index) == [10]
+    assert r.loc[10, "KVLens, tokens"] == pytest.approx(0.5)
+
+
+# Buckets le=0.1: 2, le=0.2: 6, le=1: 10, +Inf: 10 (cumulative). The rank q*10 falls in a
+# bucket; the value is interpolated linearly inside it, the first bucket starting at 0.
+@pytest.mark.parametrize(
+    ("q", "expected"),
+    [
+        (0.1, 0.1 * 1 / 2),  # rank 1 in (0, 0.1]
+        (0.25, 0.1 + 0.1 * 0.5 / 4),  # rank 2.5 in (0.1, 0.2]
+        (0.5, 0.1 + 0.1 * 3 / 4),  # rank 5
+        (0.9, 0.2 + 0.8 * 3 / 4),  # rank 9 in (0.2, 1]
+    ],
+)
+def test_bucket_quantile_interpolates_like_prometheus(q, expected):
+    bounds = np.array([0.1, 0.2, 1.0, math.inf])
+    counts = np.array([2.0, 6.0, 10.0, 10.0])
+    assert views.bucket_quantile(q, bounds, counts) == pytest.approx(expected)
+
+
+def test_bucket_quantile_in_the_inf_bucket_is_the_highest_finite_bound():
+    assert views.bucket_quantile(0.99, np.array([0.1, 1.0, math.inf]), np.array([1.0, 2.0, 10.0])) == 1.0
+    assert math.isnan(views.bucket_quantile(0.5, np.array([0.1, math.inf]), np.array([0.0, 0.0])))
+
+
+def test_latency_quantiles_from_bucket_counters():
+    name = "vllm:kvlens_operation_seconds_bucket"
+    rows = []
+    for le, values in (("0.001", [0, 10, 20]), ("0.01", [0, 20, 40]), ("+Inf", [0, 20, 40])):
+        rows += series(name, values, operation="load", le=le)
+    rows += series(name, [0, 5, 5], operation="store", le="+Inf")
+    q = views.latency(frame(*rows), "load", window_s=10)
+    assert q.loc[10, "p50"] == pytest.approx(0.001)  # rank 10 of 20: top of the first bucket
+    assert q.loc[20, "p95"] == pytest.approx(0.001 + 0.009 * (19 - 10) / 10)
+
+
+def test_savings_estimate_prefill_seconds_from_vllm_own_series():
+    f = frame(
+        row(0, "vllm:kvlens_load_tokens_total", 0, tier="cpu"),
+        row(10, "vllm:kvlens_load_tokens_total", 1000, tier="cpu"),
+        row(0, "vllm:kvlens_load_tokens_total", 200, tier="disk"),
+        row(10, "vllm:kvlens_load_tokens_total", 500, tier="disk"),
+        row(10, VLLM_PROMPT_BY_SOURCE, 3000, source="local_compute"),
+        row(10, VLLM_PREFILL_SECONDS_SUM, 1.5),
+        row(10, LOOKUPS, 6000),
+        row(10, HITS, 1500, tier="cpu"),
+    )
+    s = views.savings(f)
+    assert s.loaded_tokens == 1500  # since the server started
+    assert s.loaded_tokens_window == 1000 + 300  # while the dashboard watched
+    assert s.prefill_s_per_token == pytest.approx(0.0005)
+    assert s.seconds_saved == pytest.approx(0.75)
+    assert s.hit_rate == pytest.approx(0.25)
+
+
+def test_savings_has_no_estimate_before_vllm_computed_anything():
+    s = views.savings(frame(row(0, "vllm:kvlens_load_tokens_total", 0, tier="cpu")))
+    assert s.seconds_saved is None and s.hit_rate is None
+
+
+def _engine(instance: str, running: list[float], trackers: list[float]) -> list[tuple]:
+    return [
+        *series(VLLM_RUNNING, running, instance),
+        *series(VLLM_WAITING, [0] * len(running), instance),
+        *series("vllm:kvlens_request_trackers", trackers, instance),
+        *series("vllm:kvlens_pinned_chunks", [0] * len(running), instance, tier="cpu"),
+    ]
+
+
+def test_a_gauge_above_zero_through_an_idle_stretch_is_flagged():
+    f = frame(
+        *_engine("leaky:1", [2, 1, 0, 0, 0, 0, 0], [2, 2, 1, 1, 1, 1, 1]),
+        *_engine("clean:1", [2, 1, 0, 0, 0, 0, 0], [2, 2, 0, 0, 0, 0, 0]),
+        *_engine("busy:1", [2, 2, 2, 2, 2, 2, 2], [2, 2, 2, 2, 2, 2, 2]),
+        *_engine("brief:1", [2, 2, 2, 2, 2, 0, 0], [2, 2, 2, 2, 2, 1, 1]),
+    )
+    flags = views.leak_flags(f, idle_for_s=30)
+    assert [(x.instance, x.gauge, x.value, x.idle_s) for x in flags] == [
+        ("leaky:1", "request_trackers", 1, 40)
+    ]
+
+
+def test_idle_since_is_when_the_last_request_left():
+    f = frame(*_engine("a:1", [1, 0, 2, 0, 0], [0, 0, 0, 0, 0]))
+    assert views.idle_since(f, "a:1") == 30
+    assert views.idle_since(frame(*_engine("a:1", [0, 1], [0, 0])), "a:1") is None
+
+
+def test_tier_table_reports_fill_and_evictions():
+    f = frame(
+        row(0, "vllm:kvlens_tier_used_bytes", 512, tier="cpu"),
+        row(0, "vllm:kvlens_tier_capacity_bytes", 1024, tier="cpu"),
+        row(0, "vllm:kvlens_tier_chunks", 2, tier="cpu"),
+        row(0, "vllm:kvlens_evictions_total", 7, tier="cpu"),
+        row(0, "vllm:kvlens_tier_used_bytes", 0, tier="disk"),
+        row(0, "vllm:kvlens_tier_capacity_bytes", 0, tier="disk"),
+    )
+    t = views.tier_table(f)
+    assert t.loc["cpu", "fill"] == 0.5 and t.loc["cpu", "evictions"] == 7
+    assert math.isnan(t.loc["disk", "fill"])
+
+
+def test_instance_table_has_one_row_per_instance():
+    f = frame(
+        row(0, LOOKUPS, 100, "a:1"),
+        row(0, HITS, 50, "a:1", tier="cpu"),
+        row(0, LOOKUPS, 100, "b:1"),
+        row(0, HITS, 0, "b:1", tier="cpu"),
+    )
+    t = views.instance_table(f)
+    assert list(t.index) == ["a:1", "b:1"]
+    assert list(t["KVLens hit rate"]) == [0.5, 0.0]
