@@ -41,6 +41,16 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
 
 
 @pytest.fixture
+def private_cluster(tmp_path: Path) -> Iterator[RedisClusterProcs]:
+    """A cluster of the test's own, for tests that kill or pause its nodes."""
+    cluster = RedisClusterProcs(tmp_path / "cluster")
+    try:
+        yield cluster.start()
+    finally:
+        cluster.kill()
+
+
+@pytest.fixture
 def server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
     """Private servers for tests that stop, pause or fill them."""
     servers: list[RedisServer] = []
@@ -60,9 +70,11 @@ def tier_factory() -> Iterator[Callable[..., RedisTier]]:
     """Tiers with a key prefix of their own, closed after the test."""
     tiers: list[RedisTier] = []
 
-    def make(url: str, **kwargs: object) -> RedisTier:
+    def make(
+        url: str, layout: str = LAYOUT, environ: dict[str, str] | None = None, **kwargs: object
+    ) -> RedisTier:
         kwargs.setdefault("key_prefix", f"t{next(_prefixes)}")
-        tier = RedisTier(parse_remote_url(url, environ={}), LAYOUT, **kwargs)  # type: ignore[arg-type]
+        tier = RedisTier(parse_remote_url(url, environ=environ or {}), layout, **kwargs)  # type: ignore[arg-type]
         tiers.append(tier)
         return tier
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 
@@ -13,16 +12,7 @@ from connector.tiers import redis_tier
 from connector.tiers.base import ChunkCorrupt, ChunkMissing, Tier
 from connector.tiers.redis_tier import RemoteUnavailable
 
-MB = 1024 * 1024
-
-
-def name(i: int) -> str:
-    return f"{i:032x}.r0"
-
-
-def payload(nbytes: int, seed: int = 0) -> memoryview:
-    """Deterministic bytes: the same (nbytes, seed) always gives the same payload."""
-    return memoryview(bytearray(random.Random(seed).randbytes(nbytes)))
+from .helpers import MB, name, payload
 
 
 @pytest.fixture(params=["single", "cluster"])
