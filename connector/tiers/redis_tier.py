@@ -147,7 +147,7 @@ class RedisTier:
     def get(self, name: str) -> memoryview:
         """The payload as a read-only view over the bytes redis-py returned (no further copy)."""
         (reply,) = self._run("get", [("GET", self.key(name))])
-        return _raise_if_error(self._loaded(name, reply))
+        return _raise_if_error(self._loaded(name, reply, "get"))
 
     def delete(self, name: str) -> None:
         (reply,) = self._run("delete", [("UNLINK", self.key(name))])
@@ -182,7 +182,7 @@ class RedisTier:
     def get_many(self, names: Sequence[str]) -> list[memoryview | Exception]:
         """Per name: the payload, or ChunkMissing / ChunkCorrupt / RemoteUnavailable."""
         replies = self._run("get_many", [("GET", self.key(n)) for n in names])
-        return [self._loaded(name, reply) for name, reply in zip(names, replies, strict=True)]
+        return [self._loaded(name, reply, "get_many") for name, reply in zip(names, replies, strict=True)]
 
     def exists_many(self, names: Sequence[str]) -> list[bool]:
         """Which names are stored, in one round trip per node; raises RemoteUnavailable."""
@@ -216,11 +216,13 @@ class RedisTier:
         return ("SET", self.key(name), record, "EX", self.ttl_s)
 
     def _run(self, op: str, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """Replies in command order; a failed command's slot holds its exception."""
+        """Replies in command order; a failed command's slot holds its exception.
+
+        Commands that a fresh slot map may fix (cluster only) are sent once more after a refresh.
+        """
         replies: list[Any] = [None] * len(commands)
         pending = list(range(len(commands)))
         for attempt in (0, 1):
-            again: list[int] = []
             try:
                 groups, unroutable = self._nodes.route([commands[i][1] for i in pending])
             except Exception as e:  # noqa: BLE001 - redis-py errors must not escape
@@ -230,29 +232,44 @@ class RedisTier:
                 return replies
             for j, e in unroutable.items():
                 replies[pending[j]] = self._unavailable(op, e)
+            again: list[int] = []
             for client, members in groups:
                 indices = [pending[j] for j in members]
-                pipe = client.pipeline(transaction=False)
-                for i in indices:
-                    pipe.execute_command(*commands[i])
-                try:
-                    results = pipe.execute(raise_on_error=False)
-                except Exception as e:  # noqa: BLE001 - redis-py errors must not escape
-                    if self._nodes.retry_after(e) and attempt == 0:
-                        again.extend(indices)
-                        continue
-                    error = self._unavailable(op, e)
-                    results = [error] * len(indices)
-                for i, result in zip(indices, results, strict=True):
-                    if isinstance(result, Exception) and self._nodes.retry_after(result) and attempt == 0:
-                        again.append(i)
-                    else:
-                        replies[i] = result
+                again += self._send(
+                    op, client, [commands[i] for i in indices], indices, replies, attempt == 0
+                )
             if not again:
                 break
             self._nodes.refresh()
             pending = sorted(again)
         return replies
+
+    def _send(
+        self,
+        op: str,
+        client: Redis,
+        commands: list[tuple[Any, ...]],
+        indices: list[int],
+        replies: list[Any],
+        may_retry: bool,
+    ) -> list[int]:
+        """One pipeline to one node; fills ``replies`` and returns the indices to send again."""
+        pipe = client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        try:
+            results = pipe.execute(raise_on_error=False)
+        except Exception as e:  # noqa: BLE001 - redis-py errors must not escape
+            if self._nodes.retry_after(e) and may_retry:
+                return indices
+            results = [self._unavailable(op, e)] * len(indices)
+        again = []
+        for i, result in zip(indices, results, strict=True):
+            if isinstance(result, Exception) and self._nodes.retry_after(result) and may_retry:
+                again.append(i)
+            else:
+                replies[i] = result
+        return again
 
     def _stored(self, reply: Any, op: str) -> Exception | None:
         error = self._done(reply, op)
@@ -265,13 +282,13 @@ class RedisTier:
             return self._unavailable(op, reply)
         return reply
 
-    def _loaded(self, name: str, reply: Any) -> memoryview | Exception:
+    def _loaded(self, name: str, reply: Any, op: str) -> memoryview | Exception:
         if isinstance(reply, RemoteUnavailable):
             return reply
         if isinstance(reply, Exception):
             if failure_kind(reply) is None:  # e.g. WRONGTYPE: something else lives under our key
                 return ChunkCorrupt(f"{name}: {_detail(reply, self.url.password)}")
-            return self._unavailable("get", reply)
+            return self._unavailable(op, reply)
         if reply is None:
             return ChunkMissing(name)
         try:
