@@ -55,8 +55,8 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
     """Private servers for tests that stop, pause or fill them."""
     servers: list[RedisServer] = []
 
-    def make(*args: str, password: str | None = None) -> RedisServer:
-        server = RedisServer(tmp_path / f"redis{len(servers)}", *args, password=password)
+    def make(*args: str, password: str | None = None, tls: Path | None = None) -> RedisServer:
+        server = RedisServer(tmp_path / f"redis{len(servers)}", *args, password=password, tls=tls)
         servers.append(server)
         return server.start()
 

@@ -18,6 +18,51 @@ import redis
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
+OPENSSL = shutil.which("openssl")
+
+
+def make_certificates(folder: Path) -> Path:
+    """A throw-away CA and a server certificate for 127.0.0.1 signed by it."""
+    assert OPENSSL
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def ssl(*args: str) -> None:
+        subprocess.run([OPENSSL, *args], cwd=folder, check=True, capture_output=True, timeout=60)
+
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ssl(
+        "req",
+        "-x509",
+        *key,
+        "-days",
+        "2",
+        "-subj",
+        "/CN=kvlens-test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    )
+    ssl("req", *key, "-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out", "server.csr")
+    (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    ssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+        "-out",
+        "server.pem",
+    )
+    return folder
 
 
 def free_port() -> int:
@@ -27,10 +72,14 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, *args: str, password: str | None = None) -> None:
+    def __init__(
+        self, workdir: Path, *args: str, password: str | None = None, tls: Path | None = None
+    ) -> None:
+        """``tls``: a folder with ca.pem, server.pem and server.key; the port then speaks TLS only."""
         self.workdir = workdir
         self.args = list(args)
         self.password = password
+        self.tls = tls
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         workdir.mkdir(parents=True, exist_ok=True)
@@ -58,6 +107,15 @@ class RedisServer:
         cmd += ["--logfile", str(self.workdir / "redis.log")]
         if self.password:
             cmd += ["--requirepass", self.password]
+        if self.tls:
+            cmd += ["--port", "0", "--tls-port", str(port), "--tls-auth-clients", "no"]
+            cmd += [
+                "--tls-cert-file",
+                str(self.tls / "server.pem"),
+                "--tls-key-file",
+                str(self.tls / "server.key"),
+            ]
+            cmd += ["--tls-ca-cert-file", str(self.tls / "ca.pem")]
         cmd += self.args
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
@@ -81,12 +139,14 @@ class RedisServer:
 
     def client(self, port: int | None = None) -> redis.Redis:
         """A plain client for inspecting or damaging what the tier stored."""
+        tls = {"ssl": True, "ssl_ca_certs": str(self.tls / "ca.pem")} if self.tls else {}
         return redis.Redis(
             host="127.0.0.1",
             port=port or self.port,
             password=self.password,
             socket_timeout=2,
             socket_connect_timeout=2,
+            **tls,
         )
 
     def pause(self) -> None:

@@ -9,6 +9,7 @@ from connector.tiers.redis_tier import RemoteUnavailable
 from connector.tiers.remote_url import PASSWORD_ENV
 
 from .helpers import name, payload
+from .servers import OPENSSL, make_certificates
 
 SECRET = "pw-Xq7-very-secret"
 
@@ -106,3 +107,30 @@ def test_wrong_or_missing_password_is_remote_unavailable_without_the_password(lo
         assert str(locked.port) in str(info.value)  # says where, redacted
     (item,) = tier.get_many([name(1)])
     assert isinstance(item, RemoteUnavailable) and SECRET not in str(item)
+
+
+@pytest.fixture
+def tls_server(tmp_path, server_factory):
+    if not OPENSSL:
+        pytest.skip("openssl is not installed")
+    certs = make_certificates(tmp_path / "certs")
+    return server_factory(tls=certs), certs
+
+
+def test_tls_url_with_the_servers_ca_round_trips(tls_server, tier_factory):
+    server, certs = tls_server
+    tier = tier_factory(f"rediss://127.0.0.1:{server.port}/0?ssl_ca_certs={certs / 'ca.pem'}")
+    tier.put(name(1), payload(300_000))
+    assert tier.get(name(1)) == payload(300_000)
+    assert tier.exists_many([name(1), name(2)]) == [True, False]
+
+
+def test_tls_server_not_trusted_or_not_spoken_is_remote_unavailable(tls_server, tier_factory):
+    server, _ = tls_server
+    untrusted = tier_factory(f"rediss://127.0.0.1:{server.port}/0")  # system CAs only
+    with pytest.raises(RemoteUnavailable) as info:
+        untrusted.get(name(1))
+    assert info.value.kind == "connection"
+    plain = tier_factory(f"redis://127.0.0.1:{server.port}/0", timeout_s=0.5)
+    with pytest.raises(RemoteUnavailable):
+        plain.get(name(1))
