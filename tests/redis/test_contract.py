@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import tracemalloc
 
 import pytest
 import redis
@@ -248,3 +249,16 @@ def test_ping_measures_a_round_trip(url, tier_factory):
 
 def test_failure_is_remote_unavailable_an_oserror():
     assert issubclass(RemoteUnavailable, OSError)
+
+
+def test_put_copies_the_payload_once_at_most(redis_server, tier_factory):
+    tier = tier_factory(redis_server.url)
+    data = payload(8 * MB)
+    tier.put(name(1), data)  # connections and buffers exist before measuring
+    tracemalloc.start()
+    try:
+        tier.put(name(1), data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert data.nbytes <= peak < 1.25 * data.nbytes
