@@ -3,6 +3,7 @@ and delegates each hook in a line or two."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +64,8 @@ class KVLensConnector(KVConnectorBase_V1):
                 vllm_config, self._worker.rank, facts.block_bytes * facts.num_layers, self._worker.sizes
             )
         self._cache_hit_source = _HIT_SOURCE[CPU if config.local_cpu else DISK]
+        self._closed = False
+        atexit.register(self.shutdown)  # threads stop (bounded) even if vLLM never calls shutdown
         logger.info("KVLens %s ready: %s", role.name.lower(), config.model_dump(exclude_defaults=True))
 
     @property
@@ -158,6 +161,9 @@ class KVLensConnector(KVConnectorBase_V1):
         return None
 
     def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self._scheduler is not None:
             self._scheduler.shutdown()
         if self._worker is not None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from typing import Any
 
 from .config import ConfigError
@@ -39,6 +42,57 @@ def _check_full_attention(spec: Any) -> None:
         )
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".h5", ".msgpack")
+
+
+def weights_fingerprint(model_dir: str | None, config_text: str, extra: str = "") -> str:
+    """A short hash of what identifies the weights: each weight file's name, size and
+    modification time (no file is read), the model config and any overrides.
+
+    The model path alone is not enough: a persistent disk tier would serve KV of the old
+    weights after the checkpoint at that path is replaced.
+    """
+    h = hashlib.blake2b(digest_size=8, person=b"kvlens-weights")
+    h.update(config_text.encode())
+    h.update(extra.encode())
+    if model_dir and os.path.isdir(model_dir):
+        for root, dirs, files in os.walk(model_dir):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            for name in sorted(files):
+                if name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json"):
+                    path = os.path.join(root, name)
+                    st = os.stat(path)
+                    h.update(f"{os.path.relpath(path, model_dir)}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()
+
+
+def _model_identity(model_config: Any) -> str:
+    model = str(model_config.model)
+    directory = (
+        model if os.path.isdir(model) else _cached_snapshot(model, getattr(model_config, "revision", None))
+    )
+    hf_config = getattr(model_config, "hf_config", None)
+    try:
+        config_text = hf_config.to_json_string() if hf_config is not None else ""
+    except Exception:  # a config that cannot serialise itself still has a repr
+        config_text = repr(hf_config)
+    overrides = getattr(model_config, "hf_overrides", None)
+    extra = json.dumps(
+        {"revision": getattr(model_config, "revision", None), "overrides": repr(overrides)}, sort_keys=True
+    )
+    return f"{model}@{weights_fingerprint(directory, config_text, extra)}"
+
+
+def _cached_snapshot(repo_id: str, revision: str | None) -> str | None:
+    """The local snapshot directory vLLM loaded a hub model from (no network)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except Exception:
+        return None
+
+
 def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
     if kv_cache_config is None:
         raise ConfigError("KVLens needs vLLM's kv_cache_config (vLLM >= 0.11)")
@@ -56,7 +110,7 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
         f":L{len(groups[0].layer_names)}:{layout}:{kernel}"
     )
     return EngineFacts(
-        model=str(vllm_config.model_config.model),
+        model=_model_identity(vllm_config.model_config),
         dtype=str(spec.dtype),
         block_size=spec.block_size,
         num_layers=len(groups[0].layer_names),

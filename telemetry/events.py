@@ -5,6 +5,10 @@ Each line is written with a single ``write`` on a file opened with ``O_APPEND``,
 same file. When the file would pass ``max_bytes`` it is renamed to ``<file>.1`` (older ones
 shift to ``.2`` ...) under an exclusive lock, and a new file starts; a reader that follows the
 file should reopen it when its inode changes. Writing never raises into the engine.
+
+The log is private: its directory is created 0700, the file 0600, and neither the file nor the
+rotation lock is opened through a symbolic link, so another local user can neither read the
+events nor redirect the writes.
 """
 
 from __future__ import annotations
@@ -64,9 +68,9 @@ class EventLog:
         line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
         try:
             with self._lock:
-                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                _private_dir(os.path.dirname(self.path) or ".")
                 self._rotate_if_needed(len(line))
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                fd = os.open(self.path, _WRITE_FLAGS | os.O_APPEND, 0o600)
                 try:
                     os.write(fd, line)
                 finally:
@@ -81,7 +85,7 @@ class EventLog:
     def _rotate_if_needed(self, incoming: int) -> None:
         if _size(self.path) + incoming <= self.max_bytes:
             return
-        lock_fd = os.open(self.path + ".lock", os.O_WRONLY | os.O_CREAT, 0o644)
+        lock_fd = os.open(self.path + ".lock", _WRITE_FLAGS, 0o600)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             if _size(self.path) + incoming <= self.max_bytes:
@@ -94,6 +98,18 @@ class EventLog:
                 os.replace(self.path, f"{self.path}.1")
         finally:
             os.close(lock_fd)  # releases the flock
+
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def _private_dir(path: str) -> None:
+    """Create the log's directory 0700; refuse one that another user owns."""
+    if not os.path.isdir(path):
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to another user")
 
 
 def _size(path: str) -> int:

@@ -38,14 +38,25 @@ class TelemetrySettings:
             metrics=_flag(env.get("KVLENS_METRICS"), default=True),
             metrics_port=_port(env.get("KVLENS_METRICS_PORT")),
             otlp_endpoint=otlp_endpoint or None,
-            event_log=env.get("KVLENS_EVENT_LOG") or default_event_log(),
+            event_log=env.get("KVLENS_EVENT_LOG") or default_event_log(env),
             event_log_max_bytes=_positive_int(env.get("KVLENS_EVENT_LOG_MAX_BYTES"), 10 * 1024 * 1024),
             event_log_backups=_positive_int(env.get("KVLENS_EVENT_LOG_BACKUPS"), 3),
         )
 
 
-def default_event_log() -> str:
-    return os.path.join(tempfile.gettempdir(), DEFAULT_EVENT_LOG_NAME)
+def default_event_log(env: Mapping[str, str] | None = None) -> str:
+    """A per-user location: ``$XDG_STATE_HOME/kvlens`` or ``~/.local/state/kvlens``; without a
+    home directory, a ``kvlens-<uid>`` directory in the temp directory (created 0700)."""
+    env = os.environ if env is None else env
+    state = env.get("XDG_STATE_HOME")
+    home = env.get("HOME") or os.path.expanduser("~")
+    if state:
+        base = os.path.join(state, "kvlens")
+    elif home and home != "~" and os.path.isdir(home):
+        base = os.path.join(home, ".local", "state", "kvlens")
+    else:
+        base = os.path.join(tempfile.gettempdir(), f"kvlens-{os.getuid()}")
+    return os.path.join(base, DEFAULT_EVENT_LOG_NAME)
 
 
 def _tracing_wanted(otlp_endpoint: str | None, env: Mapping[str, str]) -> bool:

@@ -77,6 +77,8 @@ _setup_lock = threading.Lock()
 _tracer: Any = None
 _pending: deque[tuple[Any, ...]] = deque()
 _wake = threading.Event()
+_stopping = threading.Event()
+_builder: threading.Thread | None = None
 _builder_pid: int | None = None
 dropped = 0
 
@@ -176,15 +178,26 @@ def _start_builder() -> None:
         if _builder_pid == os.getpid():
             return
         _builder_pid = os.getpid()
-        threading.Thread(target=_build_forever, name="kvlens-spans", daemon=True).start()
-        atexit.register(drain)  # runs before the provider's own atexit shutdown (registered earlier)
+        global _builder
+        _builder = threading.Thread(target=_build_forever, name="kvlens-spans", daemon=True)
+        _builder.start()
+        atexit.register(stop_builder)  # runs before the provider's own atexit shutdown (registered earlier)
 
 
 def _build_forever() -> None:
-    while True:
+    while not _stopping.is_set():
         _wake.wait(BUILD_INTERVAL_S)
         _wake.clear()
         drain(yield_gil=True)
+
+
+def stop_builder(timeout_s: float = 2.0) -> None:
+    """Stop and join the builder thread, then build what is left (process exit)."""
+    _stopping.set()
+    _wake.set()
+    if _builder is not None and _builder.is_alive() and _builder is not threading.current_thread():
+        _builder.join(timeout_s)
+    drain()
 
 
 def drain(yield_gil: bool = False) -> None:

@@ -67,3 +67,31 @@ def test_unwritable_log_does_not_raise(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert EventLog(str(blocker / "events.jsonl")).append(event(0)) is False
+
+
+def test_the_event_log_is_private_and_never_follows_a_symlink(tmp_path):
+    import stat
+
+    log_dir = tmp_path / "state" / "kvlens"
+    log = EventLog(str(log_dir / "events.jsonl"))
+    assert log.append({"event": "x"})
+    assert stat.S_IMODE(os.stat(log.path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(log_dir).st_mode) == 0o700
+    target = tmp_path / "elsewhere"
+    target.write_text("")
+    trap = tmp_path / "trap.jsonl"
+    trap.symlink_to(target)
+    assert EventLog(str(trap)).append({"event": "x"}) is False
+    assert target.read_text() == ""
+
+
+def test_the_default_event_log_is_per_user(tmp_path):
+    from telemetry.settings import default_event_log
+
+    assert default_event_log({"XDG_STATE_HOME": str(tmp_path)}) == str(
+        tmp_path / "kvlens" / "kvlens-events.jsonl"
+    )
+    assert default_event_log({"HOME": str(tmp_path)}).startswith(
+        str(tmp_path / ".local" / "state" / "kvlens")
+    )
+    assert f"kvlens-{os.getuid()}" in default_event_log({"HOME": "/nonexistent-home"})

@@ -38,8 +38,8 @@ def test_kvlens_overrides_win():
     assert not settings(KVLENS_METRICS="off").metrics
 
 
-def test_event_log_defaults_under_the_system_temp_dir():
-    assert settings().event_log.startswith(tempfile.gettempdir())
+def test_event_log_defaults_to_a_per_user_directory():
+    assert settings(HOME="/nonexistent").event_log.startswith(tempfile.gettempdir() + "/kvlens-")
     assert settings(KVLENS_EVENT_LOG="/var/log/kv.jsonl").event_log == "/var/log/kv.jsonl"
 
 

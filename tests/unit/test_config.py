@@ -77,3 +77,20 @@ def test_lmcache_features_kvlens_lacks_are_accepted_off_and_refused_on():
     load_config({"lmcache.use_layerwise": False, "lmcache.enable_async_loading": False}, env={})
     with pytest.raises(ConfigError, match="use_layerwise"):
         load_config({"lmcache.use_layerwise": True}, env={})
+
+
+def test_known_lmcache_keys_that_do_not_apply_are_a_warning_not_an_error(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="vllm.kvlens"):
+        config = load_config(
+            {"lmcache.enable_p2p": False},
+            env={"LMCACHE_USE_EXPERIMENTAL": "True", "LMCACHE_NUMA_MODE": "auto"},
+        )
+    assert config.chunk_size == 256
+    assert "numa_mode" in caplog.text and "enable_p2p" in caplog.text
+
+
+def test_an_unknown_key_is_still_an_error_naming_it():
+    with pytest.raises(ConfigError, match="chunk_sise"):
+        load_config({"lmcache.chunk_sise": 128}, env={})

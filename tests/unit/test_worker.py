@@ -8,7 +8,7 @@ import torch
 from connector.config import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU, DISK, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
-from connector.engine.outcomes import FailureReason
+from connector.engine.outcomes import FailureReason, TierState
 from connector.kv_blocks import BlockCopier
 from connector.tiers import disk as disk_files
 from connector.worker import ConnectorWorker
@@ -174,3 +174,56 @@ def test_unusable_disk_directory_is_a_config_error_naming_the_key(tmp_path):
     cfg = {"lmcache.local_disk": str(blocker / "kv"), "lmcache.max_local_disk_size": 1}
     with pytest.raises(ConfigError, match="local_disk"):
         ConnectorWorker(load_config(cfg, env={}), facts(cpu_layout()), rank=0)
+
+
+def test_a_store_computed_over_a_block_that_failed_to_load_in_the_step_is_withdrawn(tmp_path):
+    caches = cpu_layout()
+    w = worker(caches, tmp_path)
+    w.load(StepPlan(loads=[LoadJob("b", (ChunkLoad(NAME, CPU, (8, 9), 0, 32),))]))  # nothing stored: fails
+    other = "ef" * 16
+    failures = w.save(
+        StepPlan(
+            writes=[
+                StoreJob("b", other, (10, 11), (CPU, DISK), 32, after_loads=(8, 9)),
+                StoreJob("c", NAME, (2, 3), (CPU,), 32, after_loads=(4,)),
+            ]
+        )
+    )
+    assert [(f.name, f.tier, f.reason) for f in failures] == [
+        (other, CPU, FailureReason.DEPENDENCY_FAILED),
+        (other, DISK, FailureReason.DEPENDENCY_FAILED),
+    ]
+    w.flush()
+    assert not os.path.exists(os.path.join(tmp_path, f"{other}.r0{disk_files.SUFFIX}"))
+    assert w.tiers[CPU].used_bytes == 2 * LAYERS * w.copier.block_bytes  # only c's chunk
+    report = w.take_report()
+    assert len(report.store_failures) == 2 and report.loads["b"].failed_block_ids == [8, 9]
+
+
+def test_blocks_the_plan_cannot_load_are_reported_failed():
+    w = worker(cpu_layout())
+    w.load(StepPlan(fail_blocks=[5, 6]))
+    assert w.take_failed_blocks() == {5, 6}
+
+
+def test_a_skipped_tier_drops_stores_and_loads_fall_back(tmp_path):
+    caches = cpu_layout()
+    w = worker(caches, tmp_path)
+    w.save(StepPlan(writes=[StoreJob("a", NAME, (2, 5), (CPU, DISK), 32)]))
+    w.flush()
+    for _ in range(3):
+        w.health[DISK].failed(FailureReason.IO_ERROR, "EIO")
+    failures = w.save(StepPlan(writes=[StoreJob("a", "ef" * 16, (6, 7), (CPU, DISK), 32)]))
+    assert [(f.tier, f.reason) for f in failures] == [(DISK, FailureReason.TIER_UNHEALTHY)]
+    w.load(StepPlan(loads=[LoadJob("b", (ChunkLoad(NAME, DISK, (8, 9), 0, 32),))]))
+    assert w.take_failed_blocks() == set()  # read from the CPU tier instead
+    report = w.take_report()
+    assert report.tier_states == {DISK: TierState.SKIPPED}
+    assert report.loads["b"].chunks[0].tier == CPU
+
+
+def test_a_full_background_queue_drops_the_store_without_waiting(tmp_path):
+    caches = cpu_layout()
+    w = worker(caches, tmp_path, extra_config={"max_pending_write_bytes": 1})
+    failures = w.save(StepPlan(writes=[StoreJob("a", NAME, (2, 5), (DISK,), 32)]))
+    assert [(f.tier, f.reason) for f in failures] == [(DISK, FailureReason.QUEUE_FULL)]
