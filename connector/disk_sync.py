@@ -67,6 +67,7 @@ class DiskWatcher:
         self._touches: deque[str] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._scan_failing = False
         self._thread = threading.Thread(target=self._run, name="kvlens-disk-scan", daemon=True)
         self._thread.start()
 
@@ -103,9 +104,14 @@ class DiskWatcher:
         started = time.time()
         try:
             now = disk_files.scan(self._disk.root, self._world)
-        except OSError as e:  # keep serving from the last good view
-            logger.warning("KVLens: disk scan of %s failed: %s", self._disk.root, e)
+        except OSError as e:  # keep serving from the last good view; say so once
+            if not self._scan_failing:
+                logger.warning("KVLens: disk scans of %s fail: %s", self._disk.root, e)
+            self._scan_failing = True
             return
+        if self._scan_failing:
+            logger.info("KVLens: disk scans of %s work again", self._disk.root)
+            self._scan_failing = False
         delta = diff(self._last, now, started)
         self._last = now
         if delta.added or delta.removed or delta.used:

@@ -125,12 +125,12 @@ class LoadOutcome:
         if len(other.chunks) != len(self.chunks):
             raise ValueError(f"ranks disagree on the chunks of {self.request_id}'s load")
         for mine, theirs in zip(self.chunks, other.chunks, strict=True):
+            if mine.reason is None and theirs.reason is not None:
+                mine.reason, mine.detail = theirs.reason, theirs.detail  # its planned copy failed somewhere
             if mine.ok and not theirs.ok:
-                mine.tier, mine.reason, mine.detail = None, theirs.reason, theirs.detail
+                mine.tier = None
             elif mine.ok and theirs.ok and mine.tier == mine.planned_tier:
                 mine.tier = theirs.tier
-            elif not mine.ok and mine.reason is None:
-                mine.reason, mine.detail = theirs.reason, theirs.detail
         self.failed_block_ids = sorted(set(self.failed_block_ids) | set(other.failed_block_ids))
         self.nbytes += other.nbytes
         self.seconds = max(self.seconds, other.seconds)

@@ -8,8 +8,9 @@ Several engines may share one directory (see ``connector/disk_sync.py``). A file
 time records when an engine last used it for a load: a write sets it just past the
 modification time (so that reads on ``relatime`` mounts leave it alone), and a lookup that
 pins the chunk sets it to the present; a file whose access time is later than its write by
-more than ``_TOUCHED_NS`` has been used. ``delete`` leaves a file alone that was used within ``grace_s``,
-because another engine may be about to load it; a corrupt file is removed when it is read
+more than ``_TOUCHED_NS`` has been used. ``delete`` leaves a file alone that a lookup marked within
+``grace_s``, or that another engine wrote within it, because another engine may be about to
+load it; a corrupt file is removed when it is read
 (only if it is still the same file, not a fresh copy another engine wrote meanwhile).
 """
 
@@ -50,6 +51,7 @@ class DiskTier:
         self._layout = layout
         self._grace_ns = int(grace_s * 1e9)
         self._remove_corrupt = remove_corrupt
+        self._own: set[str] = set()  # names this process wrote (and has not deleted since)
         os.makedirs(root, exist_ok=True)
 
     def path(self, name: str) -> str:
@@ -72,6 +74,7 @@ class DiskTier:
         except BaseException:
             _unlink(tmp)
             raise
+        self._own.add(name)
         return len(header) + payload.nbytes
 
     def get(self, name: str) -> memoryview:
@@ -92,16 +95,19 @@ class DiskTier:
             raise
 
     def delete(self, name: str) -> bool:
-        """Remove the chunk unless a load used it within the grace period; False if kept."""
+        """Remove the chunk unless another engine may be about to load it; False if kept."""
         path = self.path(name)
         if self._grace_ns:
             try:
                 st = os.stat(path)
             except FileNotFoundError:
+                self._own.discard(name)
                 return True
-            if _used_ns(st) > time.time_ns() - self._grace_ns:
+            recent = time.time_ns() - self._grace_ns
+            if _used_ns(st) > recent or (name not in self._own and st.st_mtime_ns > recent):
                 return False
         _unlink(path)
+        self._own.discard(name)
         return True
 
     def stored_size(self, name: str) -> int:

@@ -38,12 +38,13 @@ def disk_kv(directory: str, **extra) -> dict:
     return kv
 
 
-def run_engine(spec: dict, tmp_path: Path, timeout: float = 420) -> dict:
+def run_engine(spec: dict, tmp_path: Path, timeout: float = 420, env: dict | None = None) -> dict:
     """Run one engine in a fresh process; returns {"rounds": [...], "state": {...}}."""
     spec_file = tmp_path / f"spec-{os.getpid()}-{id(spec)}.json"
     spec_file.write_text(json.dumps(spec))
     env = {
         **os.environ,
+        **(env or {}),
         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),

@@ -11,11 +11,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import time
 
 
-def damage(directory: str, corrupt: int, delete: int) -> list[str]:
-    files = sorted(f for f in os.listdir(directory) if f.endswith(".kvlens"))
+def damage(
+    directory: str, corrupt: int, delete: int, rank: int | None = None, smallest: bool = False
+) -> list[str]:
+    """Corrupt then delete chunk files (of one rank, smallest first when asked)."""
+    suffix = ".kvlens" if rank is None else f".r{rank}.kvlens"
+    files = sorted(f for f in os.listdir(directory) if f.endswith(suffix))
+    if smallest:
+        files.sort(key=lambda f: os.path.getsize(os.path.join(directory, f)))
     touched = []
     for name in files[:corrupt]:
         path = os.path.join(directory, name)
@@ -67,20 +75,22 @@ def main() -> None:
     connector = core.scheduler.connector
     failed_blocks: list[int] = []
     failed_by_round: list[list[int]] = []
+    worker = None  # the worker half, when the worker runs in this process (no tensor parallelism)
     if connector is not None:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        original = connector.update_connector_output
 
-        worker_connector = get_kv_transfer_group()
-        original = worker_connector.get_block_ids_with_load_errors
-
-        def recording() -> set[int]:
-            ids = original()
-            failed_blocks.extend(sorted(ids))
+        def recording(output):  # what vLLM received as failed blocks, merged over ranks
+            ids = sorted(output.invalid_block_ids or ())
+            failed_blocks.extend(ids)
             if failed_by_round:
-                failed_by_round[-1].extend(sorted(ids))
-            return ids
+                failed_by_round[-1].extend(ids)
+            return original(output)
 
-        worker_connector.get_block_ids_with_load_errors = recording
+        connector.update_connector_output = recording
+        if kwargs.get("tensor_parallel_size", 1) == 1:
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            worker = get_kv_transfer_group()._worker
 
     preemptions = [0]
     original_preempt = core.scheduler._preempt_request
@@ -94,8 +104,10 @@ def main() -> None:
     rounds = []
 
     def flush_writes() -> None:  # background disk writes land before the harness looks
-        if connector is not None:
-            worker_connector._worker.flush()
+        if worker is not None:
+            worker.flush()
+        elif connector is not None:
+            time.sleep(2.0)  # workers in other processes: give their writers time
 
     rss_mb: list[float] = []
     for rnd in spec["rounds"]:
@@ -103,7 +115,16 @@ def main() -> None:
         if rnd.get("damage"):
             flush_writes()
             d = rnd["damage"]
-            damage(d["dir"], d.get("corrupt", 0), d.get("delete", 0))
+            damage(d["dir"], d.get("corrupt", 0), d.get("delete", 0), d.get("rank"), d.get("smallest", False))
+        if rnd.get("break_disk"):  # the disk tier's directory becomes a file: every I/O fails
+            flush_writes()
+            shutil.rmtree(rnd["break_disk"])
+            with open(rnd["break_disk"], "w") as f:
+                f.write("not a directory")
+        if rnd.get("restore_disk"):
+            os.unlink(rnd["restore_disk"])
+            os.makedirs(rnd["restore_disk"])
+        time.sleep(rnd.get("sleep_s", 0))
         params = SamplingParams(
             temperature=0.0, max_tokens=rnd.get("max_tokens", 8), detokenize=False, ignore_eos=True
         )
@@ -135,8 +156,15 @@ def main() -> None:
         state.update(sched.sizes())
         state["pinned_chunks"] = sum(t.pinned_keys for t in sched.tiers.values())
         state["index_bytes"] = {name: t.used_bytes for name, t in sched.tiers.items()}
-        cpu = worker_connector._worker.tiers.get("cpu")
+        cpu = worker.tiers.get("cpu") if worker is not None else None
         state["worker_cpu_bytes"] = cpu.used_bytes if cpu is not None else None
+    port = os.environ.get("KVLENS_METRICS_PORT")
+    if port:
+        import urllib.request
+
+        time.sleep(0.5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            state["metrics"] = r.read().decode()
     flush_writes()
     print(json.dumps({"rounds": rounds, "state": state}))
     sys.stdout.flush()

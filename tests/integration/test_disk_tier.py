@@ -17,8 +17,7 @@ def disk_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def disk_run(tiny_model, tmp_path_factory, disk_dir):
-    # The index must not notice the damage before the load does.
-    kv = disk_kv(disk_dir, extra_config={"disk_scan_interval_s": 3600})
+    kv = disk_kv(disk_dir)
     rounds = [
         {"prompts": [w.A]},
         {"prompts": [w.A, w.B]},
@@ -60,7 +59,7 @@ def test_recomputed_chunks_are_stored_again(disk_run):
 def fail_policy_run(tiny_model, tmp_path_factory):
     """Under vLLM's default policy a failed load fails the request; it never returns wrong text."""
     disk = str(tmp_path_factory.mktemp("kvdisk-fail"))
-    kv = disk_kv(disk, extra_config={"disk_scan_interval_s": 3600})
+    kv = disk_kv(disk)
     rounds = [
         {"prompts": [w.A]},
         {"prompts": [w.A], "damage": {"dir": disk, "corrupt": 2}},

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -130,3 +131,22 @@ def test_failed_load_is_an_event_a_metric_an_error_span_and_a_recompute(serve_st
 
     wait_until(no_pins, what="pins released after the failed load")
     assert json.loads(Path(events_path).read_text().splitlines()[-1])["event"] == "load_failed"
+
+
+def test_background_write_queue_gauge_settles_to_zero_when_the_engine_goes_idle(serve_stack):
+    srv = serve_stack.server
+    threads = [
+        threading.Thread(target=srv.complete, args=(prompt_tokens(1500, 200 + i),), kwargs={"max_tokens": 1})
+        for i in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    # The last request ends before its disk writes land; the engine keeps stepping until they
+    # did, so the gauge reaches zero instead of keeping its last busy value.
+    wait_until(
+        lambda: sample(srv.samples(), "vllm:kvlens_pending_writes") == 0,
+        timeout=30,
+        what="vllm:kvlens_pending_writes back to 0",
+    )

@@ -160,3 +160,10 @@ def test_probe_writes_reads_and_cleans_up(tmp_path):
     t = DiskTier(str(tmp_path), "layout-1")
     t.probe()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_chunk_another_engine_wrote_recently_is_not_deleted_but_our_own_is(tmp_path):
+    ours, theirs = DiskTier(str(tmp_path), "layout-1"), DiskTier(str(tmp_path), "layout-1")
+    theirs.put(NAME, memoryview(b"x" * 64))
+    assert ours.delete(NAME) is False and _record_path(tmp_path).exists()
+    assert theirs.delete(NAME) is True and not _record_path(tmp_path).exists()
