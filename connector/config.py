@@ -14,7 +14,17 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from .tiers.remote_url import RemoteURL, parse_remote_url
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -84,6 +94,13 @@ class ExtraConfig(BaseModel):
     tier_timeout_s: float = Field(5.0, gt=0)
     # Bytes of chunk writes a background tier may hold queued; beyond, stores are dropped.
     max_pending_write_bytes: int = Field(512 * MB, gt=0)
+    # Remote tier (remote_url): key prefix (namespace in a shared Redis), TTL of stored chunks
+    # (null: none; let Redis evict with maxmemory-policy), per-operation timeout of data calls,
+    # and the timeout of a lookup's one existence round trip, after which the remote is a miss.
+    remote_key_prefix: str = Field("kvlens", pattern=r"^[A-Za-z0-9_.-]+$")
+    remote_ttl_s: int | None = Field(None, gt=0)
+    remote_timeout_s: float = Field(2.0, gt=0)
+    remote_lookup_timeout_ms: float = Field(50.0, gt=0)
 
 
 class KVLensConfig(BaseModel):
@@ -111,6 +128,7 @@ class KVLensConfig(BaseModel):
     enable_async_loading: Literal[False] = False
     enable_blending: Literal[False] = False
     extra_config: ExtraConfig = ExtraConfig()
+    _remote: RemoteURL | None = PrivateAttr(None)
 
     @field_validator("local_disk")
     @classmethod
@@ -121,10 +139,15 @@ class KVLensConfig(BaseModel):
 
     @field_validator("remote_url")
     @classmethod
-    def _no_remote_yet(cls, value: str | None) -> str | None:
+    def _remote_url_parses(cls, value: str | None) -> str | None:
         if value:
-            raise ValueError("no remote tier is available in this KVLens version")
-        return value
+            parse_remote_url(value, environ={})  # the password may come from the environment later
+        return value or None
+
+    @property
+    def remote(self) -> RemoteURL | None:
+        """The parsed ``remote_url`` (with ``KVLENS_REDIS_PASSWORD`` applied by ``load_config``)."""
+        return self._remote
 
     @model_validator(mode="after")
     def _budgets_are_possible(self) -> KVLensConfig:
@@ -132,8 +155,8 @@ class KVLensConfig(BaseModel):
             raise ValueError("max_local_cpu_size must be > 0 when local_cpu is true")
         if self.local_disk and self.max_local_disk_size <= 0:
             raise ValueError("max_local_disk_size must be > 0 when local_disk is set")
-        if not self.local_cpu and not self.local_disk:
-            raise ValueError("no storage tier: set local_cpu: true or local_disk")
+        if not self.local_cpu and not self.local_disk and not self.remote_url:
+            raise ValueError("no storage tier: set local_cpu: true, local_disk or remote_url")
         return self
 
     @property
@@ -145,7 +168,15 @@ class KVLensConfig(BaseModel):
         return round(self.max_local_disk_size * GB) if self.local_disk else 0
 
     def tier_names(self) -> tuple[str, ...]:
-        return tuple(name for name, on in (("cpu", self.local_cpu), ("disk", bool(self.local_disk))) if on)
+        tiers = (("cpu", self.local_cpu), ("disk", bool(self.local_disk)), ("remote", bool(self.remote_url)))
+        return tuple(name for name, on in tiers if on)
+
+    def summary(self) -> dict[str, Any]:
+        """The settings that differ from the defaults, for logs: no password ever."""
+        out = self.model_dump(exclude_defaults=True)
+        if self._remote is not None:
+            out["remote_url"] = self._remote.redacted()
+        return out
 
     @property
     def saves_partial_chunks(self) -> bool:
@@ -270,6 +301,9 @@ def load_config(
         for k in ignored:
             merged.pop(k)
     try:
-        return KVLensConfig.model_validate(merged)
+        config = KVLensConfig.model_validate(merged)
     except ValidationError as e:
         raise ConfigError(_describe(e, sources)) from None
+    if config.remote_url:
+        config._remote = parse_remote_url(config.remote_url, environ=env)
+    return config

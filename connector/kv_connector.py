@@ -19,7 +19,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from telemetry import vllm_stats as telemetry
 
 from .config import load_config
-from .engine.jobs import CPU, DISK, StepPlan
+from .engine.jobs import CPU, DISK, REMOTE, StepPlan
 from .metadata import KVLensMetadata, KVLensWorkerMetadata
 from .scheduler import ConnectorScheduler
 from .vllm_compat import engine_facts, worker_rank
@@ -35,7 +35,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm.kvlens")
 
-_HIT_SOURCE = {CPU: CacheHitSource.HOST, DISK: CacheHitSource.DISK}
+_HIT_SOURCE = {
+    CPU: CacheHitSource.HOST,
+    DISK: CacheHitSource.DISK,
+    REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED,
+}  # vLLM files remote stores here
 
 
 class KVLensConnector(KVConnectorBase_V1):
@@ -61,12 +65,16 @@ class KVLensConnector(KVConnectorBase_V1):
         elif role == KVConnectorRole.WORKER:
             self._worker = ConnectorWorker(config, facts, worker_rank())
             self._worker_telemetry = telemetry.worker_recorder(
-                vllm_config, self._worker.rank, facts.block_bytes * facts.num_layers, self._worker.sizes
+                vllm_config,
+                self._worker.rank,
+                facts.block_bytes * facts.num_layers,
+                self._worker.sizes,
+                self._worker.take_remote_calls,
             )
-        self._cache_hit_source = _HIT_SOURCE[CPU if config.local_cpu else DISK]
+        self._cache_hit_source = _HIT_SOURCE[config.tier_names()[0]]
         self._closed = False
         atexit.register(self.shutdown)  # threads stop (bounded) even if vLLM never calls shutdown
-        logger.info("KVLens %s ready: %s", role.name.lower(), config.model_dump(exclude_defaults=True))
+        logger.info("KVLens %s ready: %s", role.name.lower(), config.summary())
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -23,13 +23,14 @@ from .config import ConfigError, KVLensConfig
 from .disk_sync import DiskWatcher, SharedDiskView
 from .engine.facts import EngineFacts
 from .engine.index import PinTable, TierIndex
-from .engine.jobs import CPU, DISK, Eviction, StepPlan
-from .engine.keys import PrefixHasher, block_aligned_keys
+from .engine.jobs import CPU, DISK, REMOTE, Eviction, StepPlan
+from .engine.keys import ChunkKey, PrefixHasher, block_aligned_keys
 from .engine.outcomes import (
     FailureReason,
     LoadOutcome,
     LookupOutcome,
     MissReason,
+    RemoteCall,
     TierState,
     WorkerReport,
 )
@@ -43,8 +44,10 @@ from .engine.tracker import (
     external_tokens,
     tokens_by_tier,
 )
+from .remote_lookup import RemoteLookup
 from .step_planner import StepPlanner
 from .tiers.disk import DiskTier
+from .tiers.redis_tier import RedisTier
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -78,7 +81,16 @@ class ConnectorScheduler:
                 self.tiers[DISK], watcher, facts.stores, extra.disk_shared_grace_s
             )
         self._check_budgets()
-        self.tier_states: dict[str, TierState] = {name: TierState.HEALTHY for name in self.tiers}
+        self.remote: RemoteLookup | None = None
+        if config.remote is not None and facts.loads:
+            extra = config.extra_config
+            timeout = extra.remote_lookup_timeout_ms / 1000
+            client = RedisTier(
+                config.remote, facts.kv_layout, extra.remote_key_prefix, None, timeout, timeout
+            )
+            self.remote = RemoteLookup(client, facts.world_size, clock)
+        self.tier_states: dict[str, TierState] = {name: TierState.HEALTHY for name in config.tier_names()}
+        self.stores_remote = config.remote is not None and facts.stores
         self._base_namespace = facts.namespace()
         self.pins = PinTable()
         self.policies: dict[str, RequestPolicy] = {}
@@ -141,6 +153,9 @@ class ConnectorScheduler:
         return policy
 
     def usable(self, tier: str) -> bool:
+        """The workers did not report the tier skipped (remote: nor did this lookup client)."""
+        if tier == REMOTE and self.remote is not None and not self.remote.usable():
+            return False
         return self.tier_states.get(tier) is not TierState.SKIPPED
 
     def lookup(self, request: Any, num_computed_tokens: int) -> int:
@@ -161,7 +176,7 @@ class ConnectorScheduler:
             return 0
         tokens = request.all_token_ids
         upto = max(len(tokens) - self.config.skip_last_n_tokens, 0)
-        hits, first_missing, unhealthy = self._find_hits(rid, tokens, upto)
+        hits, first_missing, unhealthy, calls = self._find_hits(rid, tokens, upto)
         hit_tokens = hits[-1].key.end if hits else 0
         need = external_tokens(hit_tokens, num_computed_tokens, request.num_tokens)
         reason = miss_reason(
@@ -169,21 +184,24 @@ class ConnectorScheduler:
         )
         if 0 < need < self.config.min_retrieve_tokens:
             need, reason = 0, MissReason.BELOW_MIN_RETRIEVE
-        self.lookups[rid] = LookupResult(hits, hit_tokens, num_computed_tokens, need, reason, attempts)
+        self.lookups[rid] = LookupResult(hits, hit_tokens, num_computed_tokens, need, reason, attempts, calls)
         if need:
-            self.pins.pin(rid, ((self.tiers[h.tier], h.key.hex) for h in hits))
+            self.pins.pin(rid, ((self.tiers[h.tier], h.key.hex) for h in hits if h.tier in self.tiers))
             if self.disk_view is not None:
                 self.disk_view.pinned_for_load(h.key.hex for h in hits if h.tier == DISK)
         else:
             self.pins.release(rid)
         return need
 
-    def _find_hits(self, rid: str, tokens: Any, upto: int) -> tuple[list[ChunkHit], str | None, bool]:
-        """The stored chunks of the prompt's prefix; the first missing chunk; whether it sits
-        only in a tier that is skipped."""
+    def _find_hits(
+        self, rid: str, tokens: Any, upto: int
+    ) -> tuple[list[ChunkHit], str | None, bool, list[RemoteCall]]:
+        """The stored chunks of the prompt's prefix (local tiers, then the remote); the first
+        missing whole chunk; whether it sits only in a skipped tier; the remote round trips."""
         hits: list[ChunkHit] = []
         first_missing, unhealthy = None, False
-        for key in self.hashers[rid].keys(tokens, include_partial=True, upto=upto):
+        keys = self.hashers[rid].keys(tokens, include_partial=True, upto=upto)
+        for key in keys:
             tier = self.tier_holding(key.hex)
             if tier is None:
                 if key.num_tokens == self.config.chunk_size:
@@ -191,9 +209,53 @@ class ConnectorScheduler:
                 unhealthy = any(key.hex in t for t in self.tiers.values())
                 break
             hits.append(ChunkHit(key, tier.name))
+        calls: list[RemoteCall] = []
         if self.config.extra_config.block_granular_tails:
             self._extend_by_blocks(rid, tokens, upto, hits)
-        return hits, first_missing, unhealthy
+        if (
+            self.remote is not None
+            and len(hits) < len(keys)
+            and not (hits and hits[-1].key.num_tokens < self.config.chunk_size)
+        ):
+            first_missing = self._extend_from_remote(rid, tokens, upto, keys, hits, calls, first_missing)
+            unhealthy = unhealthy or (len(hits) < len(keys) and not self.usable(REMOTE))
+        return hits, first_missing, unhealthy, calls
+
+    def _extend_from_remote(
+        self,
+        rid: str,
+        tokens: Any,
+        upto: int,
+        keys: list[ChunkKey],
+        hits: list[ChunkHit],
+        calls: list[RemoteCall],
+        first_missing: str | None,
+    ) -> str | None:
+        """Continue the prefix with chunks the remote holds: one round trip for all of them."""
+        if not self.usable(REMOTE):
+            return first_missing
+        rest = keys[len(hits) :]
+        full = [k for k in rest if k.num_tokens == self.config.chunk_size]
+        tail_start = full[-1].end if full else (hits[-1].key.end if hits else 0)
+        parent = self.hashers[rid].parent_of(full[-1] if full else (hits[-1].key if hits else None))
+        tails = [k for k in rest if k.num_tokens < self.config.chunk_size]
+        if self.config.extra_config.block_granular_tails:
+            chunk = tokens[tail_start : min(upto, tail_start + self.config.chunk_size)]
+            cut = block_aligned_keys(parent, chunk, tail_start, self.config.chunk_size, self.facts.block_size)
+            tails += [k for k in cut if all(k.num_tokens < t.num_tokens for t in tails)]
+        candidates = full + tails
+        present, call = self.remote.present(rid, [k.hex for k in candidates])  # type: ignore[union-attr]
+        if call is not None:
+            calls.append(call)
+        for key, there in zip(full, present, strict=False):
+            if not there:
+                return key.hex
+            hits.append(ChunkHit(key, REMOTE))
+        for key, there in zip(tails, present[len(full) :], strict=True):  # longest first
+            if there:
+                hits.append(ChunkHit(key, REMOTE))
+                break
+        return None
 
     def tier_holding(self, name: str) -> TierIndex | None:
         """The fastest usable tier that holds the chunk."""
@@ -253,6 +315,7 @@ class ConnectorScheduler:
             resumed=request.request_id in self.trackers,
             trace_context=trace_headers(request),
             attempts=result.attempts,
+            remote_calls=tuple(result.remote_calls),
         )
 
     def external_tokens_by_tier(self, request_id: str, num_external_tokens: int) -> dict[str, int]:
@@ -335,6 +398,8 @@ class ConnectorScheduler:
     def finish(self, request: Any) -> FinishResult:
         rid = request.request_id
         self.pins.release(rid)
+        if self.remote is not None:
+            self.remote.forget(rid)
         self.unfinished.pop(rid, None)
         self.policies.pop(rid, None)
         self.hashers.pop(rid, None)
@@ -390,6 +455,8 @@ class ConnectorScheduler:
     def shutdown(self) -> None:
         if self.disk_view is not None:
             self.disk_view.stop()
+        if self.remote is not None:
+            self.remote.close()
 
     def sizes(self) -> dict[str, int]:
         """Internal sizes, for leak-spotting gauges."""
@@ -410,6 +477,11 @@ class ConnectorScheduler:
             out[f"pinned_chunks|{name}"] = tier.pinned_keys
             out[f"pinned_bytes|{name}"] = tier.pinned_bytes
             out[f"tier_health|{name}"] = self.tier_states[name].level
+        if REMOTE in self.tier_states:
+            state = self.tier_states[REMOTE]
+            if self.remote is not None and not self.remote.health.usable():
+                state = TierState.SKIPPED
+            out["tier_health|remote"] = state.level
         return out
 
 

@@ -21,7 +21,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from .engine.index import TierIndex
-from .engine.jobs import DISK, Eviction, LoadJob, StepPlan, StoreJob
+from .engine.jobs import CPU, DISK, REMOTE, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
 from .engine.keys import ChunkKey
 from .engine.policy import trace_headers
 from .engine.suspects import rewritten_blocks
@@ -122,11 +122,37 @@ class StepPlanner:
             )
             self._fail_blocks(plan, tracker.block_ids[result.vllm_cached_tokens // bs :], loaded)
             return
-        for chunk in chunks:
-            self._s.tiers[chunk.tier].touch(chunk.name)
+        sizes = {h.key.hex: h.key.num_tokens for h in result.hits}
+        for i, chunk in enumerate(chunks):
+            index = self._s.tiers.get(chunk.tier)
+            if index is not None:
+                index.touch(chunk.name)
             loaded.update(chunk.block_ids)
+            if chunk.tier != CPU:
+                chunks[i] = self._promote(plan, chunk, sizes[chunk.name])
         plan.loads.append(LoadJob(tracker.request_id, tuple(chunks), tracker.trace_context))
         tracker.planned_load(result.num_external_tokens)
+
+    def _promote(self, plan: StepPlan, chunk: ChunkLoad, num_tokens: int) -> ChunkLoad:
+        """A chunk loaded from disk or the remote is kept in the CPU tier, if it has room."""
+        s = self._s
+        cpu = s.tiers.get(CPU)
+        if cpu is None or not s.usable(CPU) or chunk.name in cpu:
+            return chunk
+        victims = cpu.admit(chunk.name, s.facts.chunk_nbytes(num_tokens))
+        if victims is None:
+            return chunk
+        self._evict(plan, cpu, victims)
+        s.recently_evicted.discard(chunk.name)
+        return dataclasses.replace(chunk, promote_to=(CPU,))
+
+    def _evict(self, plan: StepPlan, tier: TierIndex, victims: list[str]) -> None:
+        for victim in victims:
+            if (tier.name, victim) in self._planned:
+                self._cancel(plan, tier.name, victim)
+            else:
+                plan.writes.append(Eviction(tier.name, victim))
+        self._s.recently_evicted.add(victims)
 
     @staticmethod
     def _fail_blocks(plan: StepPlan, blocks: list[int], loaded: set[int]) -> None:
@@ -194,18 +220,15 @@ class StepPlanner:
             victims = tier.admit(key.hex, nbytes)
             if victims is None:
                 continue  # everything left in this tier is pinned or held
-            for victim in victims:
-                if (tier.name, victim) in self._planned:
-                    self._cancel(plan, tier.name, victim)
-                else:
-                    plan.writes.append(Eviction(tier.name, victim))
-            s.recently_evicted.add(victims)
+            self._evict(plan, tier, victims)
             s.recently_evicted.discard(key.hex)
             if tier.name == DISK and s.disk_view is not None:
                 s.disk_view.note_changed([*victims, key.hex])
             tier.pin(key.hex)
             held.append((tier, key.hex))
             written.append(tier.name)
+        if s.stores_remote and s.usable(REMOTE):  # no index: Redis holds what it holds
+            written.append(REMOTE)
         return written
 
     def _cancel(self, plan: StepPlan, tier: str, name: str) -> None:

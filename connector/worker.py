@@ -18,13 +18,14 @@ import torch
 from .config import ConfigError, KVLensConfig
 from .engine.facts import EngineFacts
 from .engine.health import TierHealth
-from .engine.jobs import CPU, DISK, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
+from .engine.jobs import CPU, DISK, REMOTE, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
 from .engine.keys import storage_name
 from .engine.outcomes import (
     ChunkLoadResult,
     FailureReason,
     KeptChunk,
     LoadOutcome,
+    RemoteCall,
     StoreFailure,
     TierState,
     WorkerReport,
@@ -35,6 +36,7 @@ from .tiers.background import BackgroundTier, QueueFull
 from .tiers.base import Tier, classify
 from .tiers.cpu import CpuTier
 from .tiers.disk import DiskTier
+from .tiers.redis_tier import RedisTier
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -68,6 +70,21 @@ class ConnectorWorker:
             )
             self.tiers[DISK] = background
             self._background.append(background)
+        if config.remote is not None:
+            self.health[REMOTE] = TierHealth(REMOTE)
+            client = RedisTier(
+                config.remote,
+                facts.kv_layout,
+                extra.remote_key_prefix,
+                extra.remote_ttl_s,
+                extra.remote_timeout_s,
+                min(extra.remote_timeout_s, 1.0),
+            )
+            remote = BackgroundTier(
+                client, self.health[REMOTE], extra.tier_timeout_s, extra.max_pending_write_bytes
+            )
+            self.tiers[REMOTE] = remote
+            self._background.append(remote)
         self.copier: BlockCopier | None = None
         self._failed_blocks: set[int] = set()  # to hand to vLLM this step
         self._step_failed: set[int] = set()  # blocks that failed to load in the current step
@@ -112,7 +129,17 @@ class ConnectorWorker:
                 failed = not result.ok
             if not result.ok:
                 outcome.failed_block_ids.extend(chunk.block_ids)
+                for tier_name in chunk.promote_to:  # admitted for a copy that never came
+                    self._report.store_failures.append(
+                        StoreFailure(
+                            job.request_id, chunk.name, tier_name, result.reason or FailureReason.IO_ERROR
+                        )
+                    )
         outcome.seconds = time.perf_counter() - started
+        remote = self.tiers.get(REMOTE)
+        if isinstance(remote, BackgroundTier):
+            while remote.reads:
+                outcome.remote_calls.append(remote.reads.popleft())
         if failed:
             first = next(c for c in outcome.chunks if not c.ok)
             logger.warning(
@@ -160,6 +187,7 @@ class ConnectorWorker:
                 result.tier = tier_name
                 outcome.nbytes += len(chunk.block_ids) * self.facts.block_bytes * self.facts.num_layers
                 self.health[tier_name].succeeded()
+                self._promote(chunk, name, read)  # type: ignore[arg-type]
                 return
             reason, detail = classify(error)
             if isinstance(error, ConnectionAbortedError):
@@ -167,6 +195,19 @@ class ConnectorWorker:
             self.health[tier_name].failed(reason, detail)
             if tier_name == chunk.tier:
                 result.reason, result.detail = reason, detail
+
+    def _promote(self, chunk: ChunkLoad, name: str, payload: memoryview) -> None:
+        """Keep a chunk read from a slower tier in the faster ones the scheduler admitted it to."""
+        for tier_name in chunk.promote_to:
+            tier = self.tiers.get(tier_name)
+            if tier is not None:
+                try:
+                    tier.put(name, payload)
+                except (OSError, QueueFull) as e:
+                    reason, detail = classify(e)
+                    self._report.store_failures.append(
+                        StoreFailure("", chunk.name, tier_name, reason, detail)
+                    )
 
     def _scatter(self, payload: memoryview, chunk: ChunkLoad) -> BaseException | None:
         assert self.copier is not None
@@ -260,11 +301,22 @@ class ConnectorWorker:
     def _probe_skipped_tiers(self) -> None:
         for tier in self._background:
             health = tier.health
-            if health.probe_due() and hasattr(tier.inner, "probe"):
-                future = tier.run(tier.inner.probe)  # type: ignore[attr-defined]
+            probe = getattr(tier.inner, "probe", None) or getattr(tier.inner, "ping", None)
+            if probe is not None and health.probe_due():
+                future = tier.run(probe)
                 future.add_done_callback(
                     lambda f, h=health: h.probe_done(f.exception() is None, str(f.exception()))
                 )
+
+    def take_remote_calls(self) -> list[RemoteCall]:
+        """Remote writes and deletes done since the last call (reads go with their loads)."""
+        remote = self.tiers.get(REMOTE)
+        if not isinstance(remote, BackgroundTier) or remote.calls is None:
+            return []
+        out = []
+        while remote.calls:
+            out.append(remote.calls.popleft())
+        return out
 
     def tier_states(self) -> dict[str, TierState]:
         return {name: h.state for name, h in self.health.items()}

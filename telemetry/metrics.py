@@ -114,6 +114,21 @@ _DEFINITIONS = (
         SECONDS_BUCKETS,
     ),
     Metric("evictions", COUNTER, "Chunks evicted to make room, by tier.", ("tier",)),
+    # the remote tier (Redis / Valkey), per round trip
+    Metric(
+        "remote_seconds",
+        HISTOGRAM,
+        "Remote tier round trips by operation (exists: a lookup; get: a load; put/delete: background).",
+        ("operation",),
+        SECONDS_BUCKETS,
+    ),
+    Metric("remote_bytes", COUNTER, "Bytes moved to or from the remote tier, by operation.", ("operation",)),
+    Metric(
+        "remote_errors",
+        COUNTER,
+        "Remote tier round trips that failed, by operation and kind (timeout, connection, oom, ...).",
+        ("operation", "kind"),
+    ),
     # gauges: internal sizes, so that leaks show
     Metric("request_trackers", GAUGE, "Requests the scheduler half tracks."),
     Metric("load_specs", GAUGE, "Lookup results waiting for vLLM to schedule their request."),

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import remote_calls
 from . import tracing as tr
 from .events import EventLog, load_failed_event
 from .metrics import LocalExporter, StatsBuffer, wire_key
@@ -97,6 +98,8 @@ class SchedulerRecorder:
             return
         if self._metrics and not outcome.resumed:  # a preempted request is counted once
             self._count_lookup(outcome, timing)
+        if self._metrics:
+            remote_calls.count(self._buffer, outcome.remote_calls)
         if self._tracing:
             self._lookup_span(outcome, timing)
 

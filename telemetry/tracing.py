@@ -25,6 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
@@ -68,6 +69,18 @@ A_REASON = "kvlens.reason"
 A_MODEL = "gen_ai.request.model"
 A_CACHE_READ = "gen_ai.usage.cache_read.input_tokens"
 A_ERROR_TYPE = "error.type"
+
+REMOTE_CALL = "kvlens.remote"  # CLIENT child span of a lookup, load or store: one Redis round trip
+
+
+@dataclass(frozen=True, slots=True)
+class Child:
+    name: str
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any]
+    error: str | None = None
+
 
 MAX_PENDING = 16384  # spans queued for building; beyond this new spans are dropped (and counted)
 BUILD_INTERVAL_S = 0.05
@@ -156,10 +169,12 @@ def emit(
     error: str | None = None,
     events: Sequence[tuple[str, dict[str, Any]]] = (),
     otlp_endpoint: str | None = None,
+    children: Sequence[Child] = (),
 ) -> None:
     """Queue one finished span; ``attributes`` is called later, and only if it is sampled.
 
-    Whatever ``attributes`` and ``events`` refer to must not change after this call.
+    ``children`` become CLIENT spans under it (remote round trips). Whatever ``attributes``,
+    ``events`` and ``children`` refer to must not change after this call.
     """
     global dropped
     if len(_pending) >= MAX_PENDING:
@@ -167,7 +182,7 @@ def emit(
         if dropped == 1:
             logger.warning("KVLens: span queue full (%d); dropping spans", MAX_PENDING)
         return
-    _pending.append((name, headers, start_ns, end_ns, attributes, error, events, otlp_endpoint))
+    _pending.append((name, headers, start_ns, end_ns, attributes, error, events, otlp_endpoint, children))
     if _builder_pid != os.getpid():
         _start_builder()
 
@@ -228,6 +243,7 @@ def _build(
     error: str | None,
     events: Sequence[tuple[str, dict[str, Any]]],
     otlp_endpoint: str | None,
+    children: Sequence[Child] = (),
 ) -> None:
     tracer = _tracer if _tracer is not None else get_tracer(otlp_endpoint)
     span = tracer.start_span(
@@ -240,6 +256,16 @@ def _build(
         if error is not None:
             span.set_attribute(A_ERROR_TYPE, error)
             span.set_status(Status(StatusCode.ERROR, error))
+        within = trace.set_span_in_context(span)
+        for child in children:
+            sub = tracer.start_span(
+                child.name, context=within, kind=SpanKind.CLIENT, start_time=child.start_ns
+            )
+            sub.set_attributes(child.attributes)
+            if child.error is not None:
+                sub.set_attribute(A_ERROR_TYPE, child.error)
+                sub.set_status(Status(StatusCode.ERROR, child.error))
+            sub.end(end_time=max(child.end_ns, child.start_ns))
     span.end(end_time=max(end_ns, start_ns))
 
 

@@ -77,7 +77,9 @@ def scheduler_recorder(vllm_config: Any, engine: str, block_size: int, tiers: tu
     )
 
 
-def worker_recorder(vllm_config: Any, rank: int, block_nbytes: int, sizes: Any) -> Any:
+def worker_recorder(
+    vllm_config: Any, rank: int, block_nbytes: int, sizes: Any, background_calls: Any = None
+) -> Any:
     from .settings import TelemetrySettings
     from .worker_recorder import WorkerRecorder
 
@@ -86,4 +88,5 @@ def worker_recorder(vllm_config: Any, rank: int, block_nbytes: int, sizes: Any) 
         rank=rank,
         block_nbytes=block_nbytes,
         sizes=sizes,
+        background_calls=background_calls,
     )

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import remote_calls
 from . import tracing as tr
 from .metrics import StatsBuffer, rank_key, wire_key
 from .settings import TelemetrySettings
@@ -48,6 +49,7 @@ class WorkerRecorder:
         rank: int,
         block_nbytes: int,
         sizes: Callable[[], dict[str, int]] | None = None,
+        background_calls: Callable[[], list[Any]] | None = None,
     ) -> None:
         self._settings = settings
         self._tracing = settings.tracing
@@ -57,6 +59,7 @@ class WorkerRecorder:
         self._counts_tokens = rank == 0
         self._block_nbytes = block_nbytes  # one block of every layer, this rank
         self._sizes = sizes
+        self._background_calls = background_calls  # remote writes done off the step loop
         self._buffer = StatsBuffer()
         self._last_gauges: dict[str, float] = {}
         self._gauges_at = float("-inf")
@@ -73,6 +76,9 @@ class WorkerRecorder:
     # ---- loads --------------------------------------------------------------------------
     def loaded(self, plan: StepPlan, outcomes: Sequence[LoadOutcome] | None, started_ns: int) -> None:
         """One span per load job; the jobs ran one after another from ``started_ns``."""
+        if self._metrics and outcomes:
+            for outcome in outcomes:
+                remote_calls.count(self._buffer, outcome.remote_calls)
         if not self._tracing or not plan.loads or not outcomes:
             return
         t = started_ns
@@ -132,6 +138,7 @@ class WorkerRecorder:
             error,
             events,
             otlp_endpoint=self._settings.otlp_endpoint,
+            children=remote_calls.child_spans(outcome.remote_calls),
         )
 
     # ---- stores -------------------------------------------------------------------------
@@ -234,6 +241,8 @@ class WorkerRecorder:
     def stats(self) -> dict[str, Any] | None:
         if not self._metrics:
             return None
+        if self._background_calls is not None:
+            remote_calls.count(self._buffer, self._background_calls())
         now = time.monotonic()
         if self._sizes is not None and now - self._gauges_at >= GAUGE_INTERVAL_S:
             self._gauges_at = now

@@ -18,6 +18,7 @@ class ChunkLoad:
     block_ids: tuple[int, ...]  # vLLM blocks to write, in order
     first_block: int  # index, within the stored chunk, of the block written to block_ids[0]
     num_tokens: int  # tokens these blocks make valid for the request
+    promote_to: tuple[str, ...] = ()  # faster tiers to keep the whole chunk in once it is read
 
 
 @dataclass(frozen=True, slots=True)

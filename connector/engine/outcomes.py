@@ -64,6 +64,18 @@ class TierState(str, Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class RemoteCall:
+    """One round trip to the remote tier (for child spans and latency metrics)."""
+
+    operation: str  # exists, get, put
+    start_ns: int
+    end_ns: int
+    keys: int
+    nbytes: int = 0
+    error: str | None = None  # RemoteUnavailable.kind (timeout, connection, oom, ...)
+
+
+@dataclass(frozen=True, slots=True)
 class LookupOutcome:
     """A request's lookup once it is final (scheduled, or finished without being scheduled)."""
 
@@ -80,6 +92,7 @@ class LookupOutcome:
     resumed: bool  # a preempted request looked up again (count it once)
     trace_context: Mapping[str, str] | None = None
     attempts: int = 1
+    remote_calls: tuple[RemoteCall, ...] = ()
 
 
 @dataclass(slots=True)
@@ -105,6 +118,7 @@ class LoadOutcome:
     failed_block_ids: list[int] = field(default_factory=list)
     nbytes: int = 0
     seconds: float = 0.0
+    remote_calls: list[RemoteCall] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -134,6 +148,7 @@ class LoadOutcome:
         self.failed_block_ids = sorted(set(self.failed_block_ids) | set(other.failed_block_ids))
         self.nbytes += other.nbytes
         self.seconds = max(self.seconds, other.seconds)
+        self.remote_calls.extend(other.remote_calls)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 from .jobs import ChunkLoad
 from .keys import ChunkKey, PrefixHasher, block_aligned_keys, chain
-from .outcomes import LoadOutcome, MissReason, SaveSkipReason
+from .outcomes import LoadOutcome, MissReason, RemoteCall, SaveSkipReason
 
 
 def cdiv(a: int, b: int) -> int:
@@ -38,6 +38,7 @@ class LookupResult:
     num_external_tokens: int  # tokens KVLens will load (what the lookup returned)
     miss_reason: MissReason | None = None
     attempts: int = 1
+    remote_calls: list[RemoteCall] = field(default_factory=list)
     can_load: bool = False  # set once vLLM allocated blocks for the external tokens
     unloadable_tokens: int = 0  # external tokens vLLM allocated beyond what KVLens can load
 

@@ -21,10 +21,14 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..engine.health import TierHealth
-from ..engine.outcomes import FailureReason
+from ..engine.outcomes import FailureReason, RemoteCall
 from .base import Tier, classify
 
 logger = logging.getLogger("vllm.kvlens")
+
+
+MAX_BATCH = 16  # writes sent in one pipelined call
+MAX_BATCH_BYTES = 64 * 1024**2
 
 
 class QueueFull(Exception):
@@ -63,6 +67,11 @@ class BackgroundTier:
         self._failures: list[tuple[str, FailureReason, str]] = []
         self._kept: list[tuple[str, int]] = []  # deletes the tier declined: (name, bytes kept)
         self._closed = False
+        # A tier that batches (put_many / get_many: one pipelined round trip per node) gets
+        # consecutive writes and a load's reads in one call each; its calls are logged.
+        self._batched = hasattr(inner, "put_many") and hasattr(inner, "get_many")
+        self.calls: deque[RemoteCall] | None = deque(maxlen=4096) if self._batched else None
+        self.reads: deque[RemoteCall] = deque(maxlen=4096)
         self._writer = threading.Thread(
             target=self._write_loop, name=f"kvlens-{self.name}-writer", daemon=True
         )
@@ -131,40 +140,77 @@ class BackgroundTier:
                     self._wake.wait()
                 if not self._ops:
                     return
-                op = self._current = self._ops.popleft()
-                op.started = time.monotonic()
+                batch = [self._ops.popleft()]
+                if batch[0].kind == "put" and self._batched:  # consecutive puts: one pipeline
+                    size = batch[0].payload.nbytes if batch[0].payload is not None else 0
+                    while self._ops and self._ops[0].kind == "put" and len(batch) < MAX_BATCH:
+                        size += self._ops[0].payload.nbytes if self._ops[0].payload is not None else 0
+                        if size > MAX_BATCH_BYTES:
+                            break
+                        batch.append(self._ops.popleft())
+                self._current = batch[0]
+                started = time.monotonic()
+                for op in batch:
+                    op.started = started
             try:
-                self._apply(op)
+                self._apply(batch)
             finally:
                 with self._lock:
                     self._current = None
-                    if op.kind == "put":
-                        self._pending_bytes -= op.payload.nbytes if op.payload is not None else 0
-                        op.payload = None
-                        if self._latest_write.get(op.name) is op:
-                            del self._latest_write[op.name]
-                    op.done.set()
+                    for op in batch:
+                        if op.kind == "put":
+                            self._pending_bytes -= op.payload.nbytes if op.payload is not None else 0
+                            op.payload = None
+                            if self._latest_write.get(op.name) is op:
+                                del self._latest_write[op.name]
+                        op.done.set()
                     self._wake.notify_all()
 
-    def _apply(self, op: _Op) -> None:
+    def _apply(self, batch: list[_Op]) -> None:
+        start = time.time_ns()
+        nbytes = sum(op.payload.nbytes for op in batch if op.payload is not None)
+        kind = batch[0].kind
         try:
-            if op.kind == "put":
-                assert op.payload is not None
-                self.inner.put(op.name, op.payload)
-            elif self.inner.delete(op.name) is False:
-                size = getattr(self.inner, "stored_size", lambda _n: 0)(op.name)
-                with self._lock:
-                    self._kept.append((op.name, size))
+            if len(batch) > 1:
+                errors = self.inner.put_many([(op.name, op.payload) for op in batch])  # type: ignore[attr-defined]
+            elif kind == "put":
+                assert batch[0].payload is not None
+                self.inner.put(batch[0].name, batch[0].payload)
+                errors = [None]
+            else:
+                errors = [None]
+                if self.inner.delete(batch[0].name) is False:
+                    size = getattr(self.inner, "stored_size", lambda _n: 0)(batch[0].name)
+                    with self._lock:
+                        self._kept.append((batch[0].name, size))
         except Exception as e:  # noqa: BLE001 - any failure is a failed store, never a crash
-            reason, detail = classify(e)
+            errors = [e] * len(batch)
+        self._log_write(kind, start, len(batch), nbytes, next((e for e in errors if e is not None), None))
+        for op, error in zip(batch, errors, strict=True):
+            if error is None:
+                continue
+            reason, detail = classify(error)
             self.health.failed(reason, detail)
             if op.kind == "put":
                 with self._lock:
                     self._failures.append((op.name, reason, detail))
             else:
                 logger.debug("KVLens: deleting %s from %s failed: %s", op.name[:12], self.name, detail)
-            return
-        self.health.succeeded()
+        if any(error is None for error in errors):
+            self.health.succeeded()
+
+    def _log_write(self, kind: str, start: int, keys: int, nbytes: int, error: BaseException | None) -> None:
+        if self.calls is not None:
+            self.calls.append(
+                RemoteCall(
+                    kind,
+                    start,
+                    time.time_ns(),
+                    keys,
+                    nbytes,
+                    getattr(error, "kind", "error") if error else None,
+                )
+            )
 
     # ---- reads --------------------------------------------------------------------------
     def get(self, name: str) -> memoryview:
@@ -177,9 +223,20 @@ class BackgroundTier:
         """Each payload (or the error reading it), in order; all reads start at once.
 
         The reads share one deadline of ``timeout_s`` from the call; one that misses it
-        yields a ``TimeoutError``.
+        yields a ``TimeoutError``. A tier that reads in batches (one pipelined round trip
+        per node) is asked once for all of them.
         """
         deadline = time.monotonic() + self.timeout_s
+        if self._batched and len(names) > 1:
+            batch = self._submit(lambda: self._read_batch(list(names)))
+            try:
+                results = batch.result(timeout=self.timeout_s)
+            except TimeoutError:
+                results = [TimeoutError(f"{self.name} read took over {self.timeout_s:g} s")] * len(names)
+            except Exception as e:  # noqa: BLE001 - handed to the caller as values
+                results = [e] * len(names)
+            yield from results
+            return
         futures = [self._submit_read(name) for name in names]
         for future in futures:
             try:
@@ -189,21 +246,45 @@ class BackgroundTier:
             except Exception as e:  # noqa: BLE001 - handed to the caller as a value
                 yield e
 
+    def _read_batch(self, names: list[str]) -> list[memoryview | BaseException]:
+        with self._lock:
+            writes = [self._latest_write.get(n) for n in names]
+        for write in writes:
+            if write is not None:
+                write.done.wait()
+        start = time.time_ns()
+        results = self.inner.get_many(names)  # type: ignore[attr-defined]
+        nbytes = sum(r.nbytes for r in results if isinstance(r, memoryview))
+        error = next((r for r in results if isinstance(r, OSError)), None)
+        if self.calls is not None:
+            self.reads.append(
+                RemoteCall(
+                    "get",
+                    start,
+                    time.time_ns(),
+                    len(names),
+                    nbytes,
+                    getattr(error, "kind", "error") if error else None,
+                )
+            )
+        return results
+
     def _submit_read(self, name: str) -> Future[memoryview]:
         with self._lock:
             write = self._latest_write.get(name)
-        future: Future[memoryview] = Future()
 
         def read() -> memoryview:
             if write is not None:
                 write.done.wait()
             return self.inner.get(name)
 
-        self._reads.put((future, read))
-        return future
+        return self._submit(read)
 
     def run(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run ``fn`` on a reader thread (probes): the caller decides how long to wait."""
+        return self._submit(fn)
+
+    def _submit(self, fn: Callable[[], Any]) -> Future[Any]:
         future: Future[Any] = Future()
         self._reads.put((future, fn))
         return future

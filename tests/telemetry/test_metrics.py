@@ -20,7 +20,7 @@ from telemetry.metrics import (
     wire_key,
 )
 
-ALLOWED_LABELS = {"tier", "operation", "reason"}
+ALLOWED_LABELS = {"tier", "operation", "reason", "kind"}
 
 
 def recorder(tiers=("cpu",)) -> tuple[PromRecorder, CollectorRegistry]:

@@ -39,7 +39,7 @@ def test_extra_config_dict_merges_across_levels():
         ({"lmcache.local_disk": "/tmp/x"}, {}, "max_local_disk_size"),
         ({"lmcache.local_cpu": False}, {}, "local_disk"),
         ({"lmcache.extra_config": {"nope": 1}}, {}, "extra_config.nope"),
-        ({"lmcache.remote_url": "redis://localhost:6379"}, {}, "remote_url"),
+        ({"lmcache.remote_url": "memcache://localhost:6379"}, {}, "remote_url"),
     ],
 )
 def test_bad_config_fails_with_the_key_named(extra, env, key):
@@ -94,3 +94,14 @@ def test_known_lmcache_keys_that_do_not_apply_are_a_warning_not_an_error(caplog)
 def test_an_unknown_key_is_still_an_error_naming_it():
     with pytest.raises(ConfigError, match="chunk_sise"):
         load_config({"lmcache.chunk_sise": 128}, env={})
+
+
+def test_remote_url_password_comes_from_the_environment_and_is_never_printed():
+    c = load_config(
+        {"lmcache.remote_url": "redis://127.0.0.1:6379/2"}, env={"KVLENS_REDIS_PASSWORD": "s3cret"}
+    )
+    assert c.remote.password == "s3cret" and c.tier_names() == ("cpu", "remote")
+    assert "s3cret" not in str(c.summary()) and "s3cret" not in repr(c.remote)
+    with pytest.raises(ConfigError) as e:
+        load_config({"lmcache.remote_url": "redis://:pw-in-url@h:99999"}, env={})
+    assert "pw-in-url" not in str(e.value)

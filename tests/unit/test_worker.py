@@ -227,3 +227,16 @@ def test_a_full_background_queue_drops_the_store_without_waiting(tmp_path):
     w = worker(caches, tmp_path, extra_config={"max_pending_write_bytes": 1})
     failures = w.save(StepPlan(writes=[StoreJob("a", NAME, (2, 5), (DISK,), 32)]))
     assert [(f.tier, f.reason) for f in failures] == [(DISK, FailureReason.QUEUE_FULL)]
+
+
+def test_a_chunk_read_from_disk_is_kept_in_the_cpu_tier_it_was_promoted_to(tmp_path):
+    caches = cpu_layout()
+    w = worker(caches, tmp_path)
+    w.save(StepPlan(writes=[StoreJob("a", NAME, (2, 5), (DISK,), 32)]))
+    w.flush()
+    w.load(StepPlan(loads=[LoadJob("b", (ChunkLoad(NAME, DISK, (8, 9), 0, 32, promote_to=(CPU,)),))]))
+    assert w.tiers[CPU].used_bytes == 2 * LAYERS * w.copier.block_bytes
+    missing = "ef" * 16
+    w.load(StepPlan(loads=[LoadJob("c", (ChunkLoad(missing, DISK, (10, 11), 0, 32, promote_to=(CPU,)),))]))
+    report = w.take_report()
+    assert [(f.name, f.tier) for f in report.store_failures] == [(missing, CPU)]  # the index lets it go

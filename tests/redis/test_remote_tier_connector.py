@@ -1,0 +1,165 @@
+"""The remote tier inside KVLens's scheduler and worker halves, against a real redis-server:
+two "engines" share KV through it, lookups cost one bounded round trip, and a Redis that
+stops or loses chunks costs misses and recomputes, never wrong KV or a stuck engine."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from connector.config import load_config
+from connector.engine.facts import EngineFacts
+from connector.engine.jobs import CPU, REMOTE
+from connector.engine.outcomes import MissReason, TierState
+from connector.kv_blocks import BlockCopier
+from connector.scheduler import ConnectorScheduler
+from connector.worker import ConnectorWorker
+
+from ..unit.fakes import request, step
+
+NUM_BLOCKS, LAYERS, HEADS, BS, HEAD = 32, 2, 2, 16, 8
+PROMPT = list(range(1000, 1000 + 5 * BS))  # two 32-token chunks and a one-block tail
+FULL_HIT = 5 * BS - 1  # vLLM computes the last token itself
+
+
+def caches() -> dict[str, torch.Tensor]:
+    storage = torch.randn(LAYERS, NUM_BLOCKS, HEADS, BS, 2 * HEAD)
+    return {f"layer.{i}": storage[i] for i in range(LAYERS)}
+
+
+class Engine:
+    """A scheduler half and a worker half over their own KV tensors, stepping like vLLM."""
+
+    def __init__(self, url: str, **extra) -> None:
+        self.kv = caches()
+        copier = BlockCopier(self.kv, NUM_BLOCKS)
+        facts = EngineFacts("m", "f32", BS, LAYERS, copier.block_bytes, "layout", 1, "kv_both")
+        cfg = {
+            "lmcache.chunk_size": 2 * BS,
+            "lmcache.max_local_cpu_size": 0.01,
+            "lmcache.remote_url": url,
+            "lmcache.extra_config": {"remote_lookup_timeout_ms": 200, "remote_timeout_s": 0.5, **extra},
+        }
+        config = load_config(cfg, env={})
+        self.sched = ConnectorScheduler(config, facts)
+        self.worker = ConnectorWorker(config, facts, rank=0)
+        self.worker.register(self.kv, NUM_BLOCKS)
+
+    def run(self, req, blocks, computed_hint=None):
+        need = self.sched.lookup(req, 0)
+        self.sched.after_alloc(req, need)
+        plan = self.sched.build_plan(
+            step(new=[(req, blocks, need)], num_scheduled={req.request_id: req.num_tokens - need})
+        )
+        self.worker.load(plan)
+        self.worker.save(plan)
+        self.worker.flush()
+        report = self.worker.take_report()
+        if report is not None:
+            self.sched.on_worker_report(report)
+        failed = self.worker.take_failed_blocks()
+        return need, plan, failed
+
+    def close(self):
+        self.sched.shutdown()
+        self.worker.shutdown()
+
+
+def test_a_prefix_one_engine_stored_is_loaded_from_redis_by_another(redis_server):
+    a, b = (
+        Engine(redis_server.url, remote_key_prefix="share1"),
+        Engine(redis_server.url, remote_key_prefix="share1"),
+    )
+    try:
+        _, plan, _ = a.run(request("x", PROMPT), list(range(0, 5)))
+        assert all(REMOTE in j.tiers for j in plan.stores)
+        need, plan, failed = b.run(request("y", PROMPT), list(range(10, 15)))
+        assert need == FULL_HIT and not failed
+        assert [c.tier for c in plan.loads[0].chunks] == [REMOTE, REMOTE, REMOTE]
+        for name in a.kv:  # b's blocks hold exactly what a computed
+            assert torch.equal(b.kv[name][10:15], a.kv[name][0:5])
+        # The chunks are kept in b's CPU tier: the next request loads them from there.
+        need, plan, _ = b.run(request("z", PROMPT), list(range(20, 25)))
+        assert [c.tier for c in plan.loads[0].chunks] == [CPU, CPU, CPU]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_namespaces_and_prefixes_keep_tenants_apart(redis_server):
+    a, b = (
+        Engine(redis_server.url, remote_key_prefix="tenant-a"),
+        Engine(redis_server.url, remote_key_prefix="tenant-b"),
+    )
+    try:
+        a.run(request("x", PROMPT), list(range(0, 5)))
+        assert b.sched.lookup(request("y", PROMPT), 0) == 0
+        c = Engine(redis_server.url, remote_key_prefix="tenant-a")
+        assert c.sched.lookup(request("y", PROMPT, cache_salt="other"), 0) == 0
+        c.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_stopped_redis_costs_misses_and_recomputes_then_recovers(server_factory):
+    server = server_factory()
+    a, b = Engine(server.url), Engine(server.url)
+    try:
+        a.run(request("x", PROMPT), list(range(0, 5)))
+        assert b.sched.lookup(request("y", PROMPT), 0) == FULL_HIT  # it is there
+        server.stop()
+        _, plan, failed = b.run(request("y", PROMPT), list(range(10, 15)))  # looked up before the stop
+        assert failed  # the load found Redis gone: vLLM recomputes these blocks
+        started = time.monotonic()
+        for i in range(4):
+            assert b.sched.lookup(request(f"w{i}", PROMPT[:-1] + [i]), 0) == 0
+        assert time.monotonic() - started < 2.0  # bounded: no hang per lookup
+        assert b.sched.tier_states[REMOTE] is TierState.SKIPPED or not b.sched.usable(REMOTE)
+        assert b.sched.lookups["w3"].miss_reason in (MissReason.TIER_UNHEALTHY, MissReason.NOT_STORED)
+        server.start()  # empty: Redis kept nothing
+        other = list(range(5000, 5000 + 4 * BS))
+        a.run(request("x2", other), list(range(0, 4)))  # new chunks reach the restarted Redis
+        deadline = time.monotonic() + 10
+        need = 0
+        while time.monotonic() < deadline and need == 0:  # the lookup client probes with backoff
+            time.sleep(0.3)
+            need = b.sched.lookup(request(f"again{time.monotonic()}", other + [7]), 0)
+        assert need == 4 * BS
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_chunk_redis_evicted_or_corrupted_is_a_failed_block_not_wrong_kv(redis_server):
+    a, b = (
+        Engine(redis_server.url, remote_key_prefix="evict"),
+        Engine(redis_server.url, remote_key_prefix="evict"),
+    )
+    try:
+        a.run(request("x", PROMPT), list(range(0, 5)))
+        client = redis_server.client()
+        keys = sorted(client.keys("evict:*"))
+        client.setrange(keys[0], client.strlen(keys[0]) - 4, b"\x00\x01\x02\x03")  # corrupt in place
+        client.delete(keys[1])  # as if Redis evicted it
+        before = {n: t.clone() for n, t in b.kv.items()}
+        _, plan, failed = b.run(request("y", PROMPT), list(range(10, 15)))
+        assert failed and plan.loads
+        for name in b.kv:  # nothing from a corrupt or missing value reached vLLM's blocks
+            for block in failed:
+                assert torch.equal(b.kv[name][block], before[name][block])
+    finally:
+        a.close()
+        b.close()
+
+
+def test_redis_cluster_shares_kv_too(redis_cluster):
+    a, b = Engine(redis_cluster.url), Engine(redis_cluster.url)
+    try:
+        a.run(request("x", PROMPT), list(range(0, 5)))
+        need, plan, failed = b.run(request("y", PROMPT), list(range(10, 15)))
+        assert need == FULL_HIT and not failed and plan.loads[0].chunks[0].tier == REMOTE
+    finally:
+        a.close()
+        b.close()
