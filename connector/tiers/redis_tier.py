@@ -192,11 +192,17 @@ class RedisTier:
     def ping(self) -> float:
         """Seconds for a PING to the server (to every master of a cluster, one after another)."""
         start = time.perf_counter()
-        try:
-            for client in self._nodes.masters():
-                client.ping()
-        except Exception as e:  # noqa: BLE001 - redis-py errors must not escape
-            raise self._unavailable("ping", e) from None
+        for attempt in (0, 1):
+            try:
+                for client in self._nodes.masters():
+                    client.ping()
+                break
+            except Exception as e:  # noqa: BLE001 - redis-py errors must not escape
+                # A killed master stays in the slot map until it is re-read: a probe that never
+                # re-reads it would keep a failed-over cluster skipped forever.
+                if attempt == 1 or not self._nodes.retry_after(e):
+                    raise self._unavailable("ping", e) from None
+                self._nodes.refresh()
         return time.perf_counter() - start
 
     def close(self) -> None:

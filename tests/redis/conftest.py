@@ -81,3 +81,31 @@ def tier_factory() -> Iterator[Callable[..., RedisTier]]:
     yield make
     for tier in tiers:
         tier.close()
+
+
+@pytest.fixture(scope="module")
+def server_factory_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., RedisServer]]:
+    """Private servers shared by one module's tests (a vllm serve lives as long)."""
+    servers: list[RedisServer] = []
+    root = tmp_path_factory.mktemp("redis-private")
+
+    def make(*args: str) -> RedisServer:
+        server = RedisServer(root / f"redis{len(servers)}", *args)
+        servers.append(server)
+        return server.start()
+
+    yield make
+    for server in servers:
+        server.kill()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from pathlib import Path as _Path
+
+    built = _Path(__file__).resolve().parents[2] / ".run" / "tiny-model"
+    if (built / "model.safetensors").exists():
+        return str(built)
+    from ..telemetry.serve import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))

@@ -15,19 +15,11 @@ BOUND_S = 2.0
 KB = 1024
 
 
-def _wait_replicated(cluster) -> None:
-    """Let every master's replica catch up, so the test controls what a failover can lose."""
-    for server in cluster.live():
-        with server.client() as raw:
-            if raw.info("replication")["role"] == "master":
-                raw.wait(1, 2000)
-
-
 def test_killed_master_fails_over_and_the_same_tier_serves_again(private_cluster, tier_factory):
     tier = tier_factory(private_cluster.url, timeout_s=0.5, connect_timeout_s=0.5)
     names = [name(i) for i in range(48)]
     assert tier.put_many([(n, payload(32 * KB, i)) for i, n in enumerate(names)]) == [None] * 48
-    _wait_replicated(private_cluster)
+    private_cluster.wait_replicated()
     victim = private_cluster.master_of(tier.key(names[0]))
     victim.kill()
 
@@ -53,6 +45,27 @@ def test_killed_master_fails_over_and_the_same_tier_serves_again(private_cluster
     )  # replicated before the kill: the promoted replica has it
     tier.clear()
     assert tier.exists_many(names + fresh) == [False] * 72
+
+
+def test_ping_alone_sees_the_failover(private_cluster, tier_factory):
+    """A tier marked skipped only pings until it works again: the ping must re-read the slot map,
+    or a killed master keeps the probe (and the tier) failing forever."""
+    tier = tier_factory(private_cluster.url, timeout_s=0.5, connect_timeout_s=0.5)
+    assert tier.put_many([(name(1), payload(KB, 1))]) == [None]
+    tier.ping()
+    private_cluster.wait_replicated()
+    private_cluster.live()[0].kill()
+    deadline = time.monotonic() + 30
+    while True:
+        start = time.monotonic()
+        try:
+            tier.ping()
+            break
+        except RemoteUnavailable:
+            assert time.monotonic() - start < BOUND_S
+            assert time.monotonic() < deadline, "ping never recovered after the failover"
+            time.sleep(0.2)
+    assert tier.put_many([(name(2), payload(KB, 2))]) == [None]
 
 
 def test_hung_master_costs_one_timeout_per_call_not_one_per_chunk(private_cluster, tier_factory):

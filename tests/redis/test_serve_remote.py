@@ -1,0 +1,190 @@
+"""Real `vllm serve` processes (CPU, tiny model) sharing KV through a real Redis and a real
+three-master Redis Cluster, and surviving Redis faults with vLLM's own outputs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ..telemetry.serve import (
+    VllmServer,
+    base_env,
+    kv_transfer_config,
+    prompt_tokens,
+    sample,
+    sum_samples,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+ARGS = ("--dtype", "float32")  # greedy outputs compared bit for bit
+
+
+def remote_only(url: str, **extra) -> dict:
+    return kv_transfer_config(
+        chunk_size=256,
+        local_cpu=False,
+        remote_url=url,
+        extra_config={"remote_key_prefix": "serve", **extra},
+    )
+
+
+def serve(tiny_model, tmp, name, kv) -> VllmServer:
+    srv = VllmServer(
+        tiny_model, kv, tmp / f"{name}.log", base_env(KVLENS_EVENT_LOG=str(tmp / "events.jsonl")), ARGS
+    )
+    srv.wait_ready()
+    return srv
+
+
+def text(response) -> str:
+    return response["choices"][0]["text"]
+
+
+def loaded(response) -> dict:
+    return response["kv_transfer_params"]["kvlens"]["loaded_tokens"]
+
+
+def writes_landed(srv) -> None:
+    wait_until(lambda: sample(srv.samples(), "vllm:kvlens_pending_writes") == 0, what="remote writes landed")
+
+
+@pytest.mark.parametrize("backend", ["single", "cluster"])
+def test_a_prompt_served_by_one_instance_is_served_from_redis_by_another(
+    backend, redis_server, redis_cluster, tiny_model, tmp_path
+):
+    url = redis_server.url if backend == "single" else redis_cluster.url
+    prompt = prompt_tokens(700, 11 if backend == "single" else 12)
+    first = serve(tiny_model, tmp_path, "first", remote_only(url))
+    try:
+        cold = first.complete(prompt, max_tokens=8)
+        assert loaded(cold) == {}
+        writes_landed(first)
+    finally:
+        first.stop()
+    second = serve(tiny_model, tmp_path, "second", remote_only(url))
+    try:
+        hit = second.complete(prompt, max_tokens=8)
+        assert loaded(hit) == {"remote": 640} and text(hit) == text(cold)
+        s = second.samples()
+        assert sum_samples(s, "vllm:kvlens_load_tokens_total", tier="remote") == 640
+        assert sum_samples(s, "vllm:kvlens_remote_seconds_count", operation="exists") >= 1
+        assert sum_samples(s, "vllm:kvlens_remote_seconds_count", operation="get") >= 1
+    finally:
+        second.stop()
+
+
+@pytest.fixture(scope="module")
+def faulty(server_factory_module, tiny_model, tmp_path_factory):
+    server = server_factory_module()
+    tmp = tmp_path_factory.mktemp("faults")
+    srv = serve(tiny_model, tmp, "faults", remote_only(server.url))
+    try:
+        yield server, srv, tmp
+    finally:
+        srv.stop()
+
+
+def _cold(srv, prompt, max_tokens=8):
+    """The prompt again after vLLM's own prefix cache was flushed: KVLens may serve it."""
+    srv.reset_prefix_cache()
+    return srv.complete(prompt, max_tokens=max_tokens)
+
+
+def test_redis_stopped_and_restarted_costs_misses_then_serves_again(faulty):
+    redis, srv, _ = faulty
+    prompt = prompt_tokens(700, 21)
+    cold = srv.complete(prompt, max_tokens=8)
+    writes_landed(srv)
+    redis.stop()
+    for _ in range(4):  # lookups fail fast and count as misses; the tier is skipped
+        out = _cold(srv, prompt)
+        assert text(out) == text(cold) and loaded(out) == {}
+    s = srv.samples()
+    assert sum_samples(s, "vllm:kvlens_remote_errors_total") >= 1
+    assert sample(s, "vllm:kvlens_tier_health", tier="remote") < 2
+    redis.start()  # empty again
+    wait_until(
+        lambda: sample(srv.samples(), "vllm:kvlens_tier_health", tier="remote") == 2 or _poke(srv),
+        timeout=60,
+        what="remote healthy again",
+    )
+    fresh = prompt_tokens(700, 22)
+    fresh_cold = srv.complete(fresh, max_tokens=8)
+    writes_landed(srv)
+    hit = _cold(srv, fresh)
+    assert loaded(hit) == {"remote": 640} and text(hit) == text(fresh_cold)
+
+
+def _poke(srv) -> bool:
+    """Lookups probe a skipped remote; send one so the probe can run."""
+    srv.complete(prompt_tokens(300, int(time.monotonic() * 1000) % 10_000), max_tokens=1)
+    return False
+
+
+def test_a_value_corrupted_in_place_is_a_counted_recompute(faulty):
+    redis, srv, tmp = faulty
+    prompt = prompt_tokens(700, 31)
+    cold = srv.complete(prompt, max_tokens=8)
+    writes_landed(srv)
+    client = redis.client()
+    for key in client.keys("serve:*"):
+        client.setrange(key, client.strlen(key) - 8, b"\xff" * 8)
+    before = srv.samples()
+    out = _cold(srv, prompt)
+    assert text(out) == text(cold)
+    assert out["kv_transfer_params"]["kvlens"]["failed_blocks"] > 0
+    wait_until(
+        lambda: (
+            sum_samples(srv.samples(), "vllm:kvlens_failed_blocks_total", reason="corrupt")
+            > sum_samples(before, "vllm:kvlens_failed_blocks_total", reason="corrupt")
+        ),
+        what="corrupt blocks counted",
+    )
+    assert "corrupt" in (tmp / "events.jsonl").read_text()
+    again = _cold(srv, prompt)  # the recompute stored good copies
+    assert text(again) == text(cold)
+
+
+def test_redis_evicting_under_maxmemory_costs_misses_never_errors(faulty):
+    redis, srv, _ = faulty
+    client = redis.client()
+    client.config_set("maxmemory", str(8 * 1024**2))
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        prompts = [prompt_tokens(1500, 40 + i) for i in range(6)]
+        colds = [srv.complete(p, max_tokens=4) for p in prompts]
+        writes_landed(srv)
+        for p, cold in zip(prompts, colds, strict=True):
+            out = _cold(srv, p, max_tokens=4)
+            assert text(out) == text(cold) and out["choices"][0]["finish_reason"] != "error"
+    finally:
+        client.config_set("maxmemory", "0")
+
+
+def test_a_cluster_node_killed_keeps_requests_completing(private_cluster, tiny_model, tmp_path):
+    srv = serve(tiny_model, tmp_path, "cluster-faults", remote_only(private_cluster.url))
+    try:
+        prompts = [prompt_tokens(700, 50 + i) for i in range(3)]
+        colds = [srv.complete(p, max_tokens=8) for p in prompts]
+        writes_landed(srv)
+        private_cluster.wait_replicated()
+        private_cluster.live()[0].kill()  # a master: its replica takes over
+        for p, cold in zip(prompts, colds, strict=True):
+            out = _cold(srv, p)
+            assert text(out) == text(cold)
+        fresh = prompt_tokens(700, 60)
+        deadline = time.monotonic() + 60
+        while True:  # after the failover the tier stores and serves again by itself
+            fresh_cold = _cold(srv, fresh)
+            writes_landed(srv)
+            hit = _cold(srv, fresh)
+            assert text(hit) == text(fresh_cold)
+            if loaded(hit) == {"remote": 640} or time.monotonic() > deadline:
+                break
+            fresh = prompt_tokens(700, 61 + int(time.monotonic()) % 1000)
+        assert loaded(hit) == {"remote": 640}
+    finally:
+        srv.stop()
