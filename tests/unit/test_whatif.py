@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
-from connector.engine.whatif import DEFAULT_FACTORS, HitRatioCurve
+from connector.engine.whatif import DEFAULT_FACTORS, HitRatioCurve, WhatIfTracker, sizing_advice
 from tests.unit.whatif_traces import (
     CHUNK,
     exact_lru_curve,
@@ -38,7 +39,7 @@ def exact_curve(trace, capacity=CAP) -> dict[float, float]:
 
 
 def test_the_one_pass_oracle_is_an_lru_simulation_at_every_size():
-    trace = shared_prefix_trace(30_000, prefixes=60)
+    trace = shared_prefix_trace(12_000, prefixes=40)
     for f in DEFAULT_FACTORS:
         assert exact_curve(trace, 100 * CHUNK)[f] == exact_lru_hit_ratio(trace, 100 * CHUNK * f)
 
@@ -106,16 +107,16 @@ def test_decayed_weights_match_an_exactly_weighted_simulation():
         assert est.curve()[f] == pytest.approx(expected, rel=1e-9)
 
 
-def test_memory_stays_bounded_on_a_stream_of_new_prompts():
-    est = HitRatioCurve(50 * CHUNK, max_samples=512, half_life=None)
+def test_memory_stays_bounded_on_a_million_ever_new_chunks():
+    est = HitRatioCurve(5000 * CHUNK, half_life=None)  # defaults: 8,192 samples
     rates = []
-    for i in range(200_000):
+    for i in range(1_000_000):
         est.access(f"new{i}", CHUNK)
-        if i in (100_000, 199_999):
+        if i in (500_000, 999_999):
             rates.append(est.rate)
-    assert est.tracked <= 512 + 256
+    assert est.tracked <= est.max_samples + 256  # samples plus at most every heavy-hitter slot
     assert len(est._by_hash) <= 2 * est.tracked + 64 and len(est._hot) <= 256
-    assert len(est._tree) == 4 * 512 + 1
+    assert len(est._tree) == 4 * est.max_samples + 1
     assert rates[1] > 0.5 * rates[0]  # the rate settles instead of falling forever
     assert est.curve()[16.0] == 0.0
 
@@ -175,3 +176,100 @@ def test_bad_arguments_are_refused():
     for kw in ({"capacity_bytes": 0}, {"factors": (0.0, 1.0)}, {"max_samples": 0}, {"half_life": 0}):
         with pytest.raises(ValueError):
             HitRatioCurve(**{"capacity_bytes": CAP, **kw})
+
+
+CURVE = {0.125: 0.10, 0.25: 0.20, 0.5: 0.30, 1.0: 0.41, 2.0: 0.63, 4.0: 0.70, 8.0: 0.72, 16.0: 0.725}
+
+
+def test_advice_names_what_doubling_buys():
+    assert sizing_advice(CURVE, "cpu") == "doubling the CPU tier would raise the hit rate from 41% to 63%"
+
+
+def test_advice_says_when_a_tier_is_larger_than_needed():
+    flat = {0.25: 0.5, 0.5: 0.694, 1.0: 0.70, 2.0: 0.705, 4.0: 0.705}
+    assert sizing_advice(flat, "disk") == (
+        "halving the disk tier would cost only 1 point: it is larger than this workload needs"
+    )
+
+
+def test_advice_points_to_the_size_that_would_help_when_doubling_does_not():
+    step = {0.5: 0.30, 1.0: 0.41, 2.0: 0.415, 4.0: 0.60, 8.0: 0.61}
+    assert sizing_advice(step, "remote") == (
+        "the remote tier would need 4x its size to raise the hit rate from 41% to 60%"
+    )
+
+
+def test_advice_when_neither_direction_pays():
+    knee = {0.5: 0.30, 1.0: 0.41, 2.0: 0.415, 4.0: 0.42}
+    assert sizing_advice(knee, "cpu") == (
+        "the CPU tier fits this workload: 41% hit rate, halving it would cost 11 points, "
+        "and no size up to 4x would add 2 points"
+    )
+
+
+def feed(tracker: WhatIfTracker, trace, tiers=("cpu",)) -> None:
+    for item in trace:
+        for tier in tiers:
+            if len(item) == 2:
+                tracker.record(tier, item[0].encode(), item[1])
+            else:
+                tracker.record_store(tier, item[0].encode(), item[1])
+        if tracker.pending > 50_000:
+            tracker.drain()
+    tracker.drain()
+
+
+def test_tracker_advises_doubling_a_tier_a_loop_outgrows():
+    trace = loop_trace(60_000, 300)  # ~1,800 chunks in a loop: twice a 1,000-chunk tier
+    tracker = WhatIfTracker({"cpu": 1000 * CHUNK, "disk": 4000 * CHUNK})
+    feed(tracker, trace, ("cpu", "disk"))
+    line = tracker.advice("cpu")
+    assert line is not None and line.startswith("doubling the CPU tier would raise the hit rate from 0% to 9")
+    assert tracker.advice("disk") == (  # 2,000 chunks would still hold the whole loop
+        "halving the disk tier would cost less than 1 point: it is larger than this workload needs"
+    )
+    snap = tracker.snapshot()
+    assert snap["cpu"] == tracker.curves["cpu"].curve() and set(snap) == {"cpu", "disk"}
+    exact = exact_curve(trace, 1000 * CHUNK)
+    assert all(abs(snap["cpu"][f] - exact[f]) <= 0.05 for f in DEFAULT_FACTORS)
+
+
+def test_tracker_says_nothing_without_evidence():
+    tracker = WhatIfTracker({"cpu": 100 * CHUNK}, min_references=10_000)
+    assert tracker.advice("cpu") is None and tracker.snapshot() == {"cpu": {}}
+    feed(tracker, zipf_trace(5_000, 100, 1.0))
+    assert tracker.advice("cpu") is None and tracker.advice("remote") is None
+    feed(tracker, zipf_trace(10_000, 100, 1.0))
+    assert tracker.advice("cpu") is not None
+
+
+def test_tracker_never_blocks_and_counts_what_it_drops():
+    tracker = WhatIfTracker({"cpu": 100 * CHUNK}, buffer_size=1000)
+    with tracker._drain_lock:  # a feeder stuck mid-drain must not stall the step loop
+        for i in range(5000):
+            tracker.record("cpu", b"k%d" % i, CHUNK)
+        tracker.record_store("cpu", b"out", CHUNK)
+    assert tracker.pending == 1000 and tracker.dropped == 4001
+    assert tracker.drain(limit=10) == 10
+    tracker.record("gpu", b"x", CHUNK)  # room again; a tier without a curve is counted, not fed
+    assert tracker.drain() == 991 and tracker.pending == 0
+    assert tracker.processed == 1001 and tracker.unknown_tier == 1 and tracker.dropped == 4001
+    assert tracker.curves["cpu"].accesses == 1000
+
+
+def test_tracker_thread_feeds_the_curves():
+    tracker = WhatIfTracker({"cpu": 200 * CHUNK}, half_life=None)
+    tracker.start()
+    try:
+        trace = zipf_trace(20_000, 500, 1.0, seed=8)
+        for item in trace:
+            tracker.record("cpu", item[0], item[1])
+        deadline = time.monotonic() + 10
+        while tracker.pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        tracker.close()
+    assert tracker.pending == 0 and tracker.processed == len(trace) and tracker.dropped == 0
+    counted = [(name, nbytes) for name, nbytes, *_ in trace]
+    exact = exact_curve(counted, 200 * CHUNK)
+    assert tracker.snapshot()["cpu"] == pytest.approx(exact, abs=1e-9)  # 500 docs: nothing sampled
