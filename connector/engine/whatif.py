@@ -323,8 +323,9 @@ class WhatIfTracker:
     """The scheduler's door to one ``HitRatioCurve`` per tier, at O(1) cost on its step loop.
 
     ``record`` and ``record_store`` append to a bounded buffer and return: when the buffer is
-    full the reference is dropped and counted, never waited for. A daemon thread (``start``) or
-    the caller, off its loop (``drain``), feeds the buffer to the curves.
+    full the reference is dropped and counted, never waited for. A daemon thread (``start``,
+    held to a share of the wall time) or the caller, off its loop (``drain``), feeds the buffer
+    to the curves.
 
     What counts as a reference (``record``), per tier, once per request, in prefix order: each
     whole chunk the lookup found plus the first whole chunk it missed on, and then each prompt
@@ -350,7 +351,7 @@ class WhatIfTracker:
             for tier, cap in capacities.items()
         }
         self.min_references = min_references
-        self._buffer: deque[tuple[str, Key, int, bool]] = deque()
+        self._buffer: deque[tuple[str | None, Key, int, bool]] = deque()
         self._buffer_size = buffer_size
         self._drain_lock = threading.Lock()
         self._stop = threading.Event()
@@ -359,15 +360,16 @@ class WhatIfTracker:
         self.processed = 0
         self.unknown_tier = 0
 
-    def record(self, tier: str, key: Key, nbytes: int) -> None:
-        """A counted reference (see the class docstring); never blocks."""
+    def record(self, tier: str | None, key: Key, nbytes: int) -> None:
+        """A counted reference (see the class docstring); never blocks. ``tier=None`` means
+        every tier: KVLens writes each chunk to every usable tier, so one call serves them all."""
         if len(self._buffer) >= self._buffer_size:
             self.dropped += 1
         else:
             self._buffer.append((tier, key, nbytes, True))
 
-    def record_store(self, tier: str, key: Key, nbytes: int) -> None:
-        """A chunk written that no lookup asked for; never blocks."""
+    def record_store(self, tier: str | None, key: Key, nbytes: int) -> None:
+        """A chunk written that no lookup asked for; never blocks. ``tier=None``: every tier."""
         if len(self._buffer) >= self._buffer_size:
             self.dropped += 1
         else:
@@ -384,6 +386,10 @@ class WhatIfTracker:
                 except IndexError:
                     break
                 done += 1
+                if tier is None:
+                    for curve in curves.values():
+                        (curve.access if counted else curve.store)(key, nbytes)
+                    continue
                 curve = curves.get(tier)
                 if curve is None:
                     self.unknown_tier += 1
@@ -394,15 +400,20 @@ class WhatIfTracker:
             self.processed += done
         return done
 
-    def start(self, idle_s: float = 0.05, batch: int = 64) -> None:
-        """Feed the curves from a daemon thread, in batches that give the GIL back between them
-        (a batch costs well under a millisecond, so the step loop never waits long for it)."""
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(
-            target=self._feed, args=(idle_s, batch), name="kvlens-whatif", daemon=True
-        )
-        self._thread.start()
+    def start(self, share: float = 0.1, batch: int = 64, idle_s: float = 0.05) -> None:
+        """Feed the curves from a daemon thread that takes at most ``share`` of the wall time.
+
+        Under the GIL a busy feeder slows the step loop as much as work on it would, so after
+        each batch it sleeps long enough to keep its share; the buffer absorbs bursts, and
+        what outruns it is dropped and counted.
+        """
+        if not 0 < share <= 1:
+            raise ValueError("share must be in (0, 1]")
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._feed, args=(share, batch, idle_s), name="kvlens-whatif", daemon=True
+            )
+            self._thread.start()
 
     def close(self) -> None:
         self._stop.set()
@@ -410,10 +421,12 @@ class WhatIfTracker:
             self._thread.join()
             self._thread = None
 
-    def _feed(self, idle_s: float, batch: int) -> None:
+    def _feed(self, share: float, batch: int, idle_s: float) -> None:
+        rest = 1.0 / share - 1.0
         while not self._stop.is_set():
+            began = time.perf_counter()
             if self.drain(batch):
-                time.sleep(0)  # let a waiting step loop take the GIL
+                time.sleep((time.perf_counter() - began) * rest)  # also hands the GIL back
             else:
                 self._stop.wait(idle_s)
 

@@ -259,7 +259,7 @@ def test_tracker_never_blocks_and_counts_what_it_drops():
 
 def test_tracker_thread_feeds_the_curves():
     tracker = WhatIfTracker({"cpu": 200 * CHUNK}, half_life=None)
-    tracker.start()
+    tracker.start(share=1.0)
     try:
         trace = zipf_trace(20_000, 500, 1.0, seed=8)
         for item in trace:
