@@ -23,16 +23,18 @@ Spatial sampling's error comes mostly from a few hot chunks (a shared system pro
 document) being in or out of the sample. So the heavy hitters are found with Misra-Gries
 counters (256 slots: every chunk with more than 1/256 of the references is found) and tracked
 exactly, whatever their hash, standing for their own bytes; the bytes between two references
-are then exact bytes plus sampled bytes over ``R``. On Zipf traces this cut the worst error at
-``R`` near 0.06 from about 20 points to about 4. (SHARDS' own correction, crediting the
-shortfall of sampled bytes to the smallest size, left about 9, and only adds noise once hot
-chunks are exact, so it is not used.)
+are then exact bytes plus sampled bytes over ``R``. At the default 8,192 samples, on the
+tests' traces of 200,000 references (``R`` from 0.15 to 0.25), the curve stays within 1.5 points
+of an exact LRU simulation at every size.
 
 Hit ratios are byte-weighted: a chunk's bytes are proportional to its tokens, so this is the
 token hit rate the dashboards show. They are taken over a decaying window of references
 (``half_life`` references; ``None`` keeps everything since start), because a sizing answer
 must follow the workload a tier serves now, and counting references rather than seconds keeps
 the evidence when the engine idles and makes the estimate a pure function of the stream.
+
+``WhatIfTracker`` keeps this work off the scheduler's step loop: the loop only appends to a
+bounded buffer, and a throttled daemon thread feeds the curves.
 """
 
 from __future__ import annotations

@@ -85,11 +85,11 @@ def test_without_sampling_the_estimate_is_the_exact_lru_simulation():
 
 
 def test_the_window_decays_so_the_curve_follows_a_new_working_set():
-    old = loop_trace(30_000, 1500)  # a scan far larger than the tier: no hits
-    new = zipf_trace(30_000, 50, 1.0, seed=9)  # a small hot set: hits at every size
+    old = loop_trace(20_000, 1000)  # a scan far larger than the tier: no hits
+    new = zipf_trace(20_000, 50, 1.0, seed=9)  # a small hot set: hits at every size
     trace = old + new
     cumulative = replay(trace, capacity=100 * CHUNK).curve()
-    windowed = replay(trace, capacity=100 * CHUNK, half_life=3000).curve()
+    windowed = replay(trace, capacity=100 * CHUNK, half_life=2000).curve()
     alone = exact_curve(new, 100 * CHUNK)  # as if the scan had never happened
     assert cumulative[4.0] < 0.5 and windowed[4.0] > 0.95
     assert all(abs(windowed[f] - alone[f]) < 0.03 for f in DEFAULT_FACTORS)
@@ -207,7 +207,7 @@ def test_advice_when_neither_direction_pays():
     )
 
 
-def feed(tracker: WhatIfTracker, trace, tiers=("cpu",)) -> None:
+def feed(tracker: WhatIfTracker, trace, tiers: tuple[str | None, ...] = ("cpu",)) -> None:
     for item in trace:
         for tier in tiers:
             if len(item) == 2:
@@ -273,3 +273,13 @@ def test_tracker_thread_feeds_the_curves():
     counted = [(name, nbytes) for name, nbytes, *_ in trace]
     exact = exact_curve(counted, 200 * CHUNK)
     assert tracker.snapshot()["cpu"] == pytest.approx(exact, abs=1e-9)  # 500 docs: nothing sampled
+
+
+def test_one_record_for_every_tier_feeds_each_curve_alike():
+    trace = zipf_trace(20_000, 300, 0.9, seed=12)
+    each = WhatIfTracker({"cpu": 50 * CHUNK, "disk": 400 * CHUNK})
+    every = WhatIfTracker({"cpu": 50 * CHUNK, "disk": 400 * CHUNK})
+    feed(each, trace, ("cpu", "disk"))
+    feed(every, trace, (None,))
+    assert every.snapshot() == each.snapshot() and every.processed * 2 == each.processed
+    assert every.snapshot()["cpu"][1.0] < every.snapshot()["disk"][1.0]
