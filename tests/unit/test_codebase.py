@@ -29,6 +29,7 @@ PURE = (
     "connector.engine.health",
     "connector.engine.suspects",
     "connector.engine.facts",
+    "connector.engine.whatif",
 )
 
 
