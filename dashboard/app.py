@@ -1,8 +1,10 @@
 """KVLens dashboard: what the KV cache saves, where it misses, how fast it is, what leaks, what
-failed. Lays out what ``dashboard.sources/views/charts/failures`` compute.
+failed, and why one request missed. Lays out what ``dashboard.sources/views/charts/failures/
+request_records`` compute.
 
     streamlit run dashboard/app.py                                   # the demo server, 127.0.0.1:8000
     streamlit run dashboard/app.py -- --metrics HOST:PORT [--metrics HOST2:PORT] [--events LOG]
+                                      [--requests REQUEST_LOG]
     streamlit run dashboard/app.py -- --prometheus http://127.0.0.1:9090
 
 Flags and environment variables: see ``dashboard/settings.py``.
@@ -25,10 +27,10 @@ if str(ROOT) not in sys.path:
 import pandas as pd  # noqa: E402
 import streamlit as st  # noqa: E402
 
-from dashboard import charts, failures, settings, sources, text, views  # noqa: E402
+from dashboard import charts, failures, logfiles, request_records, settings, sources, text, views  # noqa: E402
 
 ALL = "All instances (sum)"
-ROWS = ("Overview", "Hits and misses", "Latency and throughput", "Tiers and leaks", "Failures")
+ROWS = ("Overview", "Hits and misses", "Latency and throughput", "Tiers and leaks", "Failures", "Requests")
 
 
 def _argv() -> list[str]:
@@ -51,6 +53,12 @@ def history(url: str, max_points: int) -> sources.MetricsHistory:
     return sources.MetricsHistory(url, max_points=max_points)
 
 
+@st.cache_data(show_spinner=False, max_entries=4)
+def request_log(paths: tuple[str, ...], stamp: tuple) -> tuple[pd.DataFrame, list[logfiles.LogStatus]]:
+    """Read again only when a log grew or rotated (``stamp`` is part of the cache key)."""
+    return request_records.load_requests(paths)
+
+
 @st.cache_resource(show_spinner=False)
 def prometheus(url: str) -> sources.PrometheusSource:
     return sources.PrometheusSource(url)
@@ -71,6 +79,11 @@ def sidebar(defaults: settings.Settings) -> settings.Settings:
     )
     prom = sb.text_input("Prometheus URL", defaults.prometheus, disabled=source != settings.PROMETHEUS)
     events = sb.text_area("Failed-load event logs (one per line)", "\n".join(defaults.events))
+    requests = sb.text_area(
+        "Request logs (one per line)",
+        "\n".join(defaults.requests),
+        help="KVLENS_REQUEST_LOG of the vLLM servers: one line per finished request.",
+    )
     minutes = sb.number_input("Time range (minutes)", 1.0, 24 * 60.0, defaults.minutes, step=5.0)
     refresh = sb.number_input("Refresh every (seconds)", 1.0, 600.0, defaults.refresh_s, step=1.0)
     return settings.Settings(
@@ -80,6 +93,7 @@ def sidebar(defaults: settings.Settings) -> settings.Settings:
         events=settings.split_list(events),
         refresh_s=float(refresh),
         minutes=float(minutes),
+        requests=settings.split_list(requests),
     )
 
 
@@ -231,6 +245,8 @@ def failures_view(frame: pd.DataFrame, window: float, logs: tuple[str, ...]) -> 
         message = text.log_message(s)
         if message:
             st.info(message)
+        if message := text.skipped_message(s):
+            st.warning(message)
     if events.empty:
         return
     st.subheader("Failed loads")
@@ -247,6 +263,61 @@ def failures_view(frame: pd.DataFrame, window: float, logs: tuple[str, ...]) -> 
         hide_index=True,
     )
     st.dataframe(failures.summary(shown), width="stretch", hide_index=True)
+
+
+def requests_view(logs: tuple[str, ...]) -> None:
+    if not logs:
+        st.info(text.REQUEST_LOG_OFF)
+        return
+    frame, statuses = request_log(logs, logfiles.stamp(logs))
+    for s in statuses:
+        if message := text.request_log_message(s):
+            st.info(message)
+        if message := text.skipped_message(s):
+            st.warning(message)
+    if frame.empty:
+        return
+    st.caption(f"{len(frame):,} finished requests logged (newest first).")
+    request_search(frame)
+    misses_by_reason(frame)
+    st.subheader("Latest requests")
+    st.dataframe(frame.head(200), width="stretch", hide_index=True)
+
+
+def request_search(frame: pd.DataFrame) -> None:
+    st.subheader("Why did this request miss?")
+    wanted = st.text_input("Request id (exact or prefix)", key="rq_id").strip()
+    if not wanted:
+        return
+    found = request_records.find_request(frame, wanted)
+    if found.empty:
+        st.info(
+            f"No logged request matches {wanted!r}: it has not finished yet, or the request log's "
+            "sampling (KVLENS_REQUEST_LOG_SAMPLE) left it out."
+        )
+        return
+    for _, row in found.head(5).iterrows():
+        st.text(request_records.explain(row))
+    st.dataframe(found, width="stretch", hide_index=True)
+
+
+def misses_by_reason(frame: pd.DataFrame) -> None:
+    st.subheader("Requests by miss reason")
+    counts = request_records.miss_reason_counts(frame)
+    if counts.empty:
+        st.info("No logged request missed: KVLens supplied every prompt it had stored.")
+        return
+    left, right = st.columns([1, 2])
+    left.dataframe(counts, width="stretch", hide_index=True)
+    labels = dict(zip(counts["miss_reason"], counts["requests"], strict=True))
+    reason = right.selectbox(
+        "Requests that missed because",
+        list(labels),
+        format_func=lambda r: f"{r} ({labels[r]:,} requests)",
+        key="rq_reason",
+    )
+    shown = request_records.requests_missing_for(frame, reason)
+    right.dataframe(shown.head(500), width="stretch", hide_index=True)
 
 
 def live(cfg: settings.Settings) -> None:
@@ -273,6 +344,8 @@ def live(cfg: settings.Settings) -> None:
             tiers_and_leaks(frame, fleet, window, idle_for_s)
         with tabs[4], guarded("Failures"):
             failures_view(frame, window, cfg.events)
+        with tabs[5], guarded("Requests"):
+            requests_view(cfg.requests)
         st.caption(f"Updated {time.strftime('%H:%M:%S')}; refreshes every {cfg.refresh_s:g} s.")
 
 

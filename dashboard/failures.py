@@ -3,13 +3,13 @@ for the timeline and the filterable table."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import pandas as pd
 
-from telemetry.events import LOAD_FAILED, read_events
+from telemetry.events import LOAD_FAILED
+
+from .logfiles import EMPTY, MISSING, READ, LogStatus, read_logs  # noqa: F401  (states callers read here)
 
 COLUMNS = (
     "time",
@@ -24,16 +24,6 @@ COLUMNS = (
     "model",
     "log",
 )
-
-MISSING, EMPTY, READ = "missing", "empty", "read"
-
-
-@dataclass(frozen=True, slots=True)
-class LogStatus:
-    path: str
-    state: str  # MISSING (no file yet), EMPTY (no failed load yet) or READ
-    events: int = 0
-    detail: str = ""
 
 
 def reason_kind(reason: str | None) -> str:
@@ -60,19 +50,7 @@ def _row(event: dict, log: str) -> dict:
 def load_events(paths: Iterable[str], limit: int = 5000) -> tuple[pd.DataFrame, list[LogStatus]]:
     """The newest ``limit`` failed-load events of all logs (rotated files included), newest
     first, and per log whether it exists and holds any. Never raises."""
-    rows: list[dict] = []
-    statuses = []
-    for path in paths:
-        if not os.path.exists(path):
-            statuses.append(LogStatus(path, MISSING, detail="no such file yet"))
-            continue
-        try:
-            found = [_row(e, path) for e in read_events(path) if e.get("event") == LOAD_FAILED]
-        except OSError as e:
-            statuses.append(LogStatus(path, MISSING, detail=str(e)))
-            continue
-        rows.extend(found)
-        statuses.append(LogStatus(path, READ if found else EMPTY, len(found)))
+    rows, statuses = read_logs(paths, LOAD_FAILED, _row)
     frame = pd.DataFrame(rows, columns=list(COLUMNS))
     if not frame.empty:
         frame = frame.sort_values("time", ascending=False).head(limit).reset_index(drop=True)

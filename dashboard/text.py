@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from . import failures, sources
+from . import failures, logfiles, sources
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 
@@ -35,6 +35,31 @@ def log_message(status: failures.LogStatus) -> str | None:
     if status.state == failures.EMPTY:
         return f"No events yet: {status.path} holds no failed load."
     return None
+
+
+REQUEST_LOG_OFF = (
+    "Request log not enabled: set KVLENS_REQUEST_LOG=/path/to/kvlens-requests.jsonl for vLLM "
+    "(KVLENS_REQUEST_LOG_SAMPLE=0.1 keeps one request in ten), then start the dashboard with the "
+    "same variable or --requests PATH, or enter the path in the sidebar."
+)
+
+
+def request_log_message(status: logfiles.LogStatus) -> str | None:
+    if status.state == logfiles.MISSING:
+        return (
+            f"No requests logged yet: {status.path} does not exist (it is created when the first "
+            "sampled request finishes)."
+        )
+    if status.state == logfiles.EMPTY:
+        return f"No requests logged yet: {status.path} holds no finished request."
+    return None
+
+
+def skipped_message(status: logfiles.LogStatus) -> str | None:
+    if not status.skipped:
+        return None
+    lines = "line" if status.skipped == 1 else "lines"
+    return f"Skipped {status.skipped} unreadable {lines} in {status.path} (torn or not a KVLens record)."
 
 
 def number(value: float | None, unit: str = "") -> str:

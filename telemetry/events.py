@@ -1,4 +1,6 @@
 """The failed-load event log: one JSON object per line, appended, rotated at a size limit.
+``EventLog`` is the writer for every KVLens JSON-lines log (the per-request log uses it too) and
+``read_events`` the reader.
 
 Each line is written with a single ``write`` on a file opened with ``O_APPEND``, so a reader
 (the dashboard, ``tail -f``) never sees half a line, and several processes can append to the
@@ -21,6 +23,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger("vllm.kvlens")
@@ -57,15 +60,19 @@ def load_failed_event(
 
 
 class EventLog:
-    def __init__(self, path: str, max_bytes: int = 10 * 1024 * 1024, backups: int = 3) -> None:
+    def __init__(
+        self, path: str, max_bytes: int = 10 * 1024 * 1024, backups: int = 3, name: str = "event log"
+    ) -> None:
         self.path = path
         self.max_bytes = max_bytes
         self.backups = max(backups, 1)
+        self.name = name  # what the one warning calls this log
         self._lock = threading.Lock()
         self._warned = False
 
     def append(self, event: dict[str, Any]) -> bool:
-        line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
+        # default=str: an odd value (an enum, a path) is written as text instead of raising
+        line = (json.dumps(event, separators=(",", ":"), default=str) + "\n").encode()
         try:
             with self._lock:
                 _private_dir(os.path.dirname(self.path) or ".")
@@ -79,7 +86,7 @@ class EventLog:
         except OSError as e:
             if not self._warned:
                 self._warned = True
-                logger.warning("KVLens: cannot write event log %s: %s", self.path, e)
+                logger.warning("KVLens: cannot write %s %s: %s", self.name, self.path, e)
             return False
 
     def _rotate_if_needed(self, incoming: int) -> None:
@@ -119,8 +126,22 @@ def _size(path: str) -> int:
         return 0
 
 
-def read_events(path: str, include_rotated: bool = True) -> Iterator[dict[str, Any]]:
-    """Events oldest first, from the rotated files and then the live one; bad lines skipped."""
+@dataclass(slots=True)
+class ReadCounts:
+    """What ``read_events`` saw: objects read, and lines skipped as torn or not a JSON object."""
+
+    read: int = 0
+    skipped: int = 0
+
+
+def read_events(
+    path: str, include_rotated: bool = True, counts: ReadCounts | None = None
+) -> Iterator[dict[str, Any]]:
+    """Objects oldest first, from the rotated files (``.N`` ... ``.1``) and then the live one.
+
+    A torn or garbage line (a crash, another writer, a disk that broke) is skipped and counted in
+    ``counts``, so one bad line never hides the rest of the log."""
+    counts = ReadCounts() if counts is None else counts
     paths = [path]
     if include_rotated:
         i = 1
@@ -129,13 +150,23 @@ def read_events(path: str, include_rotated: bool = True) -> Iterator[dict[str, A
             i += 1
     for p in paths:
         try:
-            with open(p, encoding="utf-8") as f:
+            with open(p, encoding="utf-8", errors="replace") as f:
                 for line in f:
-                    if not line.endswith("\n"):
-                        break  # a line still being written (never happens with one write)
-                    try:
-                        yield json.loads(line)
-                    except ValueError:
+                    record = _parse(line)
+                    if record is None:
+                        counts.skipped += 1 if line.strip() else 0
                         continue
+                    counts.read += 1
+                    yield record
         except FileNotFoundError:
             continue
+
+
+def _parse(line: str) -> dict[str, Any] | None:
+    if not line.endswith("\n"):
+        return None  # cut short (one write per line makes this a crash, not a writer mid-line)
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None

@@ -7,6 +7,7 @@ exporter endpoint and protocol) when KVLens sets up its own provider.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Mapping
@@ -16,6 +17,7 @@ _OFF = ("0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
 
 DEFAULT_EVENT_LOG_NAME = "kvlens-events.jsonl"
+DEFAULT_REQUEST_LOG_NAME = "kvlens-requests.jsonl"
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +29,8 @@ class TelemetrySettings:
     event_log: str  # JSON-lines file of failed loads
     event_log_max_bytes: int
     event_log_backups: int
+    request_log: str | None = None  # JSON-lines file, one line per finished request; None = off
+    request_log_sample: float = 1.0  # share of request ids logged, 0..1 (the size limits are shared)
 
     @classmethod
     def from_env(
@@ -41,6 +45,8 @@ class TelemetrySettings:
             event_log=env.get("KVLENS_EVENT_LOG") or default_event_log(env),
             event_log_max_bytes=_positive_int(env.get("KVLENS_EVENT_LOG_MAX_BYTES"), 10 * 1024 * 1024),
             event_log_backups=_positive_int(env.get("KVLENS_EVENT_LOG_BACKUPS"), 3),
+            request_log=request_log_path(env),
+            request_log_sample=_sample_rate(env.get("KVLENS_REQUEST_LOG_SAMPLE")),
         )
 
 
@@ -57,6 +63,30 @@ def default_event_log(env: Mapping[str, str] | None = None) -> str:
     else:
         base = os.path.join(tempfile.gettempdir(), f"kvlens-{os.getuid()}")
     return os.path.join(base, DEFAULT_EVENT_LOG_NAME)
+
+
+def request_log_path(env: Mapping[str, str] | None = None) -> str | None:
+    """``KVLENS_REQUEST_LOG``: a path; unset, empty or 0/off = no request log; 1/on = a
+    ``kvlens-requests.jsonl`` beside the default event log."""
+    env = os.environ if env is None else env
+    raw = (env.get("KVLENS_REQUEST_LOG") or "").strip()
+    if not raw or raw.lower() in _OFF:
+        return None
+    if raw.lower() in _ON:
+        return os.path.join(os.path.dirname(default_event_log(env)), DEFAULT_REQUEST_LOG_NAME)
+    return raw
+
+
+def _sample_rate(raw: str | None) -> float:
+    if raw is None or not raw.strip():
+        return 1.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:  # also refuses nan
+        raise ValueError(f"KVLENS_REQUEST_LOG_SAMPLE must be a number from 0 to 1, got {raw!r}")
+    return value
 
 
 def _tracing_wanted(otlp_endpoint: str | None, env: Mapping[str, str]) -> bool:

@@ -74,3 +74,27 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def write_requests(path: Path, *requests: tuple[str, str | None, float], max_bytes: int = 10 << 20) -> None:
+    """(request id, miss reason or None, ts) -> lines in a KVLens request log at ``path``: 1000
+    prompt tokens, 256 of them from KVLens's CPU tier."""
+    from telemetry.request_log import RequestLog, request_record
+
+    log = RequestLog(str(path), max_bytes=max_bytes)
+    for request_id, reason, ts in requests:
+        detail = {"tier": "cpu", "evicted_s_ago": 12.5} if reason == "evicted" else None
+        log.append(
+            request_record(
+                request_id=request_id,
+                engine="0",
+                model="tiny",
+                prompt_tokens=1000,
+                vllm_cached_tokens=0,
+                kvlens_tokens_by_tier={"cpu": 256},
+                lookup_ms=0.2,
+                miss_reason=reason,
+                miss_detail=detail,
+                now=ts,
+            )
+        )

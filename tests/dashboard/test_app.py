@@ -9,7 +9,7 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from .conftest import DATA, write_events
+from .conftest import DATA, write_events, write_requests
 from .promql import REPO
 
 APP = str(REPO / "dashboard" / "app.py")
@@ -23,6 +23,8 @@ def app(monkeypatch, tmp_path):
         "KVLENS_DASHBOARD_PROMETHEUS",
         "KVLENS_DASHBOARD_EVENTS",
         "KVLENS_EVENT_LOG",
+        "KVLENS_DASHBOARD_REQUESTS",
+        "KVLENS_REQUEST_LOG",
     ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("KVLENS_DASHBOARD_EVENTS", str(tmp_path / "events.jsonl"))
@@ -68,6 +70,7 @@ def test_live_endpoint_charts_and_an_unreachable_one(
         "Latency and throughput",
         "Tiers and leaks",
         "Failures",
+        "Requests",
     ]
     metrics = {m.label: m.value for m in app.metric}
     assert (
@@ -106,3 +109,56 @@ def test_nothing_running_at_the_default_endpoint_is_a_clear_state(app, monkeypat
     assert_clean(app)
     assert any(t.startswith("Endpoint unreachable") for t in texts(app.error))
     assert not charts(app)
+
+
+def request_tables(at: AppTest) -> list[list[str]]:
+    """The request ids of each table of requests on the page, in page order."""
+    return [
+        list(d.value["request_id"])
+        for d in at.dataframe
+        if "computed_tokens" in d.value.columns and "request_id" in d.value.columns
+    ]
+
+
+def test_the_requests_view_finds_a_request_and_lists_misses_by_reason(
+    app, monkeypatch, closed_port, tmp_path
+):
+    monkeypatch.setenv("KVLENS_DASHBOARD_METRICS", f"127.0.0.1:{closed_port}")
+    log = tmp_path / "requests.jsonl"
+    monkeypatch.setenv("KVLENS_REQUEST_LOG", str(log))
+    write_requests(
+        log, ("cmpl-a-0", "evicted", 1.0), ("cmpl-b-0", "not_stored", 2.0), ("cmpl-c-0", None, 3.0)
+    )
+    with open(log, "ab") as f:
+        f.write(b"garbage\n")
+    app.run()
+    assert_clean(app)
+    assert any(t.startswith("Skipped 1 unreadable line") for t in texts(app.warning))
+    assert request_tables(app) == [["cmpl-a-0"], ["cmpl-c-0", "cmpl-b-0", "cmpl-a-0"]]
+    counts = [d.value for d in app.dataframe if "requests" in d.value.columns][0]
+    assert dict(zip(counts["miss_reason"], counts["requests"], strict=True)) == {
+        "evicted": 1,
+        "not_stored": 1,
+    }
+    app.selectbox(key="rq_reason").select("not_stored").run()
+    assert_clean(app)
+    assert request_tables(app)[0] == ["cmpl-b-0"]
+    app.text_input(key="rq_id").input("cmpl-a").run()
+    assert_clean(app)
+    assert any(
+        t.startswith("cmpl-a-0: 1,000 prompt tokens") and "Missed: evicted" in t for t in texts(app.text)
+    )
+    app.text_input(key="rq_id").input("nope").run()
+    assert any(t.startswith("No logged request matches 'nope'") for t in texts(app.info))
+
+
+def test_the_requests_view_without_a_log_or_with_an_empty_one(app, monkeypatch, closed_port, tmp_path):
+    monkeypatch.setenv("KVLENS_DASHBOARD_METRICS", f"127.0.0.1:{closed_port}")
+    app.run()
+    assert_clean(app)
+    assert any(t.startswith("Request log not enabled: set KVLENS_REQUEST_LOG=") for t in texts(app.info))
+    monkeypatch.setenv("KVLENS_REQUEST_LOG", str(tmp_path / "requests.jsonl"))
+    fresh = AppTest.from_file(APP, default_timeout=60)
+    fresh.run()
+    assert_clean(fresh)
+    assert any(t.startswith("No requests logged yet") for t in texts(fresh.info))

@@ -84,3 +84,12 @@ def test_tier_fill_puts_tiers_of_any_size_on_one_percent_scale():
     spec = charts.tier_fill(views.tier_table(f)).to_dict()
     rows = {r["tier"]: r for r in spec["datasets"][next(iter(spec["datasets"]))]}
     assert rows["cpu"]["fill"] == 1.0 and rows["disk"]["fill"] == 0.1 and rows["disk"]["capacity"] == 1000
+
+
+def test_request_logs_come_from_flags_then_the_servers_variable_and_are_off_by_default():
+    assert settings.parse([], {}).requests == ()
+    assert settings.parse([], {"KVLENS_REQUEST_LOG": "/r.jsonl"}).requests == ("/r.jsonl",)
+    assert settings.parse([], {"KVLENS_REQUEST_LOG": "off"}).requests == ()
+    env = {"KVLENS_DASHBOARD_REQUESTS": "/a,/b", "KVLENS_REQUEST_LOG": "/r.jsonl"}
+    assert settings.parse([], env).requests == ("/a", "/b")
+    assert settings.parse(["--requests", "/c"], env).requests == ("/c",)

@@ -95,3 +95,18 @@ def test_the_default_event_log_is_per_user(tmp_path):
         str(tmp_path / ".local" / "state" / "kvlens")
     )
     assert f"kvlens-{os.getuid()}" in default_event_log({"HOME": "/nonexistent-home"})
+
+
+def test_torn_and_garbage_lines_are_skipped_and_counted(tmp_path):
+    from telemetry.events import ReadCounts
+
+    path = tmp_path / "events.jsonl"
+    EventLog(str(path)).append(event(0))
+    with open(path, "ab") as f:
+        f.write(b'{"event": "load_fa\n\xff\xfe garbage\n[1, 2]\n\n')
+    EventLog(str(path)).append(event(1))
+    with open(path, "ab") as f:
+        f.write(b'{"event": "load_failed", "request_id": "torn')
+    counts = ReadCounts()
+    assert [e["request_id"] for e in read_events(str(path), counts=counts)] == ["req-0", "req-1"]
+    assert (counts.read, counts.skipped) == (2, 4)
