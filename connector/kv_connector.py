@@ -151,6 +151,7 @@ class KVLensConnector(KVConnectorBase_V1):
             report = meta.report
             recomputed = self._scheduler.on_worker_report(report)
             self._scheduler_telemetry.loads_reported(report.loads, recomputed, report.store_failures)
+            self._scheduler_telemetry.requests_done(self._scheduler.take_done())
         stats = connector_output.kv_connector_stats
         self._scheduler_telemetry.on_worker_stats(stats.data if stats is not None else None)
 
@@ -158,6 +159,7 @@ class KVLensConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         result = self._scheduler.finish(request)
         self._scheduler_telemetry.finished(request.request_id, result.unscheduled_lookup)
+        self._scheduler_telemetry.requests_done(self._scheduler.take_done())
         return False, result.params
 
     def has_pending_push_work(self) -> bool:
@@ -184,8 +186,9 @@ class KVLensConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> telemetry.KVLensStats | None:
         if self._scheduler is not None:
             sched = self._scheduler
+            saved = {f"prefill_seconds_saved|{t}": s for t, s in sched.take_saved_seconds().items()}
             data = self._scheduler_telemetry.stats(
-                sched.sizes(), not sched.unfinished, sched.take_evictions()
+                sched.sizes(), not sched.unfinished, sched.take_evictions(), saved
             )
         else:
             data = self._worker_telemetry.stats()

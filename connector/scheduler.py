@@ -25,16 +25,19 @@ from .engine.facts import EngineFacts
 from .engine.index import PinTable, TierIndex
 from .engine.jobs import CPU, DISK, REMOTE, Eviction, StepPlan
 from .engine.keys import ChunkKey, PrefixHasher, block_aligned_keys
+from .engine.namespaces import FirstChunkNamespaces, first_chunk_fingerprint, namespace_differences
 from .engine.outcomes import (
     FailureReason,
     LoadOutcome,
     LookupOutcome,
     MissReason,
     RemoteCall,
+    RequestSummary,
     TierState,
     WorkerReport,
 )
 from .engine.policy import RecentlyEvicted, RequestPolicy, decide_policy, miss_reason, trace_headers
+from .engine.prefill_cost import PrefillCostMeter
 from .engine.suspects import SuspectBlocks
 from .engine.tracker import (
     ChunkHit,
@@ -44,6 +47,8 @@ from .engine.tracker import (
     external_tokens,
     tokens_by_tier,
 )
+from .engine.whatif import WhatIfTracker
+from .instance_info import instance_info
 from .remote_lookup import RemoteLookup
 from .step_planner import StepPlanner
 from .tiers.disk import DiskTier
@@ -52,6 +57,7 @@ from .tiers.redis_tier import RedisTier
 logger = logging.getLogger("vllm.kvlens")
 
 MAX_DRAIN_S = 30.0  # an idle engine keeps stepping at most this long for background writes
+WHATIF_GAUGE_S = 1.0  # the what-if curves are read at most this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +108,7 @@ class ConnectorScheduler:
         self.suspects = SuspectBlocks()
         self._pending_evictions: list[Eviction] = []
         # Finished in this step before their load was reported: the response is filled in late.
-        self._late: dict[str, tuple[RequestTracker, dict[str, Any]]] = {}
+        self._late: dict[str, tuple[RequestTracker, dict[str, Any], int]] = {}
         self._pending_writes = 0
         self._draining_since: float | None = None
         self._evictions_seen: dict[str, int] = {}
@@ -114,6 +120,19 @@ class ConnectorScheduler:
             config.save_decode_cache,
         )
         self.planner = StepPlanner(self, store_policy)
+        # insight: what-if sizing, miss explanations, prefill saved, per-request summaries
+        capacities = {name: t.capacity_bytes for name, t in self.tiers.items()} if facts.loads else {}
+        self.whatif = WhatIfTracker(capacities) if capacities else None
+        if self.whatif is not None:
+            self.whatif.start()
+        self._whatif_gauges: dict[str, float] = {}
+        self._whatif_at = float("-inf")
+        self._advice: dict[str, str] = {}
+        self.first_chunks = FirstChunkNamespaces()
+        self.prefill_cost = PrefillCostMeter()
+        self._saved_seconds: dict[str, float] = {}
+        self.done: list[RequestSummary] = []  # finished requests, drained by the facade
+        self.info = instance_info(config, facts)
 
     def _check_budgets(self) -> None:
         if not self.facts.stores:
@@ -182,9 +201,16 @@ class ConnectorScheduler:
         reason = miss_reason(
             upto, hit_tokens, num_computed_tokens, first_missing, self.recently_evicted, unhealthy
         )
+        detail = None
+        if reason is MissReason.EVICTED and first_missing is not None:
+            detail = self.recently_evicted.detail(first_missing)
+        elif reason is MissReason.NOT_STORED and not hits:
+            reason, detail = self._other_namespace(tokens, policy, reason)
         if 0 < need < self.config.min_retrieve_tokens:
-            need, reason = 0, MissReason.BELOW_MIN_RETRIEVE
-        self.lookups[rid] = LookupResult(hits, hit_tokens, num_computed_tokens, need, reason, attempts, calls)
+            need, reason, detail = 0, MissReason.BELOW_MIN_RETRIEVE, None
+        self.lookups[rid] = LookupResult(
+            hits, hit_tokens, num_computed_tokens, need, reason, attempts, calls, miss_detail=detail
+        )
         if need:
             self.pins.pin(rid, ((self.tiers[h.tier], h.key.hex) for h in hits if h.tier in self.tiers))
             if self.disk_view is not None:
@@ -192,6 +218,16 @@ class ConnectorScheduler:
         else:
             self.pins.release(rid)
         return need
+
+    def _other_namespace(
+        self, tokens: Any, policy: RequestPolicy, reason: MissReason
+    ) -> tuple[MissReason, dict[str, Any] | None]:
+        """A first chunk never stored here may have been stored under another namespace."""
+        fingerprint = first_chunk_fingerprint(tokens, self.config.chunk_size)
+        other = self.first_chunks.other(fingerprint, policy.namespace) if fingerprint else None
+        if other is None or policy.namespace is None:
+            return reason, None
+        return MissReason.OTHER_NAMESPACE, {"differs_in": namespace_differences(policy.namespace, other)}
 
     def _find_hits(
         self, rid: str, tokens: Any, upto: int
@@ -297,7 +333,31 @@ class ConnectorScheduler:
         result.can_load = result.num_external_tokens > 0
         if not result.can_load:
             self.pins.release(rid)
+        if rid not in self.trackers:  # first schedule (a preempted request is not counted again)
+            self._note_references(request, result)
         return self.lookup_outcome(request, result, scheduled=True)
+
+    def _note_references(self, request: Any, result: LookupResult) -> None:
+        """Feed the what-if curves and the namespace memory with this request's chunks."""
+        rid = request.request_id
+        policy, hasher = self.policies.get(rid), self.hashers.get(rid)
+        if policy is None or hasher is None or policy.namespace is None:
+            return
+        stores = policy.save_skip_reason is None and self.facts.stores
+        size = self.config.chunk_size
+        if stores:
+            fingerprint = first_chunk_fingerprint(request.all_token_ids, size)
+            if fingerprint is not None:
+                self.first_chunks.note(fingerprint, policy.namespace)
+        if self.whatif is None:
+            return
+        nbytes = self.facts.chunk_nbytes
+        for hit in result.hits:
+            self.whatif.record(None, hit.key.digest, nbytes(hit.key.num_tokens))
+        whole = [h for h in result.hits if h.key.num_tokens == size]
+        rest = hasher.full_keys(len(whole) * size, _prompt_tokens(request))
+        for key in rest if stores else rest[:1]:  # the missed chunk, then those this request stores
+            self.whatif.record(None, key.digest, nbytes(size))
 
     def lookup_outcome(self, request: Any, result: LookupResult, scheduled: bool) -> LookupOutcome:
         policy = self.policies.get(request.request_id)
@@ -329,12 +389,25 @@ class ConnectorScheduler:
     # ---- per-step plan ------------------------------------------------------------------
     def build_plan(self, scheduler_output: Any) -> StepPlan:
         self._merge_disk_scan()
+        for tracker, _params, prompt_tokens in self._late.values():  # never reported: log as is
+            self.done.append(_summary(tracker, prompt_tokens))
         self._late.clear()
         plan = StepPlan(writes=list(self._pending_evictions))
         self._pending_evictions = []
         self.planner.plan(plan, scheduler_output)
         plan.drain = not self.unfinished and self.has_pending_work()
+        self._measure_step(scheduler_output, bool(plan.loads))
         return plan
+
+    def _measure_step(self, scheduler_output: Any, loads: bool) -> None:
+        scheduled: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        prefill = 0
+        for rid, n in scheduled.items():
+            request = self.unfinished.get(rid)
+            if request is not None:
+                done = getattr(request, "num_computed_tokens", 0)
+                prefill += min(n, max(_prompt_tokens(request) - done, 0))
+        self.prefill_cost.step(self._clock(), prefill, sum(scheduled.values()), scheduled.keys(), loads)
 
     def evict_later(self, tier: str, names: list[str]) -> None:
         if not names:
@@ -347,7 +420,7 @@ class ConnectorScheduler:
     def _merge_disk_scan(self) -> None:
         if self.disk_view is not None:
             victims = self.disk_view.merge()
-            self.recently_evicted.add(victims)
+            self.recently_evicted.add(victims, DISK)
             self.evict_later(DISK, victims)
 
     # ---- feedback -----------------------------------------------------------------------
@@ -362,10 +435,13 @@ class ConnectorScheduler:
             self.suspects.add(outcome.failed_block_ids)
             late = self._late.pop(rid, None)
             tracker = late[0] if late is not None else self.trackers.get(rid)
+            for tier, n in outcome.tokens_by_tier().items():
+                self._saved_seconds[tier] = self._saved_seconds.get(tier, 0.0) + self.prefill_cost.saved(n)
             if tracker is not None:
                 affected = tracker.record_load(outcome)
                 if late is not None:
                     late[1]["kvlens"] = tracker.usage()
+                    self.done.append(_summary(tracker, late[2]))
                 if affected:
                     recomputed[rid] = affected
         for failure in report.store_failures:
@@ -408,21 +484,39 @@ class ConnectorScheduler:
         unscheduled = None
         if tracker is None and result is not None:
             unscheduled = self.lookup_outcome(request, result, scheduled=False)
+        late = tracker is not None and tracker.load_pending  # its load is reported later this step
+        if tracker is not None and not late:
+            self.done.append(_summary(tracker, _prompt_tokens(request)))
+        elif unscheduled is not None:
+            self.done.append(_unscheduled_summary(unscheduled, result))
         if not self.config.extra_config.enable_cache_usage_details_in_response:
+            if late:
+                self._late[rid] = (tracker, {}, _prompt_tokens(request))  # type: ignore[assignment]
             return FinishResult(None, unscheduled)
         hit = tracker.hit_tokens if tracker else (result.hit_tokens if result else 0)
         params: dict[str, Any] = {"num_lmcache_cached_tokens": hit}
         if tracker is not None:
             params["kvlens"] = tracker.usage()
-            if tracker.load_pending:  # its load is reported later in this same step
-                self._late[rid] = (tracker, params)
+            if late:
+                self._late[rid] = (tracker, params, _prompt_tokens(request))
         elif unscheduled is not None:
             params["kvlens"] = {
                 "vllm_cached_tokens": unscheduled.vllm_cached_tokens,
                 "hit_tokens": unscheduled.hit_tokens,
                 "miss_reason": unscheduled.miss_reason.value if unscheduled.miss_reason else None,
             }
+            if result is not None and result.miss_detail:
+                params["kvlens"]["miss_detail"] = result.miss_detail
         return FinishResult(params, unscheduled)
+
+    def take_done(self) -> list[RequestSummary]:
+        done, self.done = self.done, []
+        return done
+
+    def take_saved_seconds(self) -> dict[str, float]:
+        """Estimated prefill seconds saved per tier since the last call."""
+        saved, self._saved_seconds = self._saved_seconds, {}
+        return saved
 
     def has_pending_work(self) -> bool:
         """Background writes still queued: keep the engine stepping (bounded) until they land."""
@@ -448,11 +542,13 @@ class ConnectorScheduler:
         """Forget every unpinned chunk (vLLM's reset_prefix_cache with reset_connector)."""
         for tier in self.tiers.values():
             names = tier.clear()
-            self.recently_evicted.add(names)
+            self.recently_evicted.add(names, tier.name)
             self.evict_later(tier.name, names)
         return True
 
     def shutdown(self) -> None:
+        if self.whatif is not None:
+            self.whatif.close()
         if self.disk_view is not None:
             self.disk_view.stop()
         if self.remote is not None:
@@ -482,7 +578,36 @@ class ConnectorScheduler:
             if self.remote is not None and not self.remote.health.usable():
                 state = TierState.SKIPPED
             out["tier_health|remote"] = state.level
+        out.update(self.insight_gauges())
         return out
+
+    def insight_gauges(self) -> dict[str, float]:
+        """The instance's identity, the what-if curves (read at most once a second) and the
+        measured prefill cost per token."""
+        out: dict[str, float] = {self.info: 1}
+        cost = self.prefill_cost.seconds_per_token
+        if cost is not None:
+            out["prefill_seconds_per_token"] = cost
+        if self.whatif is not None:
+            now = self._clock()
+            if now - self._whatif_at >= WHATIF_GAUGE_S:
+                self._whatif_at = now
+                self._whatif_gauges = {
+                    f"whatif_hit_ratio|{tier}|{factor:g}": round(ratio, 4)
+                    for tier, curve in self.whatif.snapshot().items()
+                    for factor, ratio in curve.items()
+                }
+                self._log_advice()
+            out.update(self._whatif_gauges)
+        return out
+
+    def _log_advice(self) -> None:
+        """One log line when a tier's sizing advice changes."""
+        for tier in self.tiers:
+            advice = self.whatif.advice(tier) if self.whatif is not None else None
+            if advice is not None and self._advice.get(tier) != advice:
+                self._advice[tier] = advice
+                logger.info("KVLens sizing: %s", advice)
 
 
 def _prompt_tokens(request: Any) -> int:
@@ -490,3 +615,35 @@ def _prompt_tokens(request: Any) -> int:
     if n is None:
         n = len(getattr(request, "prompt_token_ids", None) or ())
     return int(n)
+
+
+def _summary(tracker: RequestTracker, prompt_tokens: int) -> RequestSummary:
+    return RequestSummary(
+        request_id=tracker.request_id,
+        prompt_tokens=prompt_tokens,
+        vllm_cached_tokens=tracker.vllm_cached_tokens,
+        loaded_tokens=dict(tracker.loaded_tokens),
+        miss_reason=tracker.miss_reason,
+        miss_detail=tracker.miss_detail,
+        load_seconds=tracker.load_seconds if tracker.planned_load_tokens else None,
+        stored_chunks=tracker.stored_chunks,
+        failed_blocks=tracker.failed_blocks,
+        failure_reasons=tuple(tracker.failure_reasons),
+        trace_context=tracker.trace_context,
+    )
+
+
+def _unscheduled_summary(outcome: LookupOutcome, result: LookupResult | None) -> RequestSummary:
+    return RequestSummary(
+        request_id=outcome.request_id,
+        prompt_tokens=outcome.prompt_tokens,
+        vllm_cached_tokens=outcome.vllm_cached_tokens,
+        loaded_tokens={},
+        miss_reason=outcome.miss_reason,
+        miss_detail=result.miss_detail if result is not None else None,
+        load_seconds=None,
+        stored_chunks=0,
+        failed_blocks=0,
+        failure_reasons=(),
+        trace_context=outcome.trace_context,
+    )

@@ -95,6 +95,7 @@ class StepPlanner:
             vllm_cached_tokens=result.vllm_cached_tokens if result else 0,
             hit_tokens=result.hit_tokens if result else 0,
             miss_reason=result.miss_reason if result else None,
+            miss_detail=result.miss_detail if result else None,
         )
         s.trackers[rid] = tracker
         self._plan_load(plan, tracker, result, loaded)
@@ -152,7 +153,7 @@ class StepPlanner:
                 self._cancel(plan, tier.name, victim)
             else:
                 plan.writes.append(Eviction(tier.name, victim))
-        self._s.recently_evicted.add(victims)
+        self._s.recently_evicted.add(victims, tier.name)
 
     @staticmethod
     def _fail_blocks(plan: StepPlan, blocks: list[int], loaded: set[int]) -> None:

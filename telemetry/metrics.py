@@ -153,7 +153,32 @@ _DEFINITIONS = (
     ),
     Metric("tier_health", GAUGE, "Tier health: 2 healthy, 1 failing (still used), 0 skipped.", ("tier",)),
     Metric("telemetry_open_requests", GAUGE, "Requests KVLens telemetry keeps state for."),
+    # insight: which instances can share, what a bigger tier would hit, what the cache saved
+    Metric(
+        "info",
+        GAUGE,
+        "1, labelled with what decides whether instances can share KV (key fingerprint, chunk size, store).",
+        ("version", "chunk_size", "key_fingerprint", "tiers", "role", "storage"),
+    ),
+    Metric(
+        "whatif_hit_ratio",
+        GAUGE,
+        "Estimated token hit ratio of the tier at budget_factor times its configured size (sampled LRU).",
+        ("tier", "budget_factor"),
+    ),
+    Metric(
+        "prefill_seconds_saved",
+        COUNTER,
+        "Estimated prefill compute seconds saved: tokens KVLens loaded x measured prefill cost per token.",
+        ("tier",),
+    ),
+    Metric(
+        "prefill_seconds_per_token",
+        GAUGE,
+        "This engine's measured prefill cost per token (cold prefill steps, decayed average).",
+    ),
 )
+_NOT_IN_LOG_LINE = ("info", "whatif_hit_ratio")  # labels, not amounts: kept out of vLLM's log line
 
 METRICS: dict[str, Metric] = {m.key: m for m in _DEFINITIONS}
 NAMES = frozenset(m.name for m in _DEFINITIONS)
@@ -240,6 +265,8 @@ def reduce_payload(data: Mapping[str, Any]) -> dict[str, int | float]:
             out[f"{op}_avg_ms"] = round(1000 * sum(values) / len(values), 3)
     gauges: dict[str, float] = {}
     for k, v in data.get("gauges", {}).items():
+        if k.split(SEP, 1)[0] in _NOT_IN_LOG_LINE:
+            continue
         name = k.partition(RANK_SEP)[0].replace(SEP, ":")
         gauges[name] = gauges.get(name, 0) + v
     for k, v in sorted(gauges.items()):

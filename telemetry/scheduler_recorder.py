@@ -20,14 +20,16 @@ from . import remote_calls
 from . import tracing as tr
 from .events import EventLog, load_failed_event
 from .metrics import LocalExporter, StatsBuffer, wire_key
+from .request_log import RequestLog, request_record
 from .settings import TelemetrySettings
 
 if TYPE_CHECKING:  # the connector's outcome types; telemetry only reads their fields
-    from connector.engine.outcomes import LoadOutcome, LookupOutcome, StoreFailure
+    from connector.engine.outcomes import LoadOutcome, LookupOutcome, RequestSummary, StoreFailure
 
 logger = logging.getLogger("vllm.kvlens")
 
 _NOOP = contextlib.nullcontext()
+_MAX_OPEN = 100_000
 GAUGE_INTERVAL_S = 0.1  # gauges are sampled at most this often while requests run
 
 
@@ -75,6 +77,8 @@ class SchedulerRecorder:
         self._last_gauges: dict[str, float] = {}
         self._gauges_at = float("-inf")
         self._events: EventLog | None = None
+        self._requests = RequestLog.from_settings(settings)  # None: the request log is off
+        self._lookup_ms: dict[str, float] = {}  # kept for the request log only
         self.configure(settings.tracing, settings.metrics)
 
     def configure(self, tracing: bool, metrics: bool) -> None:
@@ -82,7 +86,7 @@ class SchedulerRecorder:
         self._tracing = tracing
         self._metrics = metrics or self._exporter is not None
         self._ship = metrics  # hand stats to vLLM (else only the local exporter gets them)
-        self._timed = self._tracing or self._metrics
+        self._timed = self._tracing or self._metrics or self._requests is not None
 
     # ---- lookups ------------------------------------------------------------------------
     def lookup(self, request_id: str) -> contextlib.AbstractContextManager[None]:
@@ -96,6 +100,10 @@ class SchedulerRecorder:
         timing = self._timings.pop(outcome.request_id, None)
         if not self._timed:
             return
+        if self._requests is not None and timing is not None and not outcome.resumed:
+            if len(self._lookup_ms) >= _MAX_OPEN:
+                self._lookup_ms.clear()  # summaries that never came: bounded, never a leak
+            self._lookup_ms[outcome.request_id] = (timing.end_ns - timing.start_ns) / 1e6
         if self._metrics and not outcome.resumed:  # a preempted request is counted once
             self._count_lookup(outcome, timing)
         if self._metrics:
@@ -218,18 +226,37 @@ class SchedulerRecorder:
             self.lookup_final(unscheduled)
         self._timings.pop(request_id, None)
 
+    def requests_done(self, summaries: list[RequestSummary]) -> None:
+        """Finished requests: one request-log line each (sampled), when the log is on."""
+        log = self._requests
+        if log is None:
+            return
+        for summary in summaries:
+            rid = summary.request_id
+            lookup_ms = self._lookup_ms.pop(rid, 0.0)
+            if log.wants(rid):
+                log.append(_request_line(summary, lookup_ms, self._engine, self._model))
+
     def stats(
-        self, sizes: Mapping[str, float], idle: bool, evictions: Mapping[str, int]
+        self,
+        sizes: Mapping[str, float],
+        idle: bool,
+        evictions: Mapping[str, int],
+        counters: Mapping[str, float] | None = None,
     ) -> dict[str, Any] | None:
-        """This step's payload for vLLM (None when empty or metrics are off)."""
+        """This step's payload for vLLM (None when empty or metrics are off). ``counters`` are
+        increments by wire key (e.g. prefill seconds saved per tier)."""
         if not self._metrics:
             return None
         now = time.monotonic()
         if now - self._gauges_at >= GAUGE_INTERVAL_S or idle:
             self._gauges_at = now  # exact whenever nothing runs, so a drained engine shows zeros
-            self._set_gauges({**sizes, "telemetry_open_requests": len(self._timings)})
+            open_requests = len(self._timings) + len(self._lookup_ms)
+            self._set_gauges({**sizes, "telemetry_open_requests": open_requests})
         for tier, n in evictions.items():
             self._buffer.inc(wire_key("evictions", tier), n)
+        for key, value in (counters or {}).items():
+            self._buffer.inc(key, value)
         data = self._buffer.take()
         if data is not None and self._exporter is not None:
             self._exporter.observe(data)
@@ -266,3 +293,24 @@ def _start_exporter(
     except OSError as e:
         logger.warning("KVLens: no metrics exporter on 127.0.0.1:%d: %s", port, e)
         return None
+
+
+def _request_line(summary: RequestSummary, lookup_ms: float, engine: str, model: str) -> dict[str, Any]:
+    parent = (summary.trace_context or {}).get("traceparent", "")
+    parts = parent.split("-")
+    return request_record(
+        request_id=summary.request_id,
+        engine=engine,
+        model=model,
+        prompt_tokens=summary.prompt_tokens,
+        vllm_cached_tokens=summary.vllm_cached_tokens,
+        kvlens_tokens_by_tier=summary.loaded_tokens,
+        lookup_ms=lookup_ms,
+        miss_reason=summary.miss_reason,
+        miss_detail=summary.miss_detail,
+        load_ms=summary.load_seconds * 1000 if summary.load_seconds is not None else None,
+        stored_chunks=summary.stored_chunks,
+        failed=summary.failed_blocks > 0,
+        failure_reasons=summary.failure_reasons,
+        trace_id=parts[1] if len(parts) == 4 else None,
+    )

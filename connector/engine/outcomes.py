@@ -29,7 +29,10 @@ class FailureReason(str, Enum):
 class MissReason(str, Enum):
     """Why a lookup did not supply (all of) a prompt: one closed list."""
 
-    NOT_STORED = "not_stored"  # the next chunk was never stored (or not under this namespace)
+    NOT_STORED = "not_stored"  # the next chunk was never stored
+    OTHER_NAMESPACE = (
+        "other_namespace"  # its tokens were stored under another namespace (salt, tags, LoRA...)
+    )
     EVICTED = "evicted"  # the next chunk was stored and evicted since
     PARTIAL_CHUNK = "partial_chunk"  # only an unfull chunk (or a part of a block) remains
     VLLM_HIT = "vllm_hit"  # vLLM's own prefix cache already held all KVLens has
@@ -39,6 +42,7 @@ class MissReason(str, Enum):
     PROMPT_LOGPROBS = "prompt_logprobs"  # vLLM skips cached KV (prompt logprobs requested)
     UNSUPPORTED_INPUT = "unsupported_input"  # multimodal, prompt embeddings, DP padding
     INVALID_PARAMS = "invalid_params"  # malformed lmcache.* request parameters
+    LOAD_FAILED = "load_failed"  # found at lookup, but the load failed (blocks recomputed)
 
 
 class SaveSkipReason(str, Enum):
@@ -198,3 +202,20 @@ class WorkerReport:
                 self.tier_states[tier] = state
         self.pending_writes = max(self.pending_writes, other.pending_writes)
         return self
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSummary:
+    """What KVLens did for one finished request (the request log's line; no tokens, no text)."""
+
+    request_id: str
+    prompt_tokens: int
+    vllm_cached_tokens: int
+    loaded_tokens: Mapping[str, int]  # tier -> tokens KVLens loaded
+    miss_reason: MissReason | None
+    miss_detail: Mapping[str, object] | None
+    load_seconds: float | None  # None: nothing was loaded
+    stored_chunks: int
+    failed_blocks: int
+    failure_reasons: tuple[str, ...]
+    trace_context: Mapping[str, str] | None

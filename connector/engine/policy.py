@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,24 +94,34 @@ def miss_reason(
 
 
 class RecentlyEvicted:
-    """A bounded memory of evicted chunk names, to tell 'evicted' from 'never stored'."""
+    """A bounded memory of evicted chunk names, to tell 'evicted' from 'never stored' and say
+    from which tier and when (a chunk evicted from several tiers keeps the last)."""
 
-    def __init__(self, capacity: int = 65536) -> None:
-        self._names: OrderedDict[str, None] = OrderedDict()
+    def __init__(self, capacity: int = 65536, clock: Callable[[], float] = time.monotonic) -> None:
+        self._names: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._capacity = capacity
+        self._clock = clock
 
     def __contains__(self, name: str) -> bool:
         return name in self._names
 
-    def add(self, names: Iterable[str]) -> None:
+    def add(self, names: Iterable[str], tier: str) -> None:
+        now = self._clock()
         for name in names:
-            self._names[name] = None
+            self._names[name] = (tier, now)
             self._names.move_to_end(name)
         while len(self._names) > self._capacity:
             self._names.popitem(last=False)
 
     def discard(self, name: str) -> None:
         self._names.pop(name, None)
+
+    def detail(self, name: str) -> dict[str, Any] | None:
+        """``{"tier": ..., "evicted_s_ago": ...}`` for a remembered chunk, else None."""
+        seen = self._names.get(name)
+        if seen is None:
+            return None
+        return {"tier": seen[0], "evicted_s_ago": round(max(self._clock() - seen[1], 0.0), 1)}
 
 
 def trace_headers(request: Any) -> dict[str, str] | None:

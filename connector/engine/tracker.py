@@ -15,7 +15,7 @@ from typing import Any
 
 from .jobs import ChunkLoad
 from .keys import ChunkKey, PrefixHasher, block_aligned_keys, chain
-from .outcomes import LoadOutcome, MissReason, RemoteCall, SaveSkipReason
+from .outcomes import FailureReason, LoadOutcome, MissReason, RemoteCall, SaveSkipReason
 
 
 def cdiv(a: int, b: int) -> int:
@@ -41,6 +41,7 @@ class LookupResult:
     remote_calls: list[RemoteCall] = field(default_factory=list)
     can_load: bool = False  # set once vLLM allocated blocks for the external tokens
     unloadable_tokens: int = 0  # external tokens vLLM allocated beyond what KVLens can load
+    miss_detail: dict[str, Any] | None = None  # e.g. the tier and age of an eviction
 
     @property
     def load_end(self) -> int:
@@ -125,7 +126,9 @@ class RequestTracker:
     failed_blocks: int = 0
     recomputed_tokens: int = 0
     miss_reason: MissReason | None = None
+    miss_detail: dict[str, Any] | None = None
     stored_chunks: int = 0
+    failure_reasons: list[str] = field(default_factory=list)
 
     @property
     def prefill_done(self) -> bool:
@@ -216,6 +219,12 @@ class RequestTracker:
         if not outcome.failed_block_ids:
             return 0
         self.failed_blocks += len(outcome.failed_block_ids)
+        self.miss_reason, self.miss_detail = MissReason.LOAD_FAILED, None
+        for chunk in outcome.failures():  # causes only: a later chunk of the prefix is not tried
+            if chunk.reason in (None, FailureReason.PREFIX_FAILED):
+                continue
+            if chunk.reason.value not in self.failure_reasons:
+                self.failure_reasons.append(chunk.reason.value)
         affected = max(self.planned_load_tokens - sum(loaded.values()), 0)
         self.recomputed_tokens += affected
         return affected
@@ -230,5 +239,6 @@ class RequestTracker:
             "failed_blocks": self.failed_blocks,
             "recomputed_tokens": self.recomputed_tokens,
             "miss_reason": self.miss_reason.value if self.miss_reason else None,
+            **({"miss_detail": self.miss_detail} if self.miss_detail else {}),
             "save_skip_reason": self.save_skip_reason.value if self.save_skip_reason else None,
         }

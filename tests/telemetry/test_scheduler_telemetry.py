@@ -39,15 +39,18 @@ class Wired:
     def report(self, report: WorkerReport):
         recomputed = self.sched.on_worker_report(report)
         self.rec.loads_reported(report.loads, recomputed, report.store_failures)
+        self.rec.requests_done(self.sched.take_done())
 
     def finish(self, req):
         result = self.sched.finish(req)
         self.rec.finished(req.request_id, result.unscheduled_lookup)
+        self.rec.requests_done(self.sched.take_done())
         return result.params
 
     def stats(self):
         s = self.sched
-        return self.rec.stats(s.sizes(), not s.unfinished, s.take_evictions())
+        saved = {f"prefill_seconds_saved|{t}": v for t, v in s.take_saved_seconds().items()}
+        return self.rec.stats(s.sizes(), not s.unfinished, s.take_evictions(), saved)
 
 
 def make(tmp_path, tracing_on=False, metrics=True, recompute=True, **env):
@@ -316,3 +319,52 @@ def test_store_failures_are_counted_by_tier_and_reason(tmp_path):
     counters = w.stats()["counters"]
     assert counters["failed_chunks|store|disk|queue_full"] == 1
     assert counters["failed_chunks|store|cpu|dependency_failed"] == 1
+
+
+def test_request_log_has_one_line_per_finished_request_with_its_explanation(tmp_path):
+    log = tmp_path / "requests.jsonl"
+    sched, tel = make(tmp_path, KVLENS_REQUEST_LOG=str(log))
+    a = request("a", PROMPT, trace_headers={"traceparent": TRACEPARENT})
+    admit(sched, tel, a, range(10, 15))
+    finish(sched, tel, a)
+    b = request("b", PROMPT)
+    plan = admit(sched, tel, b, range(20, 25))
+    finish(sched, tel, b)  # its load is reported after it finished
+    tel.report(loaded(plan, failed=[22, 23]))
+    c = request("c", PROMPT, cache_salt="other-tenant")
+    admit(sched, tel, c, range(30, 35))
+    finish(sched, tel, c)
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["request_id"] for x in lines] == ["a", "b", "c"]
+    first, second, third = lines
+    assert first["miss_reason"] == "not_stored" and first["kvlens_tokens"] == 0
+    assert first["computed_tokens"] == 600 and first["stored_chunks"] == 2
+    assert first["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736" and first["lookup_ms"] >= 0
+    assert second["miss_reason"] == "load_failed" and second["failed"] is True
+    assert second["failure_reasons"] == ["missing"] and second["load_ms"] is not None
+    assert third["miss_reason"] == "other_namespace" and third["miss_detail"] == {
+        "differs_in": ["cache_salt"]
+    }
+    text = log.read_text()
+    assert "1000, 1001" not in text and "other-tenant" not in text  # no tokens, no salt
+
+
+def test_request_log_off_writes_nothing_and_keeps_no_state(tmp_path):
+    sched, tel = make(tmp_path)
+    a = request("a", PROMPT)
+    admit(sched, tel, a, range(10, 15))
+    finish(sched, tel, a)
+    assert not list(tmp_path.glob("*requests*")) and not tel.rec._lookup_ms
+
+
+def test_prefill_seconds_saved_are_counted_per_tier(tmp_path):
+    sched, tel = make(tmp_path)
+    sched.sched.prefill_cost.step(0.0, 1000, 1000, {"x"}, loads=False)
+    sched.sched.prefill_cost.step(2.0, 0, 1, {"x"}, loads=False)  # 2 ms a token
+    admit(sched, tel, request("a", PROMPT), range(10, 15))
+    finish(sched, tel, request("a", PROMPT))
+    plan = admit(sched, tel, request("b", PROMPT), range(20, 25))
+    tel.report(loaded(plan))
+    data = tel.stats()
+    assert abs(data["counters"]["prefill_seconds_saved|cpu"] - 1.024) < 1e-9
+    assert data["gauges"]["prefill_seconds_per_token"] == 0.002

@@ -1,0 +1,52 @@
+"""Which instances can share KV: the labels of ``vllm:kvlens_info``.
+
+Two engines exchange KV only if their chunk keys agree (same key fingerprint: model, weights,
+dtype, KV layout, parallel size; and same chunk size) and they reach the same store (a shared
+disk directory on the same host, or the same Redis under the same key prefix). The labels say
+exactly that, so a dashboard table groups instances that can share and flags those that
+cannot, and why. No secrets: the remote URL is redacted, and the disk path is hashed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from importlib import metadata
+
+from .config import KVLensConfig
+from .engine.facts import EngineFacts
+from .engine.jobs import DISK, REMOTE
+
+LABELS = ("version", "chunk_size", "key_fingerprint", "tiers", "role", "storage")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvlens")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def storage_identity(config: KVLensConfig) -> str:
+    """Where the shareable tiers live: ``disk:<host+path hash>``, ``remote:<url>/<prefix>``."""
+    parts = []
+    if config.local_disk:
+        where = f"{socket.gethostname()}:{os.path.realpath(config.local_disk)}"
+        parts.append(f"{DISK}:{hashlib.blake2b(where.encode(), digest_size=4).hexdigest()}")
+    if config.remote is not None:
+        parts.append(f"{REMOTE}:{config.remote.redacted()}/{config.extra_config.remote_key_prefix}")
+    return ",".join(parts)
+
+
+def instance_info(config: KVLensConfig, facts: EngineFacts) -> str:
+    """The wire key of the info gauge (``info|version|chunk_size|...``, value 1)."""
+    values = (
+        _version(),
+        str(config.chunk_size),
+        facts.namespace().seed().hex()[:12],
+        "+".join(config.tier_names()),
+        facts.kv_role,
+        storage_identity(config),
+    )
+    return "|".join(["info", *(v.replace("|", "/") for v in values)])

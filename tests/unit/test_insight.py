@@ -1,0 +1,171 @@
+"""The scheduler's answers to "why did this request miss", "how big should the tier be",
+"which instances can share" and "what did the cache save" (pure: stand-ins for vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+
+from connector.engine.jobs import CPU
+from connector.engine.keys import Namespace
+from connector.engine.namespaces import FirstChunkNamespaces, first_chunk_fingerprint, namespace_differences
+from connector.engine.outcomes import MissReason, WorkerReport
+from connector.engine.prefill_cost import PrefillCostMeter
+
+from .fakes import BLOCK_BYTES, LAYERS, admit_fully, blocks, gb, request, scheduler, step
+from .test_scheduler import PROMPT, loaded
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---- why did it miss --------------------------------------------------------------------
+def test_an_evicted_miss_says_from_which_tier_and_how_long_ago(monkeypatch):
+    s = scheduler(max_local_cpu_size=gb(2 * BLOCK_BYTES * LAYERS))  # one chunk
+    clock = Clock()
+    s.recently_evicted._clock = clock
+    admit_fully(s, request("a", PROMPT[:256] + [1]), blocks(0, 3))
+    admit_fully(s, request("b", list(range(7000, 7257))), blocks(10, 3))  # evicts a's chunk
+    clock.now += 42.0
+    c = request("c", PROMPT)
+    s.lookup(c, 0)
+    assert s.lookups["c"].miss_reason is MissReason.EVICTED
+    assert s.lookups["c"].miss_detail == {"tier": CPU, "evicted_s_ago": 42.0}
+    params = s.finish(c).params
+    assert params["kvlens"]["miss_detail"] == {"tier": CPU, "evicted_s_ago": 42.0}
+
+
+def test_a_prompt_stored_under_another_cache_salt_is_other_namespace_not_never_stored():
+    s = scheduler()
+    admit_fully(s, request("a", PROMPT, cache_salt="tenant-1"), blocks(0, 5))
+    s.lookup(request("b", PROMPT, cache_salt="tenant-2"), 0)
+    assert s.lookups["b"].miss_reason is MissReason.OTHER_NAMESPACE
+    assert s.lookups["b"].miss_detail == {"differs_in": ["cache_salt"]}  # names, never the salt
+    s.lookup(request("c", PROMPT, kv_transfer_params={"lmcache.tag.user": "x"}), 0)
+    assert s.lookups["c"].miss_reason is MissReason.OTHER_NAMESPACE
+    assert s.lookups["c"].miss_detail == {"differs_in": ["cache_salt", "tags"]}
+    s.lookup(request("d", [5] * 600), 0)  # other tokens: plainly never stored
+    assert s.lookups["d"].miss_reason is MissReason.NOT_STORED
+
+
+def test_a_request_that_only_skips_save_is_not_remembered_as_storing():
+    s = scheduler()
+    admit_fully(
+        s, request("a", PROMPT, cache_salt="x", kv_transfer_params={"lmcache.skip_save": True}), blocks(0, 5)
+    )
+    s.lookup(request("b", PROMPT), 0)
+    assert s.lookups["b"].miss_reason is MissReason.NOT_STORED
+
+
+def test_a_failed_load_turns_the_requests_reason_into_load_failed():
+    s = scheduler()
+    admit_fully(s, request("a", PROMPT), blocks(0, 5))
+    b = request("b", PROMPT)
+    need, plan = admit_fully(s, b, blocks(10, 5))
+    assert need == 512 and s.trackers["b"].miss_reason is MissReason.PARTIAL_CHUNK
+    s.on_worker_report(WorkerReport(loads={"b": loaded(plan.loads[0], fail_at=1)}))
+    params = s.finish(b).params
+    assert params["kvlens"]["miss_reason"] == "load_failed"
+    (summary,) = [d for d in s.take_done() if d.request_id == "b"]
+    assert summary.miss_reason is MissReason.LOAD_FAILED and summary.failure_reasons == ("corrupt",)
+
+
+def test_namespace_memory_is_bounded_and_names_what_differs():
+    mem = FirstChunkNamespaces(capacity=3)
+    base = Namespace("m", "bf16", "L")
+    for i in range(10):
+        mem.note(bytes([i]), base)
+    assert len(mem) == 3 and mem.other(bytes([0]), base.with_request(None, "s", {})) is None
+    assert mem.other(bytes([9]), base.with_request(None, "s", {})) == base
+    assert namespace_differences(base, Namespace("m2", "fp8", "L")) == ["model", "dtype"]
+    assert first_chunk_fingerprint(list(range(100)), 256) is None
+
+
+# ---- request summaries (the request log) ------------------------------------------------
+def test_every_finished_request_leaves_one_summary_late_loads_included():
+    s = scheduler()
+    admit_fully(s, request("a", PROMPT), blocks(0, 5))
+    s.finish(request("a", PROMPT))
+    b = request("b", PROMPT)
+    need, plan = admit_fully(s, b, blocks(10, 5))
+    s.finish(b)  # finished in the step that loads it: its summary waits for the report
+    assert [d.request_id for d in s.take_done()] == ["a"]
+    s.on_worker_report(WorkerReport(loads={"b": loaded(plan.loads[0])}))
+    (summary,) = s.take_done()
+    assert summary.request_id == "b" and summary.loaded_tokens == {CPU: 512}
+    assert summary.prompt_tokens == 600 and summary.load_seconds is not None
+    s.lookup(request("c", PROMPT), 0)  # looked up, never scheduled (aborted while waiting)
+    s.finish(request("c", PROMPT))
+    (unscheduled,) = s.take_done()
+    assert unscheduled.request_id == "c" and unscheduled.loaded_tokens == {}
+    assert not s.done
+
+
+# ---- how big should the tier be ---------------------------------------------------------
+def test_lookups_and_stores_feed_the_whatif_curve_and_its_gauges():
+    chunk = 2 * BLOCK_BYTES * LAYERS
+    s = scheduler(max_local_cpu_size=gb(4 * chunk))  # four chunks
+    assert s.whatif is not None and set(s.whatif.curves) == {CPU}
+    prompts = [[p * 1000 + t for t in range(512)] for p in range(6)]  # 2 chunks each, 12 in all
+    for round_ in range(3):
+        for i, p in enumerate(prompts):
+            r = request(f"r{round_}-{i}", p)
+            admit_fully(s, r, blocks(0, 4))
+            s.finish(r)
+    s.whatif.drain()
+    gauges = {k: v for k, v in s.insight_gauges().items() if k.startswith("whatif")}
+    assert set(gauges) == {
+        f"whatif_hit_ratio|cpu|{f}" for f in ("0.125", "0.25", "0.5", "1", "2", "4", "8", "16")
+    }
+    # a cyclic scan over 12 chunks: LRU of 4 hits nothing, 16 chunks (4x) holds them all
+    assert gauges["whatif_hit_ratio|cpu|1"] == pytest.approx(0.0, abs=0.01)
+    assert gauges["whatif_hit_ratio|cpu|4"] == pytest.approx(2 / 3, abs=0.02)  # all but round 1
+    s.shutdown()
+
+
+def test_the_info_gauge_names_what_decides_sharing(tmp_path):
+    s = scheduler(local_disk=str(tmp_path), max_local_disk_size=1)
+    (info,) = [k for k in s.insight_gauges() if k.startswith("info|")]
+    _, version, chunk, fingerprint, tiers, role, storage = info.split("|")
+    assert chunk == "256" and len(fingerprint) == 12 and tiers == "cpu+disk" and role == "kv_both"
+    assert storage.startswith("disk:") and str(tmp_path) not in storage
+    other = scheduler(local_disk=str(tmp_path), max_local_disk_size=1)
+    assert [k for k in other.insight_gauges() if k.startswith("info|")] == [info]
+
+
+# ---- what did it save --------------------------------------------------------------------
+def test_prefill_cost_is_measured_on_busy_cold_prefill_steps_only():
+    meter = PrefillCostMeter(min_tokens=64, half_life=1e9)
+    meter.step(0.0, 1000, 1000, {"a"}, loads=False)
+    meter.step(0.5, 0, 1, {"a"}, loads=False)  # a decodes: the prefill step took 0.5 s
+    assert meter.seconds_per_token == pytest.approx(0.5 / 1000)
+    meter.step(100.0, 1000, 1000, {"b"}, loads=False)  # idle gap before: step 2 was decode anyway
+    meter.step(200.0, 0, 1, {"c"}, loads=False)  # b finished and the engine idled: not counted
+    meter.step(201.0, 1000, 1000, {"d"}, loads=True)  # a load in the step: not counted
+    meter.step(202.0, 0, 1, {"d"}, loads=False)
+    meter.step(203.0, 100, 1000, {"e"}, loads=False)  # mostly decode: not counted
+    meter.step(204.0, 0, 1, {"e"}, loads=False)
+    assert meter.measured_steps == 1 and meter.saved(2000) == pytest.approx(1.0)
+
+
+def test_loaded_tokens_are_priced_at_the_measured_cost_per_tier():
+    clock = Clock()
+    s = scheduler()
+    s._clock = clock
+    a = request("a", PROMPT)
+    s.lookup(a, 0)
+    s.after_alloc(a, 0)
+    s.build_plan(step(new=[(a, blocks(0, 5), 0)], num_scheduled={"a": 600}))
+    clock.now += 0.6  # the cold prefill of 600 tokens
+    s.build_plan(step(cached=[("a", None, 600, False)], num_scheduled={"a": 1}))
+    assert s.insight_gauges()["prefill_seconds_per_token"] == pytest.approx(0.001)
+    s.finish(a)
+    b = request("b", PROMPT)
+    need, plan = admit_fully(s, b, blocks(10, 5))
+    s.on_worker_report(WorkerReport(loads={"b": loaded(plan.loads[0])}))
+    assert s.take_saved_seconds() == {CPU: pytest.approx(0.512)}
+    assert s.take_saved_seconds() == {}
