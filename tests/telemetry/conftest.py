@@ -50,7 +50,7 @@ def serve_stack(request, tiny_model, tmp_path_factory):
     """One ``vllm serve`` with KVLens plus a real OTLP/HTTP receiver, shared by a test module.
 
     The module sets ``KV_CONFIG`` (the --kv-transfer-config dict, ``{tmp}`` is replaced by a
-    temporary directory) and may set ``SERVE_ARGS``.
+    temporary directory) and may set ``SERVE_ARGS`` and ``SERVE_ENV`` (environment, ``{tmp}`` too).
     """
     import json
     from types import SimpleNamespace
@@ -65,6 +65,7 @@ def serve_stack(request, tiny_model, tmp_path_factory):
             OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
             OTEL_BSP_SCHEDULE_DELAY="200",
             KVLENS_EVENT_LOG=str(tmp / "events.jsonl"),
+            **{k: v.replace("{tmp}", str(tmp)) for k, v in getattr(request.module, "SERVE_ENV", {}).items()},
         )
         args = ("--otlp-traces-endpoint", receiver.endpoint, *getattr(request.module, "SERVE_ARGS", ()))
         server = VllmServer(tiny_model, kv_config, tmp / "serve.log", env, args)
