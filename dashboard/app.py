@@ -27,10 +27,29 @@ if str(ROOT) not in sys.path:
 import pandas as pd  # noqa: E402
 import streamlit as st  # noqa: E402
 
-from dashboard import charts, failures, logfiles, request_records, settings, sources, text, views  # noqa: E402
+from dashboard import (  # noqa: E402
+    charts,
+    failures,
+    insights_page,
+    logfiles,
+    request_records,
+    settings,
+    sources,
+    text,
+    views,
+)
+from dashboard.catalog import MISS_REASONS  # noqa: E402
 
 ALL = "All instances (sum)"
-ROWS = ("Overview", "Hits and misses", "Latency and throughput", "Tiers and leaks", "Failures", "Requests")
+ROWS = (
+    "Overview",
+    "Hits and misses",
+    "Latency and throughput",
+    "Tiers and leaks",
+    "Failures",
+    "Requests",
+    "Insights",
+)
 
 
 def _argv() -> list[str]:
@@ -136,7 +155,8 @@ def overview(frame: pd.DataFrame, fleet: pd.DataFrame, window: float) -> None:
     c.metric(
         "Prefill time saved (estimated)",
         text.seconds(s.seconds_saved),
-        help="Tokens KVLens loaded times vLLM's prefill seconds per computed prompt token "
+        help="The connector's estimate (vllm:kvlens_prefill_seconds_saved_total) when it exports one; "
+        "else tokens KVLens loaded times vLLM's prefill seconds per computed prompt token "
         "(vllm:request_prefill_time_seconds_sum / vllm:prompt_tokens_by_source_total{source=local_compute}). "
         "An estimate: per-token prefill cost grows with context length.",
     )
@@ -183,6 +203,8 @@ def hits_and_misses(frame: pd.DataFrame, window: float) -> None:
             st.info("No misses yet.")
         else:
             st.altair_chart(charts.bars(misses, charts.COUNT, "reason"), width="stretch")
+    with st.expander("What each miss reason means"):
+        st.markdown("\n".join(f"- **{r}**: {why}" for r, why in MISS_REASONS.items()))
 
 
 def latency_and_throughput(frame: pd.DataFrame, window: float) -> None:
@@ -346,6 +368,8 @@ def live(cfg: settings.Settings) -> None:
             failures_view(frame, window, cfg.events)
         with tabs[5], guarded("Requests"):
             requests_view(cfg.requests)
+        with tabs[6], guarded("Insights"):
+            insights_page.show(frame, fleet, window)
         st.caption(f"Updated {time.strftime('%H:%M:%S')}; refreshes every {cfg.refresh_s:g} s.")
 
 

@@ -7,15 +7,70 @@ series vLLM 0.32 puts on ``/metrics`` next to them. Prometheus sample names: cou
 
 from __future__ import annotations
 
-from telemetry.metrics import COUNTER, HISTOGRAM, METRICS
+from telemetry.metrics import COUNTER, GAUGE, HISTOGRAM, METRICS, Metric
+
+# The labels of vllm:kvlens_info: what an instance is and where its shared tiers live.
+INFO_LABELS = ("version", "chunk_size", "key_fingerprint", "tiers", "role", "storage")
 
 # Labels a dashboard groups by; every other label (job, ...) is summed away.
-LABELS = ("model_name", "engine", "tier", "operation", "reason", "source", "le")
+LABELS = (
+    "model_name",
+    "engine",
+    "tier",
+    "operation",
+    "reason",
+    "source",
+    "le",
+    "budget_factor",
+    *INFO_LABELS,
+)
+
+# Metrics the connector is gaining (what-if sizing, identity, prefill time saved), described
+# here until telemetry.metrics defines them; telemetry.metrics wins once it does, and a test
+# checks that the two agree. Delete an entry when telemetry.metrics has it.
+ANNOUNCED = (
+    Metric(
+        "whatif_hit_ratio",
+        GAUGE,
+        "Estimated token hit ratio of a tier at budget_factor x its configured size.",
+        ("tier", "budget_factor"),
+    ),
+    Metric(
+        "info", GAUGE, "1, labelled with what this instance is and where its shared tiers live.", INFO_LABELS
+    ),
+    Metric(
+        "prefill_seconds_saved",
+        COUNTER,
+        "Estimated prefill compute seconds saved by tokens KVLens loaded, by tier.",
+        ("tier",),
+    ),
+    Metric("prefill_seconds_per_token", GAUGE, "The engine's measured prefill cost per token."),
+)
+KNOWN = {**{m.key: m for m in ANNOUNCED}, **METRICS}
+
+# The budget factors of vllm:kvlens_whatif_hit_ratio (label values, exactly).
+BUDGET_FACTORS = ("0.125", "0.25", "0.5", "1", "2", "4", "8", "16")
+
+# Every reason of vllm:kvlens_miss_requests_total{reason} and what it tells an operator.
+MISS_REASONS = {
+    "not_stored": "never stored (new traffic, a config or model change)",
+    "evicted": "stored, then evicted (tier too small)",
+    "partial_chunk": "only an unfull chunk remains",
+    "vllm_hit": "vLLM's own prefix cache already held it",
+    "below_min_retrieve": "fewer tokens than min_retrieve_tokens",
+    "tier_unhealthy": "in a tier marked unhealthy",
+    "producer_role": "a kv_producer never loads",
+    "prompt_logprobs": "prompt logprobs requested: vLLM skips cached KV",
+    "unsupported_input": "multimodal, prompt embeddings or DP padding",
+    "invalid_params": "malformed lmcache.* request parameters",
+    "other_namespace": "stored, under another namespace (model, dtype, layout, cache_salt or tags differ)",
+    "load_failed": "the load failed; vLLM recomputed",
+}
 
 
 def kvlens(key: str, suffix: str = "") -> str:
     """The sample name of a KVLens metric: counters get ``_total``, histograms ``suffix``."""
-    metric = METRICS[key]
+    metric = KNOWN[key]
     if metric.kind == COUNTER:
         return metric.name + "_total"
     if metric.kind == HISTOGRAM:
@@ -28,7 +83,7 @@ def kvlens(key: str, suffix: str = "") -> str:
 def kvlens_sample_names() -> frozenset[str]:
     """Every sample name KVLens can put on /metrics."""
     out = set()
-    for key, metric in METRICS.items():
+    for key, metric in KNOWN.items():
         if metric.kind == HISTOGRAM:
             out.update(kvlens(key, s) for s in ("_bucket", "_sum", "_count"))
         else:

@@ -120,3 +120,33 @@ def event_timeline(events: pd.DataFrame) -> alt.Chart:
         )
         .properties(height=max(120, 50 * events["tier"].nunique()))
     )
+
+
+def whatif(curves: pd.DataFrame) -> alt.Chart:
+    """Hit ratio against budget factor (log2 axis, 1 = the configured size, marked by a rule)."""
+    x = alt.X(
+        "factor:Q",
+        title="budget (x the configured size)",
+        scale=alt.Scale(type="log", base=2, domain=[0.125, 16]),
+        axis=alt.Axis(values=[0.125, 0.25, 0.5, 1, 2, 4, 8, 16], format="~g"),
+    )
+    y = alt.Y(
+        "ratio:Q", title="estimated hit ratio", axis=alt.Axis(format=".0%"), scale=alt.Scale(domain=[0, 1])
+    )
+    tooltip = ["series:N", alt.Tooltip("factor:Q", format="~g"), alt.Tooltip("ratio:Q", format=".1%")]
+    lines = (
+        alt.Chart(curves)
+        .mark_line(point=True)
+        .encode(
+            x=x,
+            y=y,
+            color=alt.Color("series:N", title=None, legend=alt.Legend(orient="bottom")),
+            tooltip=tooltip,
+        )
+    )
+    current = alt.Chart(pd.DataFrame({"factor": [1.0], "label": ["configured size"]}))
+    rule = current.mark_rule(strokeDash=[4, 4], color="gray").encode(x="factor:Q")
+    label = current.mark_text(align="left", dx=4, dy=-6, color="gray").encode(
+        x="factor:Q", y=alt.value(8), text="label:N"
+    )
+    return (lines + rule + label).properties(height=HEIGHT)

@@ -259,6 +259,8 @@ class Savings:
     prefill_s_per_token: float | None  # vLLM's prefill seconds per computed prompt token
     failed_loads: float
     recomputed_tokens: float
+    connector_seconds_saved: float | None = None  # vllm:kvlens_prefill_seconds_saved, when exported
+    connector_seconds_saved_window: float | None = None
 
     @property
     def hit_rate(self) -> float | None:
@@ -266,12 +268,17 @@ class Savings:
 
     @property
     def seconds_saved(self) -> float | None:
-        """Estimated: tokens KVLens loaded times what vLLM spent per token it computed."""
+        """The connector's estimate when it exports one, else tokens KVLens loaded times what
+        vLLM spent per token it computed."""
+        if self.connector_seconds_saved is not None:
+            return self.connector_seconds_saved
         per = self.prefill_s_per_token
         return None if per is None else self.loaded_tokens * per
 
     @property
     def seconds_saved_window(self) -> float | None:
+        if self.connector_seconds_saved_window is not None:
+            return self.connector_seconds_saved_window
         per = self.prefill_s_per_token
         return None if per is None else self.loaded_tokens_window * per
 
@@ -279,6 +286,8 @@ class Savings:
 def savings(frame: pd.DataFrame) -> Savings:
     computed = scalar(total(frame, c.VLLM_PROMPT_BY_SOURCE, source="local_compute"))
     prefill_s = scalar(total(frame, c.VLLM_PREFILL_SECONDS_SUM))
+    saved = kvlens("prefill_seconds_saved")
+    exported = not select(frame, saved).empty
     return Savings(
         lookup_tokens=scalar(total(frame, kvlens("lookup_tokens"))),
         hit_tokens=scalar(total(frame, kvlens("hit_tokens"))),
@@ -287,6 +296,8 @@ def savings(frame: pd.DataFrame) -> Savings:
         prefill_s_per_token=prefill_s / computed if computed > 0 and prefill_s > 0 else None,
         failed_loads=scalar(total(frame, kvlens("failed_load_requests"))),
         recomputed_tokens=scalar(total(frame, kvlens("recomputed_tokens"))),
+        connector_seconds_saved=scalar(total(frame, saved)) if exported else None,
+        connector_seconds_saved_window=scalar(increase(frame, saved)) if exported else None,
     )
 
 

@@ -19,13 +19,24 @@ from urllib.parse import quote
 
 from grafana_foundation_sdk.builders import common as common_b
 from grafana_foundation_sdk.builders import dashboard as dash
-from grafana_foundation_sdk.builders import prometheus, stat, timeseries
+from grafana_foundation_sdk.builders import prometheus, stat, table, timeseries, trend
 from grafana_foundation_sdk.cog import builder as cogbuilder
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as model
+from grafana_foundation_sdk.models import prometheus as prom_model
 
-from .panels import FAILED_LOADS_ANNOTATION, PANELS, ROWS, STAT, TRACES_ALL, Panel, with_selector
+from .panels import (
+    FAILED_LOADS_ANNOTATION,
+    PANELS,
+    ROWS,
+    STAT,
+    TABLE,
+    TRACES_ALL,
+    TREND,
+    Panel,
+    with_selector,
+)
 
 OUT = Path(__file__).resolve().parent / "dashboards" / "kvlens.json"
 UID = "kvlens-overview"
@@ -48,9 +59,11 @@ def trace_search_url(traceql: str) -> str:
     return f"/explore?schemaVersion=1&orgId=1&panes={encoded}"
 
 
-def _target(expr: str, legend: str, ref: str, instant: bool) -> prometheus.Dataquery:
+def _target(expr: str, legend: str, ref: str, instant: bool, as_table: bool = False) -> prometheus.Dataquery:
     q = prometheus.Dataquery().expr(with_selector(expr)).legend_format(legend or "__auto").ref_id(ref)
     q = q.datasource(PROMETHEUS)
+    if as_table:
+        q = q.format(prom_model.PromQueryFormat.TABLE)
     return q.instant() if instant else q.range()
 
 
@@ -72,17 +85,45 @@ def _thresholds(red_above: float | None) -> dash.ThresholdsConfig:
     return dash.ThresholdsConfig().mode(model.ThresholdsMode.ABSOLUTE).steps(steps)
 
 
+def _reshaped(b: Any, p: Panel) -> Any:
+    """Transformations, field overrides and the x axis of trend and table panels."""
+    b = b.transformations(
+        [model.DataTransformerConfig(id_val=t["id"], options=t["options"]) for t in p.transformations]
+    )
+    for pattern, props in p.overrides:
+        b = b.override_by_regexp(
+            pattern, [model.DynamicConfigValue(id_val=k, value=v) for k, v in props.items()]
+        )
+    if p.x_field:
+        b = b.x_field(p.x_field)
+        x: dict[str, Any] = {"min": 0.125, "max": 16, "unit": "none", "decimals": 3}
+        if p.log2_x:
+            x["custom.scaleDistribution"] = {"type": "log", "log": 2}
+        b = b.override_by_name(p.x_field, [model.DynamicConfigValue(id_val=k, value=v) for k, v in x.items()])
+    return b
+
+
 def _panel(p: Panel, panel_id: int) -> cogbuilder.Builder[model.Panel]:
-    instant = p.kind == STAT
-    b: Any = stat.Panel() if instant else timeseries.Panel()
+    instant = p.kind in (STAT, TREND, TABLE)
+    kinds: dict[str, Any] = {STAT: stat.Panel, TREND: trend.Panel, TABLE: table.Panel}
+    b: Any = kinds.get(p.kind, timeseries.Panel)()
     b = b.id(panel_id).title(p.title).description(p.description).unit(p.unit).datasource(PROMETHEUS)
-    b = b.span(p.width).height(p.height or (STAT_HEIGHT if instant else HEIGHT))
+    b = b.span(p.width).height(p.height or (STAT_HEIGHT if p.kind == STAT else HEIGHT))
     for i, t in enumerate(p.targets):
-        b = b.with_target(_target(t.expr, t.legend, chr(ord("A") + i), instant))
+        b = b.with_target(_target(t.expr, t.legend, chr(ord("A") + i), instant, p.kind == TABLE))
     b = b.thresholds(_thresholds(p.alert_above))
     if p.ratio:
         b = b.min(0).max(1).mappings(_no_traffic()).no_value("No traffic")
-    if instant:
+    if p.kind in (TREND, TABLE):
+        b = _reshaped(b, p)
+        if p.kind == TREND:
+            b = b.line_width(2).show_points(common.VisibilityMode.ALWAYS).point_size(5)
+            legend = common_b.VizLegendOptions().show_legend(True).display_mode(common.LegendDisplayMode.LIST)
+            b = b.legend(legend)
+        else:
+            b = b.show_header(True)
+        return b
+    if p.kind == STAT:
         b = b.graph_mode(common.BigValueGraphMode.NONE).color_mode(common.BigValueColorMode.VALUE)
         b = b.reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]))
     else:

@@ -13,65 +13,33 @@ shown as "No traffic", instead of NaN).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
-from dashboard.catalog import LEAK_GAUGES
+from dashboard.catalog import LEAK_GAUGES, MISS_REASONS
 
-ROWS = ("Overview", "Hits and misses", "Latency and throughput", "Tiers and leaks", "Failures")
+from .insight_panels import INSIGHT_PANELS
+from .panel_types import (
+    STAT,
+    TABLE,
+    TIMESERIES,
+    TOKENS,
+    TOKENS_PER_S,
+    TREND,
+    Panel,
+    Target,
+    increase_sum,
+    quantile,
+    rate_sum,
+    ratio,
+)
 
-TIMESERIES, STAT = "timeseries", "stat"
+ROWS = ("Overview", "Hits and misses", "Latency and throughput", "Tiers and leaks", "Failures", "Insights")
+
+__all__ = ["PANELS", "ROWS", "STAT", "TABLE", "TIMESERIES", "TREND", "Panel", "Target", "with_selector"]
 
 # TraceQL searches the panels link to (the trace backend is a Grafana datasource variable).
 TRACES_ALL = '{name=~"kvlens.*"}'
 TRACES_FAILED_LOADS = '{name="kvlens.load" && status=error}'
 TRACES_SLOW = '{name=~"kvlens.*"} | duration > 50ms'
-
-TOKENS_PER_S = "suffix: tok/s"
-TOKENS = "suffix: tok"
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    expr: str
-    legend: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Panel:
-    row: str
-    title: str
-    unit: str  # a Grafana unit id ("percentunit", "s", "Bps", ...) or "suffix: ..."
-    targets: tuple[Target, ...]
-    description: str
-    kind: str = TIMESERIES
-    width: int = 8
-    ratio: bool = False  # a 0..1 ratio: axis 0-1, "No traffic" when there is no denominator
-    stack: bool = False
-    height: int | None = None  # grid rows; default 4 for stats, 8 for time series
-    alert_above: float | None = None  # stat turns red above this value
-    traces: str | None = None  # TraceQL the panel links to
-
-
-def _rate(name: str, by: str = "", matchers: str = "", window: str = "$__rate_interval") -> str:
-    group = f" by ({by})" if by else ""
-    sel = f"{{{matchers}}}" if matchers else ""
-    return f"sum{group} (rate({name}{sel}[{window}]))"
-
-
-def _ratio(num: str, den: str) -> str:
-    return f"{num}\n/\n({den} > 0)"
-
-
-def _quantile(q: float, bucket: str, by: str = "", matchers: str = "") -> str:
-    labels = ", ".join(x for x in ("le", by) if x)
-    sel = f"{{{matchers}}}" if matchers else ""
-    return f"histogram_quantile({q}, sum by ({labels}) (rate({bucket}{sel}[$__rate_interval])))"
-
-
-def _increase(name: str, matchers: str = "", by: str = "") -> str:
-    group = f" by ({by})" if by else ""
-    sel = f"{{{matchers}}}" if matchers else ""
-    return f"sum{group} (increase({name}{sel}[$__range]))"
 
 
 def _leak_sum(by: str) -> str:
@@ -84,9 +52,9 @@ _IDLE = (
     " == bool 0)"
 )
 
-_PREFILL_S_PER_COMPUTED_TOKEN = _ratio(
-    _increase("vllm:request_prefill_time_seconds_sum"),
-    _increase("vllm:prompt_tokens_by_source_total", 'source="local_compute"'),
+_PREFILL_S_PER_COMPUTED_TOKEN = ratio(
+    increase_sum("vllm:request_prefill_time_seconds_sum"),
+    increase_sum("vllm:prompt_tokens_by_source_total", 'source="local_compute"'),
 )
 
 PANELS: tuple[Panel, ...] = (
@@ -97,9 +65,9 @@ PANELS: tuple[Panel, ...] = (
         "percentunit",
         (
             Target(
-                _ratio(
-                    _increase("vllm:kvlens_hit_tokens_total"),
-                    _increase("vllm:kvlens_lookup_tokens_total"),
+                ratio(
+                    increase_sum("vllm:kvlens_hit_tokens_total"),
+                    increase_sum("vllm:kvlens_lookup_tokens_total"),
                 )
             ),
         ),
@@ -112,7 +80,7 @@ PANELS: tuple[Panel, ...] = (
         "Overview",
         "Prompt tokens loaded by KVLens",
         TOKENS,
-        (Target(_increase("vllm:kvlens_load_tokens_total")),),
+        (Target(increase_sum("vllm:kvlens_load_tokens_total")),),
         "Prefill tokens not computed because KVLens loaded their KV, over the time range.",
         kind=STAT,
         width=6,
@@ -123,12 +91,15 @@ PANELS: tuple[Panel, ...] = (
         "s",
         (
             Target(
-                f"{_increase('vllm:kvlens_load_tokens_total')}\n* on ()\n({_PREFILL_S_PER_COMPUTED_TOKEN})"
+                f"{increase_sum('vllm:kvlens_prefill_seconds_saved_total')}\nor\n("
+                f"{increase_sum('vllm:kvlens_load_tokens_total')}\n* on ()\n"
+                f"({_PREFILL_S_PER_COMPUTED_TOKEN}))"
             ),
         ),
-        "Tokens KVLens loaded times vLLM's observed prefill seconds per computed token over the range "
-        "(vllm:request_prefill_time_seconds / prompt tokens computed). An estimate: per-token prefill "
-        "cost grows with context length.",
+        "The connector's estimate (vllm:kvlens_prefill_seconds_saved_total) over the range; from a "
+        "connector without it, tokens KVLens loaded times vLLM's observed prefill seconds per computed "
+        "token (vllm:request_prefill_time_seconds / prompt tokens computed). An estimate: per-token "
+        "prefill cost grows with context length.",
         kind=STAT,
         width=6,
     ),
@@ -136,7 +107,7 @@ PANELS: tuple[Panel, ...] = (
         "Overview",
         "Requests with failed loads",
         "short",
-        (Target(_increase("vllm:kvlens_failed_load_requests_total")),),
+        (Target(increase_sum("vllm:kvlens_failed_load_requests_total")),),
         "Requests with blocks KVLens could not load over the time range (recomputed or failed, by "
         "kv_load_failure_policy). Which ones: the failed-load event log or the trace link.",
         kind=STAT,
@@ -150,15 +121,17 @@ PANELS: tuple[Panel, ...] = (
         "percentunit",
         (
             Target(
-                _ratio(_rate("vllm:kvlens_hit_tokens_total"), _rate("vllm:kvlens_lookup_tokens_total")),
+                ratio(rate_sum("vllm:kvlens_hit_tokens_total"), rate_sum("vllm:kvlens_lookup_tokens_total")),
                 "KVLens, tokens",
             ),
             Target(
-                _ratio(_rate("vllm:kvlens_hit_requests_total"), _rate("vllm:kvlens_lookup_requests_total")),
+                ratio(
+                    rate_sum("vllm:kvlens_hit_requests_total"), rate_sum("vllm:kvlens_lookup_requests_total")
+                ),
                 "KVLens, requests",
             ),
             Target(
-                _ratio(_rate("vllm:prefix_cache_hits_total"), _rate("vllm:prefix_cache_queries_total")),
+                ratio(rate_sum("vllm:prefix_cache_hits_total"), rate_sum("vllm:prefix_cache_queries_total")),
                 "vLLM prefix cache, tokens",
             ),
         ),
@@ -171,12 +144,12 @@ PANELS: tuple[Panel, ...] = (
         TOKENS_PER_S,
         (
             Target(
-                _rate("vllm:prompt_tokens_by_source_total", matchers='source="local_cache_hit"'),
+                rate_sum("vllm:prompt_tokens_by_source_total", matchers='source="local_cache_hit"'),
                 "vLLM prefix cache",
             ),
-            Target(_rate("vllm:kvlens_load_tokens_total", by="tier"), "KVLens {{tier}}"),
+            Target(rate_sum("vllm:kvlens_load_tokens_total", by="tier"), "KVLens {{tier}}"),
             Target(
-                _rate("vllm:prompt_tokens_by_source_total", matchers='source="local_compute"'), "computed"
+                rate_sum("vllm:prompt_tokens_by_source_total", matchers='source="local_compute"'), "computed"
             ),
         ),
         "Prompt tokens per second served by vLLM's prefix cache, loaded by each KVLens tier, or computed.",
@@ -188,9 +161,9 @@ PANELS: tuple[Panel, ...] = (
         "percentunit",
         (
             Target(
-                _ratio(
-                    _rate("vllm:kvlens_hit_tokens_total", by="instance"),
-                    _rate("vllm:kvlens_lookup_tokens_total", by="instance"),
+                ratio(
+                    rate_sum("vllm:kvlens_hit_tokens_total", by="instance"),
+                    rate_sum("vllm:kvlens_lookup_tokens_total", by="instance"),
                 ),
                 "{{instance}}",
             ),
@@ -203,7 +176,7 @@ PANELS: tuple[Panel, ...] = (
         "Hits and misses",
         "Cached prompt tokens by source (vLLM)",
         TOKENS_PER_S,
-        (Target(_rate("vllm:prompt_tokens_cached_by_source_total", by="source"), "{{source}}"),),
+        (Target(rate_sum("vllm:prompt_tokens_cached_by_source_total", by="source"), "{{source}}"),),
         "vLLM's own attribution: device (its prefix cache), host (KVLens CPU tier), disk (KVLens disk tier).",
         stack=True,
     ),
@@ -212,10 +185,10 @@ PANELS: tuple[Panel, ...] = (
         "Looked up, held, loaded, recomputed",
         TOKENS_PER_S,
         (
-            Target(_rate("vllm:kvlens_lookup_tokens_total"), "looked up"),
-            Target(_rate("vllm:kvlens_hit_tokens_total"), "held at lookup"),
-            Target(_rate("vllm:kvlens_load_tokens_total"), "loaded"),
-            Target(_rate("vllm:kvlens_recomputed_tokens_total"), "recomputed after a failed load"),
+            Target(rate_sum("vllm:kvlens_lookup_tokens_total"), "looked up"),
+            Target(rate_sum("vllm:kvlens_hit_tokens_total"), "held at lookup"),
+            Target(rate_sum("vllm:kvlens_load_tokens_total"), "loaded"),
+            Target(rate_sum("vllm:kvlens_recomputed_tokens_total"), "recomputed after a failed load"),
         ),
         "Reconciles lookups with loads: tokens held at lookup but not loaded were served by vLLM's own "
         "cache, skipped, or failed.",
@@ -224,7 +197,7 @@ PANELS: tuple[Panel, ...] = (
         "Hits and misses",
         "KVLens hits by tier",
         TOKENS_PER_S,
-        (Target(_rate("vllm:kvlens_hit_tokens_total", by="tier"), "{{tier}}"),),
+        (Target(rate_sum("vllm:kvlens_hit_tokens_total", by="tier"), "{{tier}}"),),
         "Prompt tokens KVLens held at lookup, by the tier holding them.",
         stack=True,
     ),
@@ -232,16 +205,17 @@ PANELS: tuple[Panel, ...] = (
         "Hits and misses",
         "Misses by reason",
         "reqps",
-        (Target(_rate("vllm:kvlens_miss_requests_total", by="reason"), "{{reason}}"),),
-        "Requests KVLens could not fully serve, by reason (not_stored, evicted, partial_chunk, "
-        "vllm_hit, ...).",
+        (Target(rate_sum("vllm:kvlens_miss_requests_total", by="reason"), "{{reason}}"),),
+        "Requests KVLens could not fully serve, by reason. "
+        + "; ".join(f"{r}: {why}" for r, why in MISS_REASONS.items())
+        + ".",
         stack=True,
     ),
     Panel(
         "Hits and misses",
         "Stores skipped by reason",
         "reqps",
-        (Target(_rate("vllm:kvlens_save_skipped_requests_total", by="reason"), "{{reason}}"),),
+        (Target(rate_sum("vllm:kvlens_save_skipped_requests_total", by="reason"), "{{reason}}"),),
         "Requests KVLens did not store (skip_save, priority_limit, consumer_role, ...).",
         stack=True,
     ),
@@ -250,8 +224,8 @@ PANELS: tuple[Panel, ...] = (
         "Per-request hit ratio",
         "percentunit",
         (
-            Target(_quantile(0.5, "vllm:kvlens_request_hit_ratio_bucket"), "p50"),
-            Target(_quantile(0.9, "vllm:kvlens_request_hit_ratio_bucket"), "p90"),
+            Target(quantile(0.5, "vllm:kvlens_request_hit_ratio_bucket"), "p50"),
+            Target(quantile(0.9, "vllm:kvlens_request_hit_ratio_bucket"), "p90"),
         ),
         "Distribution of the share of each request's prompt that KVLens held.",
         ratio=True,
@@ -264,7 +238,7 @@ PANELS: tuple[Panel, ...] = (
             "s",
             tuple(
                 Target(
-                    _quantile(q, "vllm:kvlens_operation_seconds_bucket", matchers=f'operation="{op}"'),
+                    quantile(q, "vllm:kvlens_operation_seconds_bucket", matchers=f'operation="{op}"'),
                     f"p{round(q * 100)}",
                 )
                 for q in (0.5, 0.95, 0.99)
@@ -280,16 +254,16 @@ PANELS: tuple[Panel, ...] = (
         "Bps",
         (
             Target(
-                _ratio(
-                    _rate("vllm:kvlens_load_bytes_total"),
-                    _rate("vllm:kvlens_operation_seconds_sum", matchers='operation="load"'),
+                ratio(
+                    rate_sum("vllm:kvlens_load_bytes_total"),
+                    rate_sum("vllm:kvlens_operation_seconds_sum", matchers='operation="load"'),
                 ),
                 "load",
             ),
             Target(
-                _ratio(
-                    _rate("vllm:kvlens_store_bytes_total"),
-                    _rate("vllm:kvlens_operation_seconds_sum", matchers='operation="store"'),
+                ratio(
+                    rate_sum("vllm:kvlens_store_bytes_total"),
+                    rate_sum("vllm:kvlens_operation_seconds_sum", matchers='operation="store"'),
                 ),
                 "store",
             ),
@@ -301,8 +275,8 @@ PANELS: tuple[Panel, ...] = (
         "Data moved",
         "Bps",
         (
-            Target(_rate("vllm:kvlens_load_bytes_total"), "loaded"),
-            Target(_rate("vllm:kvlens_store_bytes_total", by="tier"), "stored {{tier}}"),
+            Target(rate_sum("vllm:kvlens_load_bytes_total"), "loaded"),
+            Target(rate_sum("vllm:kvlens_store_bytes_total", by="tier"), "stored {{tier}}"),
         ),
         "Bytes of KV per second of wall time loaded into vLLM and stored per tier.",
     ),
@@ -319,7 +293,7 @@ PANELS: tuple[Panel, ...] = (
         "Latency and throughput",
         "Operations",
         "ops",
-        (Target(_rate("vllm:kvlens_operation_seconds_count", by="operation"), "{{operation}}"),),
+        (Target(rate_sum("vllm:kvlens_operation_seconds_count", by="operation"), "{{operation}}"),),
         "KVLens lookups, loads and stores per second.",
     ),
     Panel(
@@ -327,11 +301,11 @@ PANELS: tuple[Panel, ...] = (
         "Time to first token and prefill (vLLM)",
         "s",
         (
-            Target(_quantile(0.95, "vllm:time_to_first_token_seconds_bucket"), "TTFT p95"),
+            Target(quantile(0.95, "vllm:time_to_first_token_seconds_bucket"), "TTFT p95"),
             Target(
-                _ratio(
-                    _rate("vllm:request_prefill_time_seconds_sum"),
-                    _rate("vllm:request_prefill_time_seconds_count"),
+                ratio(
+                    rate_sum("vllm:request_prefill_time_seconds_sum"),
+                    rate_sum("vllm:request_prefill_time_seconds_count"),
                 ),
                 "mean prefill",
             ),
@@ -344,9 +318,9 @@ PANELS: tuple[Panel, ...] = (
         "s",
         (
             Target(
-                _ratio(
-                    _rate("vllm:request_prefill_time_seconds_sum"),
-                    _rate("vllm:prompt_tokens_by_source_total", matchers='source="local_compute"'),
+                ratio(
+                    rate_sum("vllm:request_prefill_time_seconds_sum"),
+                    rate_sum("vllm:prompt_tokens_by_source_total", matchers='source="local_compute"'),
                 ),
                 "prefill s / computed token",
             ),
@@ -361,7 +335,7 @@ PANELS: tuple[Panel, ...] = (
         "percentunit",
         (
             Target(
-                _ratio(
+                ratio(
                     "sum by (tier) (vllm:kvlens_tier_used_bytes)",
                     "sum by (tier) (vllm:kvlens_tier_capacity_bytes)",
                 ),
@@ -387,7 +361,7 @@ PANELS: tuple[Panel, ...] = (
         "Tiers and leaks",
         "Evictions",
         "cps",
-        (Target(_rate("vllm:kvlens_evictions_total", by="tier"), "{{tier}}"),),
+        (Target(rate_sum("vllm:kvlens_evictions_total", by="tier"), "{{tier}}"),),
         "Chunks evicted per second to make room, by tier.",
         width=6,
     ),
@@ -431,7 +405,7 @@ PANELS: tuple[Panel, ...] = (
         "Failures",
         "Failed blocks by reason",
         "cps",
-        (Target(_rate("vllm:kvlens_failed_blocks_total", by="reason"), "{{reason}}"),),
+        (Target(rate_sum("vllm:kvlens_failed_blocks_total", by="reason"), "{{reason}}"),),
         "vLLM blocks per second KVLens failed to load. Each failure is also an annotation and a line "
         "in the failed-load event log.",
         traces=TRACES_FAILED_LOADS,
@@ -440,7 +414,7 @@ PANELS: tuple[Panel, ...] = (
         "Failures",
         "Cost of failed loads",
         TOKENS_PER_S,
-        (Target(_rate("vllm:kvlens_recomputed_tokens_total"), "tokens recomputed"),),
+        (Target(rate_sum("vllm:kvlens_recomputed_tokens_total"), "tokens recomputed"),),
         "Prompt tokens vLLM recomputed because a KVLens load failed (kv_load_failure_policy=recompute).",
         traces=TRACES_FAILED_LOADS,
     ),
@@ -450,14 +424,15 @@ PANELS: tuple[Panel, ...] = (
         "cps",
         (
             Target(
-                _rate("vllm:kvlens_failed_chunks_total", by="operation, tier, reason"),
+                rate_sum("vllm:kvlens_failed_chunks_total", by="operation, tier, reason"),
                 "{{operation}} {{tier}} {{reason}}",
             ),
-            Target(_rate("vllm:kvlens_failed_load_requests_total"), "requests with a failed load"),
+            Target(rate_sum("vllm:kvlens_failed_load_requests_total"), "requests with a failed load"),
         ),
         "Chunk operations that failed per second, by operation, tier and reason.",
         traces=TRACES_FAILED_LOADS,
     ),
+    *INSIGHT_PANELS,
 )
 
 # Failed loads as annotations on every time series. The counter without a reason label is

@@ -61,6 +61,8 @@ def test_the_alerts_the_issue_asks_for_exist_with_severity_and_summary():
         "KVLensMetricsMissing",
         "KVLensNoMetrics",
         "VLLMTargetDown",
+        "KVLensLoadedTokensDrift",
+        "KVLensCacheCostsMoreThanItSaves",
     }
     for r in by_name.values():
         assert r["labels"]["severity"] in ("warning", "critical")
@@ -90,3 +92,12 @@ def test_scaled_rules_for_live_tests_still_parse(tmp_path):
         ["promtool", "check", "rules", str(tmp_path / "r.yml")], capture_output=True, text=True
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_drift_and_cost_rules_guard_their_divisions_and_absent_counters():
+    by_name = {r["alert"]: r for r in rules()}
+    drift = by_name["KVLensLoadedTokensDrift"]["expr"]
+    assert "clamp_min(" in drift and "vllm:external_prefix_cache_hits_total" in drift
+    cost = by_name["KVLensCacheCostsMoreThanItSaves"]["expr"]
+    assert "vllm:kvlens_prefill_seconds_saved_total" in cost and "> 0.01" in cost
+    assert by_name["KVLensCacheCostsMoreThanItSaves"]["for"] == "15m"

@@ -3,7 +3,9 @@ vllm serve and on real event logs: every state it promises, and never an excepti
 
 from __future__ import annotations
 
+import sys
 import time
+import types
 
 import pytest
 import streamlit as st
@@ -71,6 +73,7 @@ def test_live_endpoint_charts_and_an_unreachable_one(
         "Tiers and leaks",
         "Failures",
         "Requests",
+        "Insights",
     ]
     metrics = {m.label: m.value for m in app.metric}
     assert (
@@ -162,3 +165,39 @@ def test_the_requests_view_without_a_log_or_with_an_empty_one(app, monkeypatch, 
     fresh.run()
     assert_clean(fresh)
     assert any(t.startswith("No requests logged yet") for t in texts(fresh.info))
+
+
+def test_the_insights_view_shows_sizing_advice_identity_and_time_saved(
+    app, monkeypatch, text_server, metrics_text
+):
+    text_server.text = metrics_text + (DATA / "metrics-insights.txt").read_text()
+    monkeypatch.setenv("KVLENS_DASHBOARD_METRICS", text_server.endpoint)
+    fake = types.ModuleType("connector.engine.whatif")
+    fake.sizing_advice = lambda curve, tier: f"advice for {tier} at {curve[1.0]:.0%}"
+    monkeypatch.setitem(sys.modules, "connector.engine.whatif", fake)
+    app.run()
+    time.sleep(1.1)
+    app.run()
+    assert_clean(app)
+    markdown = texts(app.markdown)
+    assert "**cpu**: advice for cpu at 40%" in markdown and "**disk**: advice for disk at 60%" in markdown
+    assert any("other_namespace" in t and "load_failed" in t for t in markdown)
+    (identity,) = [d.value for d in app.dataframe if "key fingerprint" in d.value.columns]
+    assert identity.loc[text_server.endpoint, "key fingerprint"] == "3f2a91c04b7e"
+    assert bool(identity.loc[text_server.endpoint, "alone"])
+    metrics = {m.label: m.value for m in app.metric}
+    assert metrics["Prefill time saved"] == "3.75 s" and metrics["Prefill time saved (estimated)"] == "3.75 s"
+    assert metrics["Prefill cost per token"] == "0.2 ms"
+
+
+def test_the_insights_view_without_the_new_series_or_the_advice_module(
+    app, monkeypatch, text_server, metrics_text
+):
+    text_server.text = metrics_text
+    monkeypatch.setenv("KVLENS_DASHBOARD_METRICS", text_server.endpoint)
+    monkeypatch.setitem(sys.modules, "connector.engine.whatif", None)
+    app.run()
+    assert_clean(app)
+    assert any(t.startswith("No what-if estimate yet") for t in texts(app.info))
+    assert any(t.startswith("No instance reports vllm:kvlens_info") for t in texts(app.info))
+    assert {m.label: m.value for m in app.metric}["Prefill time saved"] == "–"

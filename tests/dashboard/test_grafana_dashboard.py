@@ -50,7 +50,14 @@ def test_rows_in_order_and_every_panel_under_one():
     assert (
         rows
         == list(ROWS)
-        == ["Overview", "Hits and misses", "Latency and throughput", "Tiers and leaks", "Failures"]
+        == [
+            "Overview",
+            "Hits and misses",
+            "Latency and throughput",
+            "Tiers and leaks",
+            "Failures",
+            "Insights",
+        ]
     )
     assert d["panels"][0]["type"] == "row"
     assert {p.row for p in PANELS} == set(ROWS)
@@ -167,3 +174,47 @@ def test_the_convention_checks_catch_violations():
     assert unguarded_divisions("sum(vllm:a) / sum(vllm:b)") == 1
     assert unguarded_divisions("sum(vllm:a) / (sum(vllm:b) > 0)") == 0
     assert windows("rate(vllm:a[5m])") == ["5m"]
+
+
+def test_the_sharing_column_counts_other_instances_on_a_common_storage(tmp_path):
+    """The instances table's PromQL, evaluated by promtool on kvlens_info series."""
+    import json
+    import subprocess
+
+    from grafana.insight_panels import _SHARE_WITH
+
+    def info(instance: str, fingerprint: str, storage: str) -> dict:
+        labels = f'instance="{instance}", model_name="m", key_fingerprint="{fingerprint}", chunk_size="256"'
+        return {"series": f'vllm:kvlens_info{{{labels}, storage="{storage}"}}', "values": "1x5"}
+
+    series = [
+        info("a:1", "f1", "disk:d1,remote:redis://h:6379/0"),
+        info("b:1", "f1", "remote:redis://h:6379/0"),
+        info("c:1", "f1", "disk:d1"),
+        info("d:1", "f2", "disk:d1"),
+        info("e:1", "f1", ""),
+    ]
+    # a shares its disk with c and its remote with b: the column shows the larger count, 1.
+    expected = {"a:1": 1, "b:1": 1, "c:1": 1, "d:1": 0, "e:1": 0}
+    test = {
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "promql_expr_test": [
+                    {
+                        "expr": concrete(with_selector(_SHARE_WITH)),
+                        "eval_time": "2m",
+                        "exp_samples": [
+                            {"labels": f'{{instance="{i}"}}', "value": v} for i, v in expected.items()
+                        ],
+                    }
+                ],
+            }
+        ]
+    }
+    (tmp_path / "share.test.yml").write_text(json.dumps(test))
+    out = subprocess.run(
+        ["promtool", "test", "rules", "share.test.yml"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
