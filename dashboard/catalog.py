@@ -7,7 +7,7 @@ series vLLM 0.32 puts on ``/metrics`` next to them. Prometheus sample names: cou
 
 from __future__ import annotations
 
-from telemetry.metrics import COUNTER, GAUGE, HISTOGRAM, METRICS, Metric
+from telemetry.metrics import COUNTER, HISTOGRAM, METRICS
 
 # The labels of vllm:kvlens_info: what an instance is and where its shared tiers live.
 INFO_LABELS = ("version", "chunk_size", "key_fingerprint", "tiers", "role", "storage")
@@ -25,28 +25,7 @@ LABELS = (
     *INFO_LABELS,
 )
 
-# Metrics the connector is gaining (what-if sizing, identity, prefill time saved), described
-# here until telemetry.metrics defines them; telemetry.metrics wins once it does, and a test
-# checks that the two agree. Delete an entry when telemetry.metrics has it.
-ANNOUNCED = (
-    Metric(
-        "whatif_hit_ratio",
-        GAUGE,
-        "Estimated token hit ratio of a tier at budget_factor x its configured size.",
-        ("tier", "budget_factor"),
-    ),
-    Metric(
-        "info", GAUGE, "1, labelled with what this instance is and where its shared tiers live.", INFO_LABELS
-    ),
-    Metric(
-        "prefill_seconds_saved",
-        COUNTER,
-        "Estimated prefill compute seconds saved by tokens KVLens loaded, by tier.",
-        ("tier",),
-    ),
-    Metric("prefill_seconds_per_token", GAUGE, "The engine's measured prefill cost per token."),
-)
-KNOWN = {**{m.key: m for m in ANNOUNCED}, **METRICS}
+KNOWN = METRICS
 
 # The budget factors of vllm:kvlens_whatif_hit_ratio (label values, exactly).
 BUDGET_FACTORS = ("0.125", "0.25", "0.5", "1", "2", "4", "8", "16")
