@@ -22,7 +22,7 @@ from .config import load_config
 from .engine.jobs import CPU, DISK, REMOTE, StepPlan
 from .metadata import KVLensMetadata, KVLensWorkerMetadata
 from .scheduler import ConnectorScheduler
-from .vllm_compat import engine_facts, worker_rank
+from .vllm_compat import engine_facts, kv_cache_events, worker_rank
 from .worker import ConnectorWorker
 
 if TYPE_CHECKING:
@@ -154,6 +154,12 @@ class KVLensConnector(KVConnectorBase_V1):
             self._scheduler_telemetry.requests_done(self._scheduler.take_done())
         stats = connector_output.kv_connector_stats
         self._scheduler_telemetry.on_worker_stats(stats.data if stats is not None else None)
+
+    def take_events(self) -> list[Any]:
+        """KVLens's stores and evictions as vLLM KV events (published with --kv-events-config)."""
+        if self._scheduler is None or not self._scheduler.block_events.enabled:
+            return []
+        return kv_cache_events(self._scheduler.block_events.take())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None

@@ -21,6 +21,7 @@ from typing import Any
 
 from .config import ConfigError, KVLensConfig
 from .disk_sync import DiskWatcher, SharedDiskView
+from .engine.block_events import BlockEvents
 from .engine.facts import EngineFacts
 from .engine.index import PinTable, TierIndex
 from .engine.jobs import CPU, DISK, REMOTE, Eviction, StepPlan
@@ -133,6 +134,7 @@ class ConnectorScheduler:
         self._saved_seconds: dict[str, float] = {}
         self.done: list[RequestSummary] = []  # finished requests, drained by the facade
         self.info = instance_info(config, facts)
+        self.block_events = BlockEvents(facts.block_size, facts.kv_events and facts.stores)
 
     def _check_budgets(self) -> None:
         if not self.facts.stores:
@@ -395,6 +397,7 @@ class ConnectorScheduler:
         plan = StepPlan(writes=list(self._pending_evictions))
         self._pending_evictions = []
         self.planner.plan(plan, scheduler_output)
+        self.block_events.planned(plan)
         plan.drain = not self.unfinished and self.has_pending_work()
         self._measure_step(scheduler_output, bool(plan.loads))
         return plan

@@ -182,6 +182,8 @@ class StepPlanner:
                     self._stop(tracker, key)
                     return
                 tiers = self._admit(plan, key, held)
+                if tiers and self._s.block_events.enabled:
+                    self._s.block_events.describe(key.hex, key.start, key.num_tokens, request)
                 if tiers:
                     self._planned.update({(t, key.hex): len(plan.writes) for t in tiers})
                     plan.writes.append(

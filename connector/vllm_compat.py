@@ -119,6 +119,9 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
         world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
         kv_role=str(vllm_config.kv_transfer_config.kv_role),
         engine_id=str(getattr(parallel, "data_parallel_rank", 0) or 0),
+        kv_events=bool(
+            getattr(getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events", False)
+        ),
     )
 
 
@@ -134,3 +137,33 @@ def worker_rank() -> int:
         return get_pp_group().rank_in_group * tp_size + tp_rank
     except (AssertionError, AttributeError):  # no distributed groups (single process)
         return 0
+
+
+def kv_cache_events(events: list[Any]) -> list[Any]:
+    """KVLens's ``BlocksStored`` / ``BlocksRemoved`` as vLLM's ``BlockStored`` / ``BlockRemoved``."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from .engine.block_events import BlocksStored
+
+    out: list[Any] = []
+    for e in events:
+        hashes = [maybe_convert_block_hash(h) for h in e.block_hashes]
+        if isinstance(e, BlocksStored):
+            parent = (
+                maybe_convert_block_hash(e.parent_block_hash) if e.parent_block_hash is not None else None
+            )
+            out.append(
+                BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=parent,
+                    token_ids=list(e.token_ids),
+                    block_size=e.block_size,
+                    lora_id=None,
+                    medium=e.medium,
+                    lora_name=e.lora_name,
+                )
+            )
+        else:
+            out.append(BlockRemoved(block_hashes=hashes, medium=e.medium))
+    return out

@@ -18,6 +18,7 @@ class EngineFacts:
     world_size: int  # tensor-parallel size (each rank stores its own share)
     kv_role: str  # kv_producer / kv_consumer / kv_both
     engine_id: str = "0"
+    kv_events: bool = False  # vLLM publishes KV cache events (--kv-events-config)
 
     def namespace(self) -> Namespace:
         return Namespace(self.model, self.dtype, self.kv_layout, self.world_size)

@@ -299,9 +299,15 @@ def test_app_in_headless_chromium(live, tmp_path):
             "Latency and throughput",
             "Tiers and leaks",
             "Failures",
+            "Requests",
+            "Insights",
         ]
         for tab in tabs[1:]:
             tab.click()
+            if tab.text == "Requests":  # a table and a search box: the request log is off here
+                time.sleep(1)
+                assert_no_exception(driver)
+                continue
             wait(lambda: charts_drawn(driver) >= 1, 30, f"a chart in {tab.text}")
             time.sleep(1)
             assert_no_exception(driver)

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
-from .serve import kv_transfer_config, prompt_tokens, sample, sum_samples, wait_until
+from .serve import free_port, kv_transfer_config, prompt_tokens, sample, sum_samples, wait_until
 
 pytestmark = pytest.mark.integration
 
 KV_CONFIG = kv_transfer_config(chunk_size=256, max_local_cpu_size=1)
 SERVE_ENV = {"KVLENS_REQUEST_LOG": "{tmp}/requests.jsonl"}
+EVENTS_PORT = free_port()
+KV_EVENTS = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{EVENTS_PORT}"}
+SERVE_ARGS = ("--kv-events-config", json.dumps(KV_EVENTS))
 FACTORS = ("0.125", "0.25", "0.5", "1", "2", "4", "8", "16")
 
 
@@ -108,3 +112,65 @@ def test_request_log_explains_each_request_without_its_tokens(serve_stack):
     assert len({x["request_id"] for x in lines}) == len(lines)
     text = (serve_stack.tmp / "requests.jsonl").read_text()
     assert "tenant-" not in text and str(p[:8])[1:-1] not in text  # no salt, no token ids
+
+
+class EventStream:
+    """A subscriber to vLLM's KV event publisher (ZMQ PUB: topic, sequence, msgpack batch).
+
+    vLLM's publisher connects to a ``tcp://host:port`` endpoint (it binds only wildcards), so the
+    subscriber binds on loopback and the publisher finds it by itself (ZMQ reconnects)."""
+
+    def __init__(self, port: int) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._zmq = zmq
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.bind(f"tcp://127.0.0.1:{port}")
+        self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+        self.events: list = []
+
+    def drain(self, seconds: float) -> list:
+        poller = self._zmq.Poller()
+        poller.register(self._sock, self._zmq.POLLIN)
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if poller.poll(int(left * 1000)):
+                *_, payload = self._sock.recv_multipart()
+                self.events.extend(self._decode(payload).events)
+        return self.events
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+
+
+def test_kvlens_stores_and_evictions_reach_vllms_kv_event_stream(serve_stack):
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    srv = serve_stack.server
+    stream = EventStream(EVENTS_PORT)
+    try:
+        stream.drain(2.0)  # the publisher has connected before the first event
+        p = prompt_tokens(600, 4242)
+        srv.complete(p, max_tokens=2)
+        events = stream.drain(3.0)
+        stored = [e for e in events if isinstance(e, BlockStored)]
+        ours = [e for e in stored if e.medium == "cpu"]
+        vllms = [e for e in stored if e.medium != "cpu"]
+        # KVLens's two chunks, by the same block hashes vLLM itself published for these tokens
+        assert [len(e.block_hashes) for e in ours] == [2, 2]
+        assert [list(e.token_ids) for e in ours] == [p[:256], p[256:512]]
+        assert ours[1].parent_block_hash == ours[0].block_hashes[-1] and ours[0].parent_block_hash is None
+        vllm_hashes = [h for e in vllms for h in e.block_hashes]
+        assert [h for e in ours for h in e.block_hashes] == vllm_hashes[:4]
+
+        srv.post("/reset_prefix_cache?reset_external=true")  # vLLM's cache and KVLens's
+        srv.complete(prompt_tokens(8, 2), max_tokens=1)  # events go out with the next step
+        removed = [e for e in stream.drain(3.0) if isinstance(e, BlockRemoved) and e.medium == "cpu"]
+        assert {h for e in removed for h in e.block_hashes} >= {h for e in ours for h in e.block_hashes}
+    finally:
+        stream.close()

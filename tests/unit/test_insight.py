@@ -169,3 +169,69 @@ def test_loaded_tokens_are_priced_at_the_measured_cost_per_tier():
     s.on_worker_report(WorkerReport(loads={"b": loaded(plan.loads[0])}))
     assert s.take_saved_seconds() == {CPU: pytest.approx(0.512)}
     assert s.take_saved_seconds() == {}
+
+
+# ---- KV-aware routing: block events ------------------------------------------------------
+def _events_scheduler(**extra):
+    from connector.config import load_config
+    from connector.engine.facts import EngineFacts
+    from connector.scheduler import ConnectorScheduler
+
+    from .fakes import BLOCK
+
+    config = load_config({f"lmcache.{k}": v for k, v in extra.items()}, env={})
+    facts = EngineFacts(
+        "tiny", "bfloat16", BLOCK, LAYERS, BLOCK_BYTES, "test-layout", 1, "kv_both", kv_events=True
+    )
+    return ConnectorScheduler(config, facts)
+
+
+def _hashed(rid, tokens):
+    return request(
+        rid, tokens, block_hashes=[f"{rid}-{tokens[i]}".encode() for i in range(0, len(tokens) - 127, 128)]
+    )
+
+
+def test_stores_and_evictions_are_block_events_with_vllms_block_hashes(tmp_path):
+    from connector.engine.block_events import BlocksRemoved, BlocksStored
+
+    chunk = 2 * BLOCK_BYTES * LAYERS
+    s = _events_scheduler(max_local_cpu_size=gb(2 * chunk), local_disk=str(tmp_path), max_local_disk_size=1)
+    a = _hashed("a", PROMPT)
+    admit_fully(s, a, blocks(0, 5))
+    events = s.block_events.take()
+    assert [(e.medium, e.block_hashes, e.parent_block_hash) for e in events] == [
+        ("cpu", tuple(a.block_hashes[0:2]), None),
+        ("disk", tuple(a.block_hashes[0:2]), None),
+        ("cpu", tuple(a.block_hashes[2:4]), a.block_hashes[1]),
+        ("disk", tuple(a.block_hashes[2:4]), a.block_hashes[1]),
+    ]
+    assert all(isinstance(e, BlocksStored) and e.block_size == 128 for e in events)
+    assert events[2].token_ids == tuple(PROMPT[256:512])
+    s.finish(a)
+    b = _hashed("b", list(range(5000, 5600)))
+    admit_fully(s, b, blocks(10, 5))  # the CPU tier holds two chunks: a's leave it, not the disk
+    events = s.block_events.take()
+    removed = [e for e in events if isinstance(e, BlocksRemoved)]
+    assert [(e.medium, e.block_hashes) for e in removed] == [
+        ("cpu", tuple(a.block_hashes[0:2])),
+        ("cpu", tuple(a.block_hashes[2:4])),
+    ]
+    s.reset()
+    s.build_plan(step())
+    cleared = s.block_events.take()
+    assert {(e.medium, e.block_hashes) for e in cleared} == {
+        ("disk", tuple(a.block_hashes[0:2])),
+        ("disk", tuple(a.block_hashes[2:4])),
+        ("cpu", tuple(b.block_hashes[0:2])),
+        ("disk", tuple(b.block_hashes[0:2])),
+        ("cpu", tuple(b.block_hashes[2:4])),
+        ("disk", tuple(b.block_hashes[2:4])),
+    }
+    assert len(s.block_events) == 0  # nothing held: nothing remembered
+
+
+def test_without_kv_events_nothing_is_collected():
+    s = scheduler()
+    admit_fully(s, _hashed("a", PROMPT), blocks(0, 5))
+    assert not s.block_events.enabled and s.block_events.take() == [] and len(s.block_events) == 0
