@@ -195,10 +195,14 @@ def _key_of(name: str) -> str:
 
 
 def _parse_env_value(raw: str) -> Any:
-    """Env values are strings; accept JSON/YAML scalars ("true", "256", "null", "{...}")."""
+    """Env values are strings; accept JSON/YAML scalars ("true", "256", "null", "{...}").
+
+    A value YAML cannot turn into data stays a string, and validation names its key:
+    ValueError is an integer past Python's int-to-str digit limit, RecursionError deep nesting.
+    """
     try:
         return yaml.safe_load(raw)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, RecursionError):
         return raw
 
 
@@ -208,11 +212,11 @@ def _from_yaml(path: str) -> dict[str, Any]:
             data = yaml.safe_load(f) or {}
     except OSError as e:
         raise ConfigError(f"LMCACHE_CONFIG_FILE={path!r} cannot be read: {e}") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"LMCACHE_CONFIG_FILE={path!r} is not valid YAML: {e}") from e
+    except (yaml.YAMLError, ValueError, RecursionError) as e:  # as in _parse_env_value
+        raise ConfigError(f"LMCACHE_CONFIG_FILE={path!r} is not valid YAML: {str(e)[:200]}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"LMCACHE_CONFIG_FILE={path!r} must hold a mapping of keys")
-    return {_key_of(k): v for k, v in data.items()}
+    return {_key_of(str(k)): v for k, v in data.items()}  # "1: x" is an unknown key '1', named
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
@@ -256,7 +260,9 @@ def _merge(*layers: dict[str, Any]) -> dict[str, Any]:
                     continue
             elif key.startswith("extra_config."):
                 sub = key[len("extra_config.") :]
-                merged.setdefault("extra_config", {})[sub] = value
+                section = merged.setdefault("extra_config", {})
+                if isinstance(section, dict):  # else validation names the non-mapping extra_config
+                    section[sub] = value
                 continue
             merged[key] = value
     return merged
@@ -265,7 +271,7 @@ def _merge(*layers: dict[str, Any]) -> dict[str, Any]:
 def _parse_json_or_yaml(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return _parse_env_value(text)
 
 

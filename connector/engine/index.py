@@ -116,23 +116,32 @@ class TierIndex:
         return victims
 
     def pin(self, key: str) -> bool:
+        return self.hold(key) is not None
+
+    def hold(self, key: str) -> Entry | None:
+        """Pin ``key``; the entry pinned, to hand back to ``unpin`` (None: not stored)."""
         entry = self._entries.get(key)
         if entry is None:
-            return False
+            return None
         if entry.pins == 0:
             self._pinned_keys += 1
             self._pinned_bytes += entry.nbytes
         entry.pins += 1
-        return True
+        return entry
 
-    def unpin(self, key: str) -> None:
-        entry = self._entries.get(key)
-        if entry is None or entry.pins == 0:
+    def unpin(self, key: str, entry: Entry | None = None) -> None:
+        """Drop one pin of ``key``; given ``entry``, only while that entry is still the one stored.
+
+        A pinned key can be removed (a failed load, another engine deleted it) and stored
+        again; the old pin must not release the pin a later request took on the new entry.
+        """
+        current = self._entries.get(key)
+        if current is None or current.pins == 0 or (entry is not None and current is not entry):
             return
-        entry.pins -= 1
-        if entry.pins == 0:
+        current.pins -= 1
+        if current.pins == 0:
             self._pinned_keys -= 1
-            self._pinned_bytes -= entry.nbytes
+            self._pinned_bytes -= current.nbytes
 
     def update_size(self, key: str, nbytes: int) -> None:
         entry = self._entries.get(key)
@@ -162,21 +171,21 @@ class PinTable:
     """Which (tier, key) pins each request holds, so release is exact and idempotent."""
 
     def __init__(self) -> None:
-        self._by_request: dict[str, list[tuple[TierIndex, str]]] = {}
+        self._by_request: dict[str, list[tuple[TierIndex, str, Entry]]] = {}
 
     def __len__(self) -> int:
         return len(self._by_request)
 
     def pin(self, request_id: str, pins: Iterable[tuple[TierIndex, str]]) -> None:
         self.release(request_id)
-        held = [(tier, key) for tier, key in pins if tier.pin(key)]
+        held = [(tier, key, entry) for tier, key in pins if (entry := tier.hold(key)) is not None]
         if held:
             self._by_request[request_id] = held
 
     def release(self, request_id: str) -> int:
         held = self._by_request.pop(request_id, [])
-        for tier, key in held:
-            tier.unpin(key)
+        for tier, key, entry in held:
+            tier.unpin(key, entry)
         return len(held)
 
     def holds(self, request_id: str) -> bool:

@@ -39,7 +39,11 @@ class Namespace:
     tags: tuple[tuple[str, str], ...] = ()
 
     def seed(self) -> bytes:
-        h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"kvlens-ns-v1")
+        # v1 wrote a tag as one part "name=value", so {"a=b": "c"} and {"a": "b=c"} shared
+        # keys. v2 writes name and value as parts of their own; only tagged namespaces use
+        # it, so untagged keys (and the chunks already stored under them) stay as they were.
+        person = b"kvlens-ns-v2" if self.tags else b"kvlens-ns-v1"
+        h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=person)
         for part in (
             self.model,
             self.dtype,
@@ -47,7 +51,7 @@ class Namespace:
             str(self.world_size),
             self.lora or "",
             self.cache_salt or "",
-            *(f"{k}={v}" for k, v in self.tags),
+            *(part for tag in self.tags for part in tag),
         ):
             data = part.encode()
             h.update(len(data).to_bytes(8, "little"))

@@ -40,8 +40,10 @@ def decode(record: bytearray | memoryview, name: str, layout: str) -> memoryview
         raise ChunkCorrupt(f"{name}: truncated header")
     try:
         header = json.loads(bytes(view[fixed : fixed + hlen]))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: a header of nested brackets
         raise ChunkCorrupt(f"{name}: unreadable header") from e
+    if not isinstance(header, dict):
+        raise ChunkCorrupt(f"{name}: header is not a JSON object")
     if header.get("name") != name or header.get("layout") != layout:
         raise ChunkCorrupt(f"{name}: record is for another chunk or KV layout")
     payload = view[fixed + hlen :]

@@ -70,3 +70,17 @@ def test_clear_keeps_pinned():
     t.pin("b")
     assert t.clear() == ["a"]
     assert t.keys() == ["b"]
+
+
+def test_a_pin_on_a_forgotten_chunk_does_not_release_the_chunk_stored_again():
+    """Found by test_engine_properties: r1's stale pin released r2's pin, and 'a' was evicted."""
+    t = TierIndex("cpu", 100)
+    pins = PinTable()
+    t.admit("a", 60)
+    pins.pin("r1", [(t, "a")])
+    t.remove("a")  # a failed load, or another engine deleted the file
+    t.admit("a", 60)  # a later request stores it again
+    pins.pin("r2", [(t, "a")])
+    pins.release("r1")
+    assert t.pinned_keys == 1 and t.pinned_bytes == 60
+    assert t.admit("b", 60) is None  # r2 still holds 'a'

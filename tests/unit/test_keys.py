@@ -103,3 +103,15 @@ def test_tags_must_be_strings():
         assert "lmcache.tag.user" in str(e)
     else:
         raise AssertionError("a dict tag must be rejected")
+
+
+def test_tags_that_join_to_the_same_text_are_different_namespaces():
+    """Found by test_engine_properties: v1 hashed a tag as "name=value", so these two collided."""
+    a = NS.with_request(None, None, {"a=b": "c"})
+    b = NS.with_request(None, None, {"a": "b=c"})
+    assert chunk_keys(a, [1], 1, True) != chunk_keys(b, [1], 1, True)
+
+
+def test_untagged_keys_are_unchanged_by_the_tag_encoding():
+    """Chunks stored before tags got their own encoding stay reachable."""
+    assert chunk_keys(NS, list(range(4)), 2, False)[0].hex == "622b18267c4051312c40973f8c3a9028"
