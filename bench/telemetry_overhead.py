@@ -18,6 +18,11 @@ Each "on" pass ends by building and exporting its spans (inside the timed region
 telemetry work spills into the next pass; with the usual 5-second batching the export would
 overlap later work instead, so this is an upper bound.
 
+``--compare request_log`` and ``--compare whatif`` measure one insight feature the same way
+instead, with tracing and metrics on in both passes: the per-request log (every request
+written, sample rate 1) and the what-if sizing curves (recording on the step loop plus the
+feeder thread). Only the A/B figures are reported for those.
+
 Reported: median per-pass wall time on and off, the median of the paired on/off ratios, and,
 from separate accounting passes, the time spent inside KVLens telemetry per request: on the
 engine's step loop (wall time, what delays requests) and on background threads (CPU time of
@@ -118,6 +123,12 @@ def main() -> None:
     ap.add_argument("--suffix", type=int, default=256, help="new tokens per request (computed and stored)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument(
+        "--compare",
+        choices=("telemetry", "request_log", "whatif"),
+        default="telemetry",
+        help="what is switched on and off between passes",
+    )
     args = ap.parse_args()
 
     sink, port = start_sink()
@@ -176,9 +187,21 @@ def run(args: argparse.Namespace, sink_port: int) -> None:
     prefixes = [[rng.randrange(10, vocab - 1) for _ in range(args.prefix)] for _ in range(args.requests)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, ignore_eos=True)
 
+    sched = scheduler_connector._scheduler
+    whatif = sched.whatif
+    from telemetry.request_log import RequestLog
+
+    request_log = RequestLog(str(Path(tempfile.mkdtemp(prefix="kvlens-bench-")) / "requests.jsonl"))
+
     def set_mode(on: bool) -> None:
-        scheduler_tel.configure(tracing=on, metrics=on)
-        worker_tel.configure(tracing=on, metrics=on)
+        if args.compare == "telemetry":
+            scheduler_tel.configure(tracing=on, metrics=on)
+            worker_tel.configure(tracing=on, metrics=on)
+        elif args.compare == "request_log":
+            scheduler_tel._requests = request_log if on else None
+            scheduler_tel.configure(tracing=True, metrics=True)
+        else:
+            sched.whatif = whatif if on else None
 
     def one_pass() -> tuple[float, int]:
         prompts = [
@@ -216,6 +239,10 @@ def run(args: argparse.Namespace, sink_port: int) -> None:
             f"ratio {ratios[-1]:.4f}",
             flush=True,
         )
+
+    if args.compare != "telemetry":
+        report_ab(args, on_times, off_times, ratios)
+        return
 
     # Accounting passes: time inside KVLens telemetry itself, with everything on.
     set_mode(True)
@@ -307,6 +334,25 @@ def run(args: argparse.Namespace, sink_port: int) -> None:
         f"all telemetry together = {result['total_share_of_wall'] * 100:.3f}% of end-to-end time"
     )
     if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+def report_ab(
+    args: argparse.Namespace, on_times: list[float], off_times: list[float], ratios: list[float]
+) -> None:
+    med_on, med_off, paired = (
+        statistics.median(on_times),
+        statistics.median(off_times),
+        statistics.median(ratios),
+    )
+    print(
+        f"\n{args.compare} on/off: median paired ratio {paired:.4f} ({(paired - 1) * 100:+.2f}%), "
+        f"range {min(ratios):.4f}..{max(ratios):.4f}; "
+        f"per pass on {med_on * 1000:.1f} ms, off {med_off * 1000:.1f} ms"
+    )
+    if args.json:
+        result = {"compare": args.compare, "median_paired_ratio": paired, "paired_ratio_min": min(ratios)}
+        result |= {"paired_ratio_max": max(ratios), "median_pass_on_s": med_on, "median_pass_off_s": med_off}
         Path(args.json).write_text(json.dumps(result, indent=2))
 
 
