@@ -220,6 +220,14 @@ def latency_and_throughput(frame: pd.DataFrame, window: float) -> None:
     with right:
         st.subheader("Operations")
         chart(views.operations(frame, window), charts.OPS_PER_S, NO_TRAFFIC)
+    if views.has_series(frame, views.kvlens("remote_seconds", "_count")):
+        st.subheader("Remote tier (Redis) round trips")
+        cols = st.columns(3)
+        for col, op in zip(cols, ("exists", "get", "put"), strict=True):
+            with col:
+                st.caption(f"{op} ({'lookup' if op == 'exists' else 'load' if op == 'get' else 'store'})")
+                chart(views.remote_round_trips(frame, op, window), charts.MS, f"No remote {op} in range.")
+        chart(views.remote_errors(frame, window), charts.OPS_PER_S, "No remote errors in range.")
     st.subheader("Background write queue")
     queue = views.gauge(frame, views.kvlens("pending_writes"), ("instance",))
     chart(queue, charts.COUNT, "No background writer reported.")

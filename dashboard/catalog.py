@@ -19,6 +19,7 @@ LABELS = (
     "tier",
     "operation",
     "reason",
+    "kind",
     "source",
     "le",
     "budget_factor",

@@ -135,6 +135,11 @@ def total(frame: pd.DataFrame, name: str, by: Sequence[str] = (), **labels: str)
     return last.groupby(list(by))["value"].sum() if by else pd.Series({"": last["value"].sum()})
 
 
+def has_series(frame: pd.DataFrame, name: str) -> bool:
+    """Whether any instance exports ``name`` (e.g. the remote tier's round trips)."""
+    return not select(frame, name).empty
+
+
 def scalar(series: pd.Series) -> float:
     return float(series.sum()) if not series.empty else 0.0
 
@@ -311,6 +316,18 @@ def save_skips_by_reason(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S
 
 def latency(frame: pd.DataFrame, operation: str, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
     return quantiles(frame, kvlens("operation_seconds", "_bucket"), window_s=window_s, operation=operation)
+
+
+def remote_round_trips(
+    frame: pd.DataFrame, operation: str, window_s: float = DEFAULT_WINDOW_S
+) -> pd.DataFrame:
+    """Quantiles of the remote tier's round trips (exists: a lookup; get: a load; put, delete)."""
+    return quantiles(frame, kvlens("remote_seconds", "_bucket"), window_s=window_s, operation=operation)
+
+
+def remote_errors(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
+    """Failed remote round trips per second, by operation and kind (timeout, connection, oom...)."""
+    return rate(frame, kvlens("remote_errors"), ("operation", "kind"), window_s)
 
 
 def transfer_speed(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:

@@ -37,6 +37,7 @@ class Panel:
     x_field: str | None = None  # trend: the numeric field on the x axis
     log2_x: bool = False  # trend: a log2 x axis
     overrides: tuple[tuple[str, dict[str, Any]], ...] = field(default=())  # (field name regex, properties)
+    needs_remote: bool = False  # data only where a remote tier (Redis) is configured
 
 
 def rate_sum(name: str, by: str = "", matchers: str = "", window: str = "$__rate_interval") -> str:

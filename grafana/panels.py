@@ -298,6 +298,30 @@ PANELS: tuple[Panel, ...] = (
     ),
     Panel(
         "Latency and throughput",
+        "Remote tier round trips (p95)",
+        "s",
+        (Target(quantile(0.95, "vllm:kvlens_remote_seconds_bucket", by="operation"), "{{operation}}"),),
+        "Redis round trips by operation: exists (a lookup's one check), get (a load), put and delete "
+        "(background). Empty without a remote tier.",
+        needs_remote=True,
+    ),
+    Panel(
+        "Latency and throughput",
+        "Remote tier traffic and errors",
+        "Bps",
+        (
+            Target(rate_sum("vllm:kvlens_remote_bytes_total", by="operation"), "{{operation}}"),
+            Target(
+                rate_sum("vllm:kvlens_remote_errors_total", by="operation, kind"),
+                "errors {{operation}} {{kind}}",
+            ),
+        ),
+        "Bytes per second to and from Redis, and failed round trips per second by kind (timeout, "
+        "connection, oom, readonly, cluster, ...). Empty without a remote tier.",
+        needs_remote=True,
+    ),
+    Panel(
+        "Latency and throughput",
         "Time to first token and prefill (vLLM)",
         "s",
         (

@@ -130,6 +130,8 @@ def values_by_legend(live, title: str) -> dict[str, float]:
 def test_every_dashboard_panel_returns_data(live):
     empty = []
     for p in PANELS:
+        if p.needs_remote:  # no Redis in this stack: tests/redis/test_serve_remote.py has its series
+            continue
         for t in p.targets:
             if not finite_values(query(live, with_selector(t.expr))):
                 empty.append(f"{p.row} / {p.title} / {t.legend or t.expr}")

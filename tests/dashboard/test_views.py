@@ -174,3 +174,18 @@ def test_instance_table_has_one_row_per_instance():
     t = views.instance_table(f)
     assert list(t.index) == ["a:1", "b:1"]
     assert list(t["KVLens hit rate"]) == [0.5, 0.0]
+
+
+def test_remote_round_trips_and_errors_show_when_a_remote_tier_reports():
+    name = "vllm:kvlens_remote_seconds_bucket"
+    rows = []
+    for le, values in (("0.001", [0, 10, 20]), ("+Inf", [0, 10, 20])):
+        rows += series(name, values, operation="exists", le=le)
+    rows += series("vllm:kvlens_remote_seconds_count", [0, 10, 20], operation="exists")
+    rows += series("vllm:kvlens_remote_errors_total", [0, 3, 6], operation="get", kind="timeout")
+    f = frame(*rows)
+    assert views.has_series(f, "vllm:kvlens_remote_seconds_count")
+    assert not views.has_series(frame(*series("vllm:kvlens_lookup_requests_total", [0, 1])), name)
+    assert views.remote_round_trips(f, "exists", window_s=10).loc[10, "p50"] == pytest.approx(0.0005)
+    errors = views.remote_errors(f, window_s=10)
+    assert errors.iloc[-1].sum() == pytest.approx(0.3)
