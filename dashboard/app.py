@@ -265,6 +265,19 @@ def tiers_and_leaks(frame: pd.DataFrame, fleet: pd.DataFrame, window: float, idl
         st.subheader("Pinned bytes")
         pinned = views.gauge(frame, views.kvlens("pinned_bytes"), ("tier",))
         chart(pinned, charts.MB, "No pinned bytes reported.")
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Tier health")
+        health = views.gauge(frame, views.kvlens("tier_health"), ("tier",))
+        chart(health, charts.COUNT, "No tier health reported.")
+        st.caption("2 healthy, 1 failing (errors seen, still used), 0 skipped (probed with backoff).")
+    with right:
+        st.subheader("Suspect blocks")
+        suspects = views.gauge(frame, views.kvlens("suspect_blocks"), ("instance",))
+        chart(suspects, charts.COUNT, "No suspect blocks reported.")
+        st.caption(
+            "vLLM blocks whose load failed and that no step has rewritten yet: nothing is stored over them."
+        )
 
 
 def failures_view(frame: pd.DataFrame, window: float, logs: tuple[str, ...]) -> None:

@@ -426,6 +426,22 @@ PANELS: tuple[Panel, ...] = (
     ),
     # ---- Failures ------------------------------------------------------------------------------
     Panel(
+        "Tiers and leaks",
+        "Tier health",
+        "short",
+        (Target("min by (tier) (vllm:kvlens_tier_health)", "{{tier}}"),),
+        "2 healthy, 1 failing (errors seen, still used), 0 skipped (nothing loaded or stored; probed after "
+        "1, 2, 4 ... 60 s until a probe succeeds). The worst instance per tier.",
+    ),
+    Panel(
+        "Tiers and leaks",
+        "Suspect blocks",
+        "short",
+        (Target("sum by (instance) (vllm:kvlens_suspect_blocks)", "{{instance}}"),),
+        "vLLM blocks whose load failed and that no step has rewritten yet: no chunk computed over them is "
+        "stored. Returns to 0 once vLLM recomputes them.",
+    ),
+    Panel(
         "Failures",
         "Failed blocks by reason",
         "cps",
