@@ -1,10 +1,13 @@
-"""What the remote tier costs: put/get throughput of 4 MB chunks and lookup round trips, in one run.
+"""What the remote tier costs next to the CPU and disk tiers: put/get throughput of 4 MB chunks
+and lookup round trips, in one run.
 
     .venv/bin/python bench/redis_tier.py [--quick] [--out results.json] [--url redis://host:port/0]
 
 Without --url a private redis-server is started on a free loopback port (no persistence) and
 stopped at the end. Side by side, on the same payloads: a plain in-process ``bytes`` copy (the
-ceiling any tier that leaves the process is measured against), ``RedisTier.put``/``get`` one
+ceiling any tier is measured against; the CPU tier is exactly this: it keeps the buffer the
+worker gathered from vLLM's blocks, with no copy of its own), the disk tier (a temporary
+directory, so the page cache is warm: what a recently written chunk costs), then ``RedisTier.put``/``get`` one
 chunk per call, ``put_many``/``get_many`` in batches, and ``exists_many`` for 16 and 128 names
 (half present), the call a lookup makes. Throughput is the median over rounds, in GB/s of payload;
 times are medians in milliseconds. --quick runs in a few seconds (CI keeps the script working).
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import redis  # noqa: E402
 
+from connector.tiers.disk import DiskTier  # noqa: E402
 from connector.tiers.redis_tier import RedisTier  # noqa: E402
 from connector.tiers.remote_url import parse_remote_url  # noqa: E402
 
@@ -106,8 +110,19 @@ def run(url: str, chunks: int, chunk_mb: int, batch: int, rounds: int, lookups: 
         for i in range(0, chunks, batch):
             assert all(isinstance(g, memoryview) for g in tier.get_many(names[i : i + batch]))
 
+    disk_dir = tempfile.TemporaryDirectory(prefix="kvlens-bench-disk-")
+    disk = DiskTier(disk_dir.name, "bench-layout")
+
+    def tier_put(t: object) -> Callable[[], None]:
+        return lambda: [t.put(n, p) for n, p in zip(names, payloads, strict=True)]  # type: ignore[attr-defined]
+
+    def tier_get(t: object) -> Callable[[], None]:
+        return lambda: [t.get(n) for n in names]  # type: ignore[attr-defined]
+
     steps = [
         ("bytes copy (in process)", copy_all),
+        ("disk tier put", tier_put(disk)),
+        ("disk tier get", tier_get(disk)),
         ("put, one per call", put_each),
         ("get, one per call", get_each),
         (f"put_many, {batch} per call", put_batches),
@@ -116,6 +131,8 @@ def run(url: str, chunks: int, chunk_mb: int, batch: int, rounds: int, lookups: 
     for label, fn in steps:
         gbps[label] = total / median_time(fn, rounds) / 1e9
     assert bytes(tier.get(names[0])) == bytes(payloads[0])
+    assert bytes(disk.get(names[0])) == bytes(payloads[0])
+    disk_dir.cleanup()
 
     lookup_ms = {}
     tier.clear()
