@@ -23,10 +23,12 @@ Prints a table; writes .run/bench/results/ttft_peers.json and .png (see --out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,26 @@ def new_record() -> dict[str, Any]:
         "first_token_matches",
     )
     return {k: [] for k in keys}
+
+
+@contextlib.contextmanager
+def failing_mode(
+    bench: Run, live: list[LiveMode], lm: LiveMode, results: dict, stores: dict
+) -> Iterator[None]:
+    """A mode whose server fails a request (its engine died, it hung) leaves the run as
+    "unavailable", with the reason; the other modes go on."""
+    try:
+        yield
+    except (OSError, TimeoutError) as e:  # urllib's HTTPError and URLError are OSErrors
+        live.remove(lm)  # the batch stops only the servers still in ``live``
+        lm.server.stop()
+        if lm.sidecar is not None:
+            lm.sidecar.stop()
+        results.pop(lm.mode.name, None)
+        stores.pop(lm.mode.name, None)
+        bench.skip(
+            lm.mode, f"failed during the measurement ({_first_line(str(e), 100)}); log {lm.server.log_path}"
+        )
 
 
 def warm_up(lm: LiveMode, tokens: list[int]) -> None:
@@ -164,25 +186,30 @@ def run(args: argparse.Namespace) -> int:
     stores: dict[str, dict[str, Any]] = {}
     with stop_on_signals():
         for live in bench.batches(shape):
-            for lm in live:
-                warm_up(lm, warm)
-                results[lm.mode.name] = new_record()
+            for lm in list(live):
+                with failing_mode(bench, live, lm, results, stores):
+                    warm_up(lm, warm)
+                    results[lm.mode.name] = new_record()
             for i, tokens in enumerate(prompts):
                 for lm in rotated(live, i):
-                    measure_prompt(lm, tokens, args.pairs, results[lm.mode.name])
-                    print(f"   prompt {i}: {lm.mode.name:12s} {_progress(results[lm.mode.name])}", flush=True)
-            kvlens = [lm for lm in live if lm.mode.connector == "kvlens"]
+                    with failing_mode(bench, live, lm, results, stores):
+                        measure_prompt(lm, tokens, args.pairs, results[lm.mode.name])
+                        print(
+                            f"   prompt {i}: {lm.mode.name:12s} {_progress(results[lm.mode.name])}",
+                            flush=True,
+                        )
             for j in range(args.store_pairs):
                 pair = (
                     prompt(args.seed * 7919 + 2 * j, args.tokens, vocab),
                     prompt(args.seed * 7919 + 2 * j + 1, args.tokens, vocab),
                 )
-                for lm in rotated(kvlens, j):
+                for lm in rotated([lm for lm in live if lm.mode.connector == "kvlens"], j):
                     rec = stores.setdefault(
                         lm.mode.name,
                         {k: [] for k in ("store_s", "skip_s", "ratio", "store_timer_s", "skip_reasons")},
                     )
-                    measure_store_pairs(lm, [pair], j, rec)
+                    with failing_mode(bench, live, lm, results, stores):
+                        measure_store_pairs(lm, [pair], j, rec)
     summary = summarize(bench, results, stores, args)
     bench.finish(
         {

@@ -208,6 +208,10 @@ class VllmServer(ManagedProcess):
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
         cmd += ["--served-model-name", SERVED_MODEL_NAME, "--enforce-eager", "--dtype", "bfloat16"]
         cmd += ["--max-model-len", str(max_model_len), "--seed", "0", "--enable-prompt-tokens-details"]
+        # One prompt, one prefill step, in every mode: vLLM's ExampleConnector saves what each
+        # step computed and reloads it as one tensor, so a prompt split by chunked prefill
+        # (2,048 tokens a step by default) kills its engine with a shape mismatch on the hit.
+        cmd += ["--max-num-batched-tokens", str(max(max_model_len, 2048))]
         cmd += ["--disable-uvicorn-access-log"]
         if kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
