@@ -1,0 +1,116 @@
+"""The benchmark models: deterministic random Llamas built locally, once, under ``.run/bench``.
+
+There is no model hub here; ``connector.tiny_model`` writes a checkpoint vLLM loads like any
+other. The same arguments give byte-identical files, so a model is rebuilt only when its
+arguments or the builder change (a stamp file records both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .paths import REPO, RUN_DIR
+
+BUILD_TIMEOUT_S = 900.0
+STAMP = ".bench-stamp"
+BYTES_PER_ELEMENT = 2  # bf16
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str  # directory name under .run/bench/models
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    max_pos: int
+    vocab: int = 2000
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token takes in vLLM's cache (K and V, every layer, bf16)."""
+        return 2 * self.kv_heads * self.head_dim * BYTES_PER_ELEMENT * self.layers
+
+    def builder_args(self) -> list[str]:
+        return [
+            f"--layers={self.layers}",
+            f"--hidden={self.hidden}",
+            f"--heads={self.heads}",
+            f"--kv-heads={self.kv_heads}",
+            f"--intermediate={self.intermediate}",
+            f"--max-pos={self.max_pos}",
+            f"--vocab={self.vocab}",
+            f"--seed={self.seed}",
+        ]
+
+
+# --quick: the test suite's tiny model (3M parameters); a 1,000-token prefill takes ~0.3 s.
+TINY = ModelSpec("tiny", layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512, max_pos=8192)
+# Full runs: the model of REFERENCE.md section 9 (hidden 1024, 8 layers, ~126M parameters,
+# 16 KiB of KV per token: a 3,000-token prompt is 49 MB of KV).
+BENCH = ModelSpec(
+    "llama-h1024-l8", layers=8, hidden=1024, heads=16, kv_heads=8, intermediate=4096, max_pos=8192
+)
+
+
+def _stamp(spec: ModelSpec) -> str:
+    builder = (REPO / "connector" / "tiny_model.py").read_bytes()
+    return json.dumps({"spec": asdict(spec), "builder_sha256": hashlib.sha256(builder).hexdigest()[:16]})
+
+
+@contextlib.contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    """One builder at a time (two benchmarks started together build the model once)."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def model_dir(spec: ModelSpec, root: Path = RUN_DIR / "models") -> Path:
+    return root / spec.name
+
+
+def ensure_model(spec: ModelSpec, root: Path = RUN_DIR / "models") -> Path:
+    """The model's directory, built first if missing or stale."""
+    out = model_dir(spec, root)
+    stamp = _stamp(spec)
+    with _locked(root):
+        if (out / "model.safetensors").exists() and _read(out / STAMP) == stamp:
+            return out
+        tmp = root / f".{spec.name}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"building the benchmark model {spec.name} in {out} (once)", flush=True)
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        cmd = [sys.executable, "-m", "connector.tiny_model", str(tmp), *spec.builder_args()]
+        subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=BUILD_TIMEOUT_S, stdout=subprocess.DEVNULL)
+        (tmp / STAMP).write_text(stamp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return out
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None

@@ -1,0 +1,174 @@
+"""The modes a benchmark puts side by side, and what each configures in vLLM.
+
+A mode is a vLLM server configured one way: no connector (vLLM's prefix caching only), the
+same with enough KV memory for the whole working set (the ceiling), KVLens with one storage
+tier, vLLM's ``ExampleConnector``, or LMCache in its multiprocess mode. Every mode gets the
+same model, worker cores and KV-memory settings; only ``--kv-transfer-config`` (and, for the
+ceiling, the KV block limit) differs. KVLens is treated as a black box configured only through
+``--kv-transfer-config``, as users configure it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .paths import REPO, peers_tmp
+
+LMCACHE_SETUP = REPO / "bench" / "peers" / "lmcache_mp_setup.sh"
+LMCACHE_SETUP_TIMEOUT_S = 1200.0
+LMCACHE_MQ_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    name: str  # as given to --modes and used in the JSON
+    label: str  # for the table and the plot
+    connector: str | None  # None, "kvlens", "example", "lmcache"
+    tier: str | None = None  # KVLens's tier
+    ceiling: bool = False  # vLLM's KV memory is not limited by the workload
+    optional: bool = False  # a peer: when it cannot run, the run goes on without it
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What the modes are configured with (from the command line)."""
+
+    storage_dir: Path  # disk tier and ExampleConnector files (removed at the end of a run)
+    kvlens_chunk_size: int = 256
+    kvlens_cpu_gb: float = 4.0
+    kvlens_disk_gb: float = 8.0
+    kvlens_remote_url: str | None = None
+    lmcache_chunk_size: int = 128
+    lmcache_l1_gb: float = 2.0
+    lmcache_venv: Path = peers_tmp() / "venv-lmcache"
+
+
+def _kvlens_cpu(s: Settings) -> dict[str, Any]:
+    return {"lmcache.local_cpu": True, "lmcache.max_local_cpu_size": s.kvlens_cpu_gb}
+
+
+def _kvlens_disk(s: Settings) -> dict[str, Any]:
+    return {
+        "lmcache.local_cpu": False,
+        "lmcache.local_disk": str(s.storage_dir / "kvlens-disk"),
+        "lmcache.max_local_disk_size": s.kvlens_disk_gb,
+    }
+
+
+def _kvlens_remote(s: Settings) -> dict[str, Any]:
+    if not s.kvlens_remote_url:
+        raise ValueError("the KVLens remote tier needs --kvlens-remote-url (e.g. redis://127.0.0.1:6379)")
+    return {"lmcache.local_cpu": False, "lmcache.remote_url": s.kvlens_remote_url}
+
+
+# KVLens tiers by name: the hook for new tiers (--kvlens-tiers cpu,disk,remote).
+KVLENS_TIERS: dict[str, Callable[[Settings], dict[str, Any]]] = {
+    "cpu": _kvlens_cpu,
+    "disk": _kvlens_disk,
+    "remote": _kvlens_remote,
+}
+
+FIXED_MODES = {
+    "none": Mode("none", "no connector", None),
+    "ceiling": Mode("ceiling", "ceiling (no connector, KV memory for all)", None, ceiling=True),
+    "example": Mode("example", "vLLM ExampleConnector (disk)", "example"),
+    "lmcache": Mode("lmcache", "LMCache 0.5.6 MP mode", "lmcache", optional=True),
+}
+
+
+def kvlens_mode(tier: str) -> Mode:
+    if tier not in KVLENS_TIERS:
+        raise ValueError(f"unknown KVLens tier {tier!r}; known: {', '.join(KVLENS_TIERS)}")
+    return Mode(f"kvlens-{tier}", f"KVLens {tier} tier", "kvlens", tier=tier)
+
+
+def parse_modes(spec: str, tiers: str) -> list[Mode]:
+    """``none,kvlens,example,lmcache`` with ``kvlens`` standing for one mode per tier in ``tiers``."""
+    modes: list[Mode] = []
+    for name in (n.strip() for n in spec.split(",") if n.strip()):
+        if name == "kvlens":
+            modes += [kvlens_mode(t.strip()) for t in tiers.split(",") if t.strip()]
+        elif name.startswith("kvlens-"):
+            modes.append(kvlens_mode(name.removeprefix("kvlens-")))
+        elif name in FIXED_MODES:
+            modes.append(FIXED_MODES[name])
+        else:
+            raise ValueError(
+                f"unknown mode {name!r}; known: {', '.join([*FIXED_MODES, 'kvlens', 'kvlens-<tier>'])}"
+            )
+    names = [m.name for m in modes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a mode is named twice in {names}")
+    return modes
+
+
+def kv_transfer_config(mode: Mode, s: Settings, lmcache_port: int | None = None) -> dict[str, Any] | None:
+    """The mode's ``--kv-transfer-config`` (None: no connector)."""
+    if mode.connector is None:
+        return None
+    if mode.connector == "kvlens":
+        assert mode.tier is not None
+        extra = {"lmcache.chunk_size": s.kvlens_chunk_size, **KVLENS_TIERS[mode.tier](s)}
+        return {
+            "kv_connector": "KVLensConnector",
+            "kv_connector_module_path": "connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        }
+    if mode.connector == "example":
+        path = s.storage_dir / "example-connector"
+        return {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(path)},
+        }
+    if mode.connector == "lmcache":
+        assert lmcache_port is not None
+        return {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "lmcache.mp.host": "tcp://127.0.0.1",
+                "lmcache.mp.port": lmcache_port,
+                "lmcache.mp.mq_timeout": LMCACHE_MQ_TIMEOUT_S,
+                "lmcache.mp.mp_transfer_mode": "engine_driven",
+            },
+        }
+    raise ValueError(f"mode {mode.name}: unknown connector {mode.connector!r}")
+
+
+def lmcache_venv_problem(venv: Path, build: bool) -> str | None:
+    """None when LMCache's virtualenv can run the peer; else why not. With ``build``, the
+    recipe's setup script creates or completes it first (idempotent; ~2 minutes from scratch)."""
+    if build:
+        print(f"setting up LMCache's virtualenv {venv} (bench/peers/lmcache_mp_setup.sh)", flush=True)
+        try:
+            done = subprocess.run(
+                ["bash", str(LMCACHE_SETUP)],
+                env={**os.environ, "PEERS_TMP": str(venv.parent)},
+                capture_output=True,
+                text=True,
+                timeout=LMCACHE_SETUP_TIMEOUT_S,
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"its setup script failed: {e}"
+        if done.returncode != 0:
+            tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+            return f"its setup script exited with {done.returncode}: {' | '.join(tail)}"
+        if venv.name != "venv-lmcache":
+            return f"the setup script builds {venv.parent}/venv-lmcache, not {venv}"
+    for exe in ("python", "lmcache"):
+        if not (venv / "bin" / exe).exists():
+            hint = (
+                ""
+                if build
+                else " (build it with --lmcache-setup yes or bash bench/peers/lmcache_mp_setup.sh)"
+            )
+            return f"no {venv / 'bin' / exe}{hint}"
+    return None
