@@ -26,6 +26,7 @@ import itertools
 import json
 import os
 import random
+import re
 import resource
 import shutil
 import statistics
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,11 +83,17 @@ class RssSampler(threading.Thread):
         super().__init__(name="soak-rss", daemon=True)
         self.pgid, self.interval_s = pgid, interval_s
         self.peak = self.first = tree_rss_bytes(pgid)
+        self.history = [self.first]  # every sample, to tell growth that levels off from a leak
         self._halt = threading.Event()
 
     def run(self) -> None:
         while not self._halt.wait(self.interval_s):
-            self.peak = max(self.peak, tree_rss_bytes(self.pgid))
+            self.history.append(tree_rss_bytes(self.pgid))
+            self.peak = max(self.peak, self.history[-1])
+
+    def timeline_mb(self, points: int = 10) -> list[int]:
+        step = max(1, len(self.history) // points)
+        return [round(b / 2**20) for b in self.history[::step] if b]
 
     def stop(self) -> None:
         self._halt.set()
@@ -156,8 +164,8 @@ def leaks_drained(server: VllmServer, timeout_s: float = 30.0) -> dict[str, Any]
 class Clients:
     """``n`` threads sending drawn requests until ``stop``; outcomes are kept per request."""
 
-    def __init__(self, port: int, workload: Workload, n: int, seed: int) -> None:
-        self.port, self.workload = port, workload
+    def __init__(self, port: int, workload: Workload, n: int, seed: int, alive: Callable[[], bool]) -> None:
+        self.port, self.workload, self.alive = port, workload, alive
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
         self._unique = itertools.count()
@@ -177,7 +185,7 @@ class Clients:
             t.join(timeout=200)
 
     def _run(self, rng: random.Random) -> None:
-        while not self._halt.is_set():
+        while not self._halt.is_set() and self.alive():  # a dead server would only add refusals
             with self._lock:
                 unique = next(self._unique)
             outcome = send(self.port, self.workload.draw(rng, unique))
@@ -274,7 +282,7 @@ def run(
                     redis_server.start()
 
             chaos = Chaos(disk, seconds, seed=seed, restart_remote=restart)
-        load = Clients(server.port, workload, clients, seed)
+        load = Clients(server.port, workload, clients, seed, lambda: server.proc.poll() is None)
         prober = ProbeLoop(server.port, probes, reference, interval_s=max(2.0, seconds / 10))
         began = time.monotonic()
         load.start()
@@ -287,10 +295,6 @@ def run(
         load.stop()
         prober.stop()
         result["soak_s"] = round(time.monotonic() - began, 1)
-        server.reset_prefix_cache()  # the last probes are served by KVLens (or recomputed), not vLLM
-        _, after = ask_probes(server.port, probes, reference)
-        drained = leaks_drained(server) if connector == "kvlens" else {}
-        rss.stop()
         outcomes = load.outcomes
         failures = [o for o in outcomes if not o.ok]
         result.update(
@@ -303,18 +307,30 @@ def run(
                 "p99_ms": latency_ms(outcomes, 99),
                 "rss_at_start_mb": round(rss.first / 2**20),
                 "peak_rss_mb": round(rss.peak / 2**20),
+                "rss_timeline_mb": rss.timeline_mb(),
                 "cpu_budget_mb": cpu_budget_bytes() // 2**20 if connector == "kvlens" else None,
                 "faults": dict(chaos.faults) if chaos else {},
                 "chaos_errors": chaos.errors if chaos else [],
-                "probes_asked": len(probes) * 2 + prober.asked,
-                "probe_mismatches": prober.mismatches + after,
-                "metrics": kvlens_metrics(server) if connector == "kvlens" else {},
-                "leak_gauges_after_drain": drained,
+                "probe_mismatches": prober.mismatches,
+                "server_alive": server.proc.poll() is None,
             }
         )
+        server.reset_prefix_cache()  # the last probes are served by KVLens (or recomputed), not vLLM
+        _, after = ask_probes(server.port, probes, reference)
+        result["probes_asked"] = len(probes) * 2 + prober.asked
+        result["probe_mismatches"] += after
+        result["leak_gauges_after_drain"] = leaks_drained(server) if connector == "kvlens" else {}
+        result["metrics"] = kvlens_metrics(server) if connector == "kvlens" else {}
+        rss.stop()
+        result["peak_rss_mb"] = round(rss.peak / 2**20)
     except Exception as e:  # e.g. the ExampleConnector's server dying: a result, not a crash
         result["error"] = repr(e)[:2000]
-        result["log_tail"] = server.log_tail(4000)
+        result["server_alive"] = server.proc.poll() is None
+        log = server.log_tail(10**7)
+        first = log.find("Traceback")  # the root cause, not the cascade of errors after it
+        result["log_excerpt"] = log[first : first + 8000] if first >= 0 else log[-4000:]
+        cause = re.search(r"\] ([\w.]*(?:Error|Exception)\b.*)", log[max(first, 0) :])
+        result["root_cause"] = cause.group(1)[:500] if cause else None
     finally:
         if chaos is not None:
             chaos.stop()  # the folder is writable again before anything is removed
