@@ -51,6 +51,7 @@ LEAK_GAUGES = ("request_trackers", "load_specs", "pending_saves", "pinned_reques
 CHUNK_TOKENS = 256
 CHUNK_BYTES = 1024**2  # float32 tiny model: 256 tokens x 4 layers x 2 x 2 heads x 64 x 4 bytes
 CPU_CHUNKS = 8  # the CPU tier holds 8 chunks; the documents alone are ~30
+STARTUP_TIMEOUT_S = 600  # shared 2-core machines have taken over 4 minutes
 VLLM_BLOCKS = 48  # vLLM's own KV: 48 blocks of 128 tokens, ~4 prompts at once
 MODES = {
     "quick": {"seconds": 30, "docs": (1300, 1500, 1700), "chat_docs": (300,), "max_tokens": 8},
@@ -266,7 +267,7 @@ def run(
     chaos: Chaos | None = None
     try:
         started = time.monotonic()
-        server.wait_ready()
+        server.wait_ready(STARTUP_TIMEOUT_S)
         result["startup_s"] = round(time.monotonic() - started, 1)
         reference, bad = ask_probes(server.port, probes, None)
         result["reference_errors"] = bad
