@@ -12,7 +12,8 @@ files, makes the folder read-only once for a few seconds, and with ``--remote`` 
 restarts a private redis-server. Probe prompts answered cold before the soak are asked again
 during and after it: greedy answers must be identical. After the clients drain, KVLens's leak
 gauges must read 0. ``--connector example`` runs the same workload with vLLM's ExampleConnector
-(no chaos), for comparison; its failures are reported, not raised.
+(no chaos), for comparison; its failures are reported, not raised. ``--connector none`` runs it on
+vLLM alone (the baseline for latency and memory growth).
 
 Results (JSON, also printed): requests, failures with a sample of errors, p50/p99 latency,
 peak RSS of the server's process tree, faults injected, probe mismatches, failed loads counted
@@ -65,7 +66,12 @@ def cpu_budget_bytes() -> int:
 
 def tree_rss_bytes(pgid: int) -> int:
     """Resident bytes of every process in the server's process group (API server, engine, workers)."""
-    total, page = 0, resource.getpagesize()
+    return sum(rss_by_process(pgid).values())
+
+
+def rss_by_process(pgid: int) -> dict[str, int]:
+    """Resident bytes per process of the group, keyed by ``name:pid``."""
+    out, page = {}, resource.getpagesize()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -73,10 +79,11 @@ def tree_rss_bytes(pgid: int) -> int:
             stat = Path(f"/proc/{pid}/stat").read_text()
             if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
                 continue
-            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            out[f"{name}:{pid}"] = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
         except (OSError, ValueError, IndexError):
             continue
-    return total
+    return out
 
 
 class RssSampler(threading.Thread):
@@ -84,6 +91,7 @@ class RssSampler(threading.Thread):
         super().__init__(name="soak-rss", daemon=True)
         self.pgid, self.interval_s = pgid, interval_s
         self.peak = self.first = tree_rss_bytes(pgid)
+        self.first_by_process = {k: round(v / 2**20) for k, v in rss_by_process(pgid).items()}
         self.history = [self.first]  # every sample, to tell growth that levels off from a leak
         self._halt = threading.Event()
 
@@ -102,6 +110,8 @@ class RssSampler(threading.Thread):
 
 
 def kv_config(connector: str, disk: Path, remote_url: str | None) -> dict[str, Any]:
+    if connector == "none":  # vLLM alone: what the workload costs without any connector
+        return {}
     if connector == "example":
         return {
             "kv_connector": "ExampleConnector",
@@ -309,6 +319,7 @@ def run(
                 "rss_at_start_mb": round(rss.first / 2**20),
                 "peak_rss_mb": round(rss.peak / 2**20),
                 "rss_timeline_mb": rss.timeline_mb(),
+                "rss_by_process_mb_at_start": rss.first_by_process,
                 "cpu_budget_mb": cpu_budget_bytes() // 2**20 if connector == "kvlens" else None,
                 "faults": dict(chaos.faults) if chaos else {},
                 "chaos_errors": chaos.errors if chaos else [],
@@ -324,6 +335,9 @@ def run(
         result["metrics"] = kvlens_metrics(server) if connector == "kvlens" else {}
         rss.stop()
         result["peak_rss_mb"] = round(rss.peak / 2**20)
+        result["rss_by_process_mb_at_end"] = {
+            k: round(v / 2**20) for k, v in rss_by_process(server.proc.pid).items()
+        }
     except Exception as e:  # e.g. the ExampleConnector's server dying: a result, not a crash
         result["error"] = repr(e)[:2000]
         result["server_alive"] = server.proc.poll() is None
@@ -348,7 +362,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="~30 s of load instead of 10 minutes")
     p.add_argument("--seconds", type=float, help="length of the load phase (overrides the mode)")
     p.add_argument("--remote", action="store_true", help="add a private redis-server as remote tier")
-    p.add_argument("--connector", choices=("kvlens", "example"), default="kvlens")
+    p.add_argument("--connector", choices=("kvlens", "example", "none"), default="kvlens")
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write the JSON results here")
