@@ -109,9 +109,9 @@ class RssSampler(threading.Thread):
         self.join(timeout=10)
 
 
-def kv_config(connector: str, disk: Path, remote_url: str | None) -> dict[str, Any]:
+def kv_config(connector: str, disk: Path, remote_url: str | None) -> dict[str, Any] | None:
     if connector == "none":  # vLLM alone: what the workload costs without any connector
-        return {}
+        return None
     if connector == "example":
         return {
             "kv_connector": "ExampleConnector",
