@@ -76,7 +76,7 @@ class VllmServer:
     def __init__(
         self,
         model: str,
-        kv_config: dict[str, Any],
+        kv_config: dict[str, Any] | None,
         log_path: Path,
         env: dict[str, str],
         extra_args: tuple[str, ...] = (),
@@ -104,8 +104,7 @@ class VllmServer:
             "bfloat16",
             "--seed",
             "0",
-            "--kv-transfer-config",
-            json.dumps(kv_config),
+            *(["--kv-transfer-config", json.dumps(kv_config)] if kv_config is not None else []),
             *extra_args,
         ]
         self._log = open(log_path, "wb")
