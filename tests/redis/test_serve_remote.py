@@ -176,10 +176,13 @@ def test_a_cluster_node_killed_keeps_requests_completing(private_cluster, tiny_m
             out = _cold(srv, p)
             assert text(out) == text(cold)
         fresh = prompt_tokens(700, 60)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90
         while True:  # after the failover the tier stores and serves again by itself
             fresh_cold = _cold(srv, fresh)
-            writes_landed(srv)
+            try:
+                writes_landed(srv)
+            except TimeoutError:  # a batch still queued for the dead master: ask again next round
+                pass
             hit = _cold(srv, fresh)
             assert text(hit) == text(fresh_cold)
             if loaded(hit) == {"remote": 640} or time.monotonic() > deadline:
