@@ -78,7 +78,7 @@ class ConfigError(ValueError):
 class ExtraConfig(BaseModel):
     """The ``extra_config`` dict: LMCache's open-ended knobs plus KVLens's own."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     # Report {"num_lmcache_cached_tokens": N} in each response's kv_transfer_params.
     enable_cache_usage_details_in_response: bool = True
@@ -106,7 +106,7 @@ class ExtraConfig(BaseModel):
 class KVLensConfig(BaseModel):
     """Every setting KVLens honours. Unknown keys and wrong types are start-up errors."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     chunk_size: int = Field(256, gt=0)
     local_cpu: bool = True

@@ -378,6 +378,7 @@ class ConnectorScheduler:
             trace_context=trace_headers(request),
             attempts=result.attempts,
             remote_calls=tuple(result.remote_calls),
+            ignored_params=policy.ignored_params if policy is not None else 0,
         )
 
     def external_tokens_by_tier(self, request_id: str, num_external_tokens: int) -> dict[str, int]:

@@ -79,6 +79,11 @@ _DEFINITIONS = (
     ),
     Metric("save_skipped_requests", COUNTER, "Requests KVLens does not store, by reason.", ("reason",)),
     Metric(
+        "ignored_request_params",
+        COUNTER,
+        "lmcache.* request parameters KVLens does not know: ignored, the request served as usual.",
+    ),
+    Metric(
         "request_hit_ratio",
         HISTOGRAM,
         "Per request: fraction of the prompt KVLens held.",

@@ -97,6 +97,7 @@ class LookupOutcome:
     trace_context: Mapping[str, str] | None = None
     attempts: int = 1
     remote_calls: tuple[RemoteCall, ...] = ()
+    ignored_params: int = 0  # unknown lmcache.* request parameters (ignored)
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ class RequestPolicy:
     namespace: Namespace | None  # None: KVLens neither loads nor stores for this request
     skip_reason: MissReason | None  # why nothing is loaded or stored, when namespace is None
     save_skip_reason: SaveSkipReason | None  # why nothing is stored (loads may still happen)
+    ignored_params: int = 0  # lmcache.* request parameters KVLens does not know (ignored, counted)
 
 
 def _bool_param(params: Mapping[str, Any], name: str) -> bool:
@@ -33,6 +34,29 @@ def _bool_param(params: Mapping[str, Any], name: str) -> bool:
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     raise ValueError(f"{name} must be a boolean, got {type(value).__name__}")
+
+
+_KNOWN_PARAMS = frozenset({"lmcache.skip_save"})
+_TAG_PREFIX = "lmcache.tag."
+_warned_params: set[str] = set()  # names already logged (bounded below)
+
+
+def unknown_params(params: Mapping[Any, Any]) -> int:
+    """How many ``lmcache.*`` keys KVLens does not know; each new name is logged once (a typo such
+    as ``lmcache.tags.user`` would otherwise silently share KV). The request is served as usual."""
+    unknown = [
+        k
+        for k in params
+        if isinstance(k, str)
+        and k.startswith("lmcache.")
+        and k not in _KNOWN_PARAMS
+        and not k.startswith(_TAG_PREFIX)
+    ]
+    for name in unknown:
+        if name not in _warned_params and len(_warned_params) < 256:
+            _warned_params.add(name)
+            logger.warning("KVLens: request parameter %r is not one KVLens knows; ignored", name[:80])
+    return len(unknown)
 
 
 def decide_policy(
@@ -58,6 +82,7 @@ def decide_policy(
         # request is served without KVLens instead.
         logger.warning("KVLens: request %s: %s; not caching this request", request_id, e)
         return RequestPolicy(None, MissReason.INVALID_PARAMS, SaveSkipReason.INVALID_PARAMS)
+    ignored = unknown_params(params)
     namespace = base.with_request(lora_name, cache_salt, tags)
     save_skip: SaveSkipReason | None = None
     if kv_role == "kv_consumer":
@@ -68,7 +93,7 @@ def decide_policy(
         save_skip = SaveSkipReason.SKIP_SAVE
     elif priority_limit is not None and priority > priority_limit:
         save_skip = SaveSkipReason.PRIORITY_LIMIT
-    return RequestPolicy(namespace, None, save_skip)
+    return RequestPolicy(namespace, None, save_skip, ignored)
 
 
 def miss_reason(

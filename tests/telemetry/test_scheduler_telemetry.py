@@ -368,3 +368,15 @@ def test_prefill_seconds_saved_are_counted_per_tier(tmp_path):
     data = tel.stats()
     assert abs(data["counters"]["prefill_seconds_saved|cpu"] - 1.024) < 1e-9
     assert data["gauges"]["prefill_seconds_per_token"] == 0.002
+
+
+def test_unknown_lmcache_params_are_ignored_counted_and_logged_once(tmp_path, caplog):
+    sched, tel = make(tmp_path)
+    typo = {"lmcache.tags.user": "x", "lmcache.skip_save": True}  # a misspelt tag key
+    with caplog.at_level("WARNING", logger="vllm.kvlens"):
+        admit(sched, tel, request("a", PROMPT, kv_transfer_params=typo), range(10, 15))
+        admit(sched, tel, request("b", [7] * 600, kv_transfer_params=typo), range(20, 25))
+    assert sched.sched.trackers["a"].save_skip_reason.value == "skip_save"  # the known key still applies
+    counters = tel.stats()["counters"]
+    assert counters["ignored_request_params"] == 2
+    assert sum("lmcache.tags.user" in r.getMessage() for r in caplog.records) <= 1

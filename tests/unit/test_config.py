@@ -105,3 +105,16 @@ def test_remote_url_password_comes_from_the_environment_and_is_never_printed():
     with pytest.raises(ConfigError) as e:
         load_config({"lmcache.remote_url": "redis://:pw-in-url@h:99999"}, env={})
     assert "pw-in-url" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("lmcache.max_local_cpu_size", "1" * 400),  # parses as a float: infinity
+        ("lmcache.max_local_cpu_size", "inf"),
+        ("lmcache.extra_config.tier_timeout_s", "nan"),
+    ],
+)
+def test_an_infinite_or_nan_number_is_a_config_error_naming_the_key(key, value):
+    with pytest.raises(ConfigError, match=key.split(".")[-1]):
+        load_config({key: value}, env={})
