@@ -39,6 +39,7 @@ from dashboard import (  # noqa: E402
     views,
 )
 from dashboard.catalog import MISS_REASONS  # noqa: E402
+from dashboard.layout import NO_TRAFFIC, chart  # noqa: E402
 
 ALL = "All instances (sum)"
 ROWS = (
@@ -131,15 +132,7 @@ def load(cfg: settings.Settings) -> tuple[pd.DataFrame, list[sources.Status], fl
     return sources.combine(h.frame() for h in held), statuses, max(30.0, 3 * cfg.refresh_s)
 
 
-def chart(wide: pd.DataFrame, unit: charts.Unit, empty: str, **kwargs) -> None:
-    if wide.empty:
-        st.info(empty)
-    else:
-        st.altair_chart(charts.line(wide, unit, **kwargs), width="stretch")
-
-
 WAITING = "Waiting for a second reading to compute rates."
-NO_TRAFFIC = "No traffic in range."
 
 
 def overview(frame: pd.DataFrame, fleet: pd.DataFrame, window: float) -> None:

@@ -8,15 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from . import charts, insights, text
-
-NO_TRAFFIC = "No traffic in range."
-
-
-def _chart(wide: pd.DataFrame, unit: charts.Unit, empty: str) -> None:
-    if wide.empty:
-        st.info(empty)
-    else:
-        st.altair_chart(charts.line(wide, unit), width="stretch")
+from .layout import NO_TRAFFIC, chart
 
 
 def sizing(frame: pd.DataFrame) -> None:
@@ -52,7 +44,7 @@ def identity(fleet: pd.DataFrame) -> None:
 
 def reconciliation(frame: pd.DataFrame, window: float) -> None:
     st.subheader("Reconciliation: vLLM external hits, KVLens held, KVLens loaded")
-    _chart(insights.reconciliation(frame, window), charts.TOKENS_PER_S, NO_TRAFFIC)
+    chart(insights.reconciliation(frame, window), charts.TOKENS_PER_S, NO_TRAFFIC)
     st.caption(
         "KVLens held at lookup includes tokens vLLM's own cache already had; vLLM's external hits "
         "are what it asked KVLens to load; loaded below that means loads went missing or failed."
@@ -77,10 +69,10 @@ def time_saved(frame: pd.DataFrame, window: float) -> None:
     left, right = st.columns(2)
     with left:
         st.subheader("Saved by tier vs KVLens's own time")
-        _chart(insights.time_balance(frame, window), charts.Unit("seconds/s", ",.3~f"), NO_TRAFFIC)
+        chart(insights.time_balance(frame, window), charts.Unit("seconds/s", ",.3~f"), NO_TRAFFIC)
     with right:
         st.subheader("Prefill cost per token")
-        _chart(insights.prefill_cost(frame), charts.MS, "No prefill cost reported.")
+        chart(insights.prefill_cost(frame), charts.MS, "No prefill cost reported.")
 
 
 def show(frame: pd.DataFrame, fleet: pd.DataFrame, window: float) -> None:
