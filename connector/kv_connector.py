@@ -192,9 +192,8 @@ class KVLensConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> telemetry.KVLensStats | None:
         if self._scheduler is not None:
             sched = self._scheduler
-            saved = {f"prefill_seconds_saved|{t}": s for t, s in sched.take_saved_seconds().items()}
             data = self._scheduler_telemetry.stats(
-                sched.sizes(), not sched.unfinished, sched.take_evictions(), saved
+                sched.sizes(), not sched.unfinished, sched.take_evictions(), sched.take_saved_seconds()
             )
         else:
             data = self._worker_telemetry.stats()

@@ -109,7 +109,7 @@ class ConnectorScheduler:
         self.suspects = SuspectBlocks()
         self._pending_evictions: list[Eviction] = []
         # Finished in this step before their load was reported: the response is filled in late.
-        self._late: dict[str, tuple[RequestTracker, dict[str, Any], int]] = {}
+        self._late: dict[str, tuple[RequestTracker, dict[str, Any] | None]] = {}
         self._pending_writes = 0
         self._draining_since: float | None = None
         self._evictions_seen: dict[str, int] = {}
@@ -392,8 +392,8 @@ class ConnectorScheduler:
     # ---- per-step plan ------------------------------------------------------------------
     def build_plan(self, scheduler_output: Any) -> StepPlan:
         self._merge_disk_scan()
-        for tracker, _params, prompt_tokens in self._late.values():  # never reported: log as is
-            self.done.append(_summary(tracker, prompt_tokens))
+        for tracker, _params in self._late.values():  # never reported: log as is
+            self.done.append(_summary(tracker))
         self._late.clear()
         plan = StepPlan(writes=list(self._pending_evictions))
         self._pending_evictions = []
@@ -444,8 +444,9 @@ class ConnectorScheduler:
             if tracker is not None:
                 affected = tracker.record_load(outcome)
                 if late is not None:
-                    late[1]["kvlens"] = tracker.usage()
-                    self.done.append(_summary(tracker, late[2]))
+                    if late[1] is not None:
+                        late[1]["kvlens"] = tracker.usage()
+                    self.done.append(_summary(tracker))
                 if affected:
                     recomputed[rid] = affected
         for failure in report.store_failures:
@@ -488,21 +489,25 @@ class ConnectorScheduler:
         unscheduled = None
         if tracker is None and result is not None:
             unscheduled = self.lookup_outcome(request, result, scheduled=False)
-        late = tracker is not None and tracker.load_pending  # its load is reported later this step
-        if tracker is not None and not late:
-            self.done.append(_summary(tracker, _prompt_tokens(request)))
+        params = self._response_params(tracker, result, unscheduled)
+        if tracker is not None and tracker.load_pending:  # its load is reported later this step
+            self._late[rid] = (tracker, params)
+        elif tracker is not None:
+            self.done.append(_summary(tracker))
         elif unscheduled is not None:
             self.done.append(_unscheduled_summary(unscheduled, result))
+        return FinishResult(params, unscheduled)
+
+    def _response_params(
+        self, tracker: RequestTracker | None, result: LookupResult | None, unscheduled: LookupOutcome | None
+    ) -> dict[str, Any] | None:
+        """The response's kv_transfer_params (None when usage details are turned off)."""
         if not self.config.extra_config.enable_cache_usage_details_in_response:
-            if late:
-                self._late[rid] = (tracker, {}, _prompt_tokens(request))  # type: ignore[assignment]
-            return FinishResult(None, unscheduled)
+            return None
         hit = tracker.hit_tokens if tracker else (result.hit_tokens if result else 0)
         params: dict[str, Any] = {"num_lmcache_cached_tokens": hit}
         if tracker is not None:
             params["kvlens"] = tracker.usage()
-            if late:
-                self._late[rid] = (tracker, params, _prompt_tokens(request))
         elif unscheduled is not None:
             params["kvlens"] = {
                 "vllm_cached_tokens": unscheduled.vllm_cached_tokens,
@@ -511,7 +516,7 @@ class ConnectorScheduler:
             }
             if result is not None and result.miss_detail:
                 params["kvlens"]["miss_detail"] = result.miss_detail
-        return FinishResult(params, unscheduled)
+        return params
 
     def take_done(self) -> list[RequestSummary]:
         done, self.done = self.done, []
@@ -607,8 +612,9 @@ class ConnectorScheduler:
 
     def _log_advice(self) -> None:
         """One log line when a tier's sizing advice changes."""
+        assert self.whatif is not None
         for tier in self.tiers:
-            advice = self.whatif.advice(tier) if self.whatif is not None else None
+            advice = self.whatif.advice(tier)
             if advice is not None and self._advice.get(tier) != advice:
                 self._advice[tier] = advice
                 logger.info("KVLens sizing: %s", advice)
@@ -621,10 +627,10 @@ def _prompt_tokens(request: Any) -> int:
     return int(n)
 
 
-def _summary(tracker: RequestTracker, prompt_tokens: int) -> RequestSummary:
+def _summary(tracker: RequestTracker) -> RequestSummary:
     return RequestSummary(
         request_id=tracker.request_id,
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=tracker.prompt_len,
         vllm_cached_tokens=tracker.vllm_cached_tokens,
         loaded_tokens=dict(tracker.loaded_tokens),
         miss_reason=tracker.miss_reason,

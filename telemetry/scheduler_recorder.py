@@ -243,10 +243,10 @@ class SchedulerRecorder:
         sizes: Mapping[str, float],
         idle: bool,
         evictions: Mapping[str, int],
-        counters: Mapping[str, float] | None = None,
+        saved_seconds: Mapping[str, float] | None = None,
     ) -> dict[str, Any] | None:
-        """This step's payload for vLLM (None when empty or metrics are off). ``counters`` are
-        increments by wire key (e.g. prefill seconds saved per tier)."""
+        """This step's payload for vLLM (None when empty or metrics are off). ``evictions`` and
+        ``saved_seconds`` (estimated prefill seconds saved) are per tier, since the last call."""
         if not self._metrics:
             return None
         now = time.monotonic()
@@ -256,8 +256,8 @@ class SchedulerRecorder:
             self._set_gauges({**sizes, "telemetry_open_requests": open_requests})
         for tier, n in evictions.items():
             self._buffer.inc(wire_key("evictions", tier), n)
-        for key, value in (counters or {}).items():
-            self._buffer.inc(key, value)
+        for tier, seconds in (saved_seconds or {}).items():
+            self._buffer.inc(wire_key("prefill_seconds_saved", tier), seconds)
         data = self._buffer.take()
         if data is not None and self._exporter is not None:
             self._exporter.observe(data)

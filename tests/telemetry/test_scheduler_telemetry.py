@@ -49,8 +49,7 @@ class Wired:
 
     def stats(self):
         s = self.sched
-        saved = {f"prefill_seconds_saved|{t}": v for t, v in s.take_saved_seconds().items()}
-        return self.rec.stats(s.sizes(), not s.unfinished, s.take_evictions(), saved)
+        return self.rec.stats(s.sizes(), not s.unfinished, s.take_evictions(), s.take_saved_seconds())
 
 
 def make(tmp_path, tracing_on=False, metrics=True, recompute=True, **env):
