@@ -123,8 +123,12 @@ class KVLensConfig(BaseModel):
     skip_last_n_tokens: int = Field(0, ge=0)
     discard_partial_chunks: bool = False
     force_skip_save: bool = False
+    # Copy a step's loads and stores one layer at a time on a copy thread, beside the forward
+    # pass (a layer's attention waits only for its own layer's loads). On by default, unlike
+    # LMCache: it changes when copies run, never what is stored. CPU KV only (elsewhere the
+    # copies run in the step, as with false).
+    use_layerwise: bool = True
     # LMCache features KVLens does not have: accepted when off, a start-up error when on.
-    use_layerwise: Literal[False] = False
     enable_async_loading: Literal[False] = False
     enable_blending: Literal[False] = False
     extra_config: ExtraConfig = ExtraConfig()

@@ -11,6 +11,7 @@ K/V-first (``[2, num_blocks, ...]``: older flash-attn style).
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,11 @@ def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((pos, b, 1))
     return runs
+
+
+def _layer_number(name: str) -> int:
+    numbers = re.findall(r"\.(\d+)(?:\.|$)", name)
+    return int(numbers[0]) if numbers else -1
 
 
 def _widest_view(t: torch.Tensor) -> torch.Tensor:
@@ -64,7 +70,12 @@ class BlockCopier:
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         if not kv_caches:
             raise ValueError("no KV cache tensors registered")
-        self.layers = [_layer_view(kv, num_blocks) for kv in kv_caches.values()]
+        names = list(kv_caches)
+        self.layers = [_layer_view(kv_caches[name], num_blocks) for name in names]
+        self._index = {name: i for i, name in enumerate(names)}
+        # The order the forward pass reaches the layers in (the number in the layer's name),
+        # so that copies run ahead of it; registration order where names carry no number.
+        self.order = sorted(range(len(names)), key=lambda i: (_layer_number(names[i]), i))
         first = self.layers[0].tensor
         self.device = first.device
         self.dtype = first.dtype
@@ -83,51 +94,71 @@ class BlockCopier:
     def payload_nbytes(self, num_blocks: int) -> int:
         return self.num_layers * num_blocks * self.block_bytes
 
+    def layer_index(self, name: str) -> int | None:
+        """Position of layer ``name`` in the registered KV tensors (None: not one of them)."""
+        return self._index.get(name)
+
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A new CPU uint8 tensor ``[layers, len(block_ids), block_bytes]``."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        out = torch.empty(
-            (self.num_layers, len(block_ids), self.block_bytes), dtype=torch.uint8, device=self.device
-        )
-        runs = _runs(block_ids)
-        for i, layer in enumerate(self.layers):
-            if layer.flat is not None:
-                dst = _widest_view(out[i])
-                for pos, first, n in runs:
-                    dst[pos : pos + n].copy_(layer.flat[first : first + n])
-            else:
-                blocks = layer.tensor.index_select(layer.block_dim, idx)
-                if layer.block_dim == 1:
-                    blocks = blocks.transpose(0, 1)
-                out[i].copy_(blocks.contiguous().view(torch.uint8).view(len(block_ids), -1))
+        out = self.new_payload(len(block_ids))
+        for i in range(self.num_layers):
+            self.gather_layer(i, out, block_ids)
         return out if self.device.type == "cpu" else out.cpu()
+
+    def new_payload(self, num_blocks: int) -> torch.Tensor:
+        """An uninitialised ``[layers, num_blocks, block_bytes]`` uint8 tensor on the KV device."""
+        return torch.empty(
+            (self.num_layers, num_blocks, self.block_bytes), dtype=torch.uint8, device=self.device
+        )
+
+    def gather_layer(self, i: int, out: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Copy layer ``i``'s blocks ``block_ids`` into ``out[i]``."""
+        layer = self.layers[i]
+        if layer.flat is not None:
+            dst = _widest_view(out[i])
+            for pos, first, n in _runs(block_ids):
+                dst[pos : pos + n].copy_(layer.flat[first : first + n])
+            return
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        blocks = layer.tensor.index_select(layer.block_dim, idx)
+        if layer.block_dim == 1:
+            blocks = blocks.transpose(0, 1)
+        out[i].copy_(blocks.contiguous().view(torch.uint8).view(len(block_ids), -1))
+
+    def check_payload(self, payload: torch.Tensor, num_blocks: int, first_block: int) -> None:
+        """Raises ValueError unless ``payload`` holds blocks ``first_block ..`` + ``num_blocks``."""
+        stored_blocks = payload.shape[1]
+        if payload.shape[0] != self.num_layers or first_block + num_blocks > stored_blocks:
+            raise ValueError(
+                f"payload holds {payload.shape[0]} layers x {stored_blocks} blocks; "
+                f"need {self.num_layers} layers x blocks {first_block}..{first_block + num_blocks - 1}"
+            )
 
     def scatter(self, payload: torch.Tensor, block_ids: Sequence[int], first_block: int) -> None:
         """Write payload blocks ``first_block ..`` into ``block_ids`` of every layer."""
+        self.check_payload(payload, len(block_ids), first_block)
+        for i in range(self.num_layers):
+            self.scatter_layer(i, payload, block_ids, first_block)
+
+    def scatter_layer(
+        self, i: int, payload: torch.Tensor, block_ids: Sequence[int], first_block: int
+    ) -> None:
+        """Write layer ``i`` of payload blocks ``first_block ..`` into ``block_ids`` (checked payload)."""
         n = len(block_ids)
-        stored_blocks = payload.shape[1]
-        if payload.shape[0] != self.num_layers or first_block + n > stored_blocks:
-            raise ValueError(
-                f"payload holds {payload.shape[0]} layers x {stored_blocks} blocks; "
-                f"need {self.num_layers} layers x blocks {first_block}..{first_block + n - 1}"
-            )
-        src = payload[:, first_block : first_block + n]
+        src = payload[i, first_block : first_block + n]
         if self.device.type != "cpu":
             src = src.to(self.device, non_blocking=True)
+        layer = self.layers[i]
+        if layer.flat is not None:
+            rows = src if layer.flat.dtype == torch.uint8 else src.contiguous().view(layer.flat.dtype)
+            for pos, first, length in _runs(block_ids):
+                layer.flat[first : first + length].copy_(rows[pos : pos + length])
+            return
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        runs = _runs(block_ids)
-        for i, layer in enumerate(self.layers):
-            if layer.flat is not None:
-                rows = (
-                    src[i] if layer.flat.dtype == torch.uint8 else src[i].contiguous().view(layer.flat.dtype)
-                )
-                for pos, first, n in runs:
-                    layer.flat[first : first + n].copy_(rows[pos : pos + n])
-            else:
-                typed = src[i].contiguous().view(self.dtype).view(n, *self.block_shape)
-                if layer.block_dim == 1:
-                    typed = typed.transpose(0, 1)
-                layer.tensor.index_copy_(layer.block_dim, idx, typed)
+        typed = src.contiguous().view(self.dtype).view(n, *self.block_shape)
+        if layer.block_dim == 1:
+            typed = typed.transpose(0, 1)
+        layer.tensor.index_copy_(layer.block_dim, idx, typed)
 
     def payload_view(self, buffer: memoryview) -> torch.Tensor:
         """Interpret stored bytes as a payload tensor (no copy)."""

@@ -72,6 +72,7 @@ class KVLensConnector(KVConnectorBase_V1):
                 self._worker.take_remote_calls,
             )
         self._cache_hit_source = _HIT_SOURCE[config.tier_names()[0]]
+        self._load_started = 0.0
         self._closed = False
         atexit.register(self.shutdown)  # threads stop (bounded) even if vLLM never calls shutdown
         logger.info("KVLens %s ready: %s", role.name.lower(), config.summary())
@@ -92,20 +93,24 @@ class KVLensConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
-        plan, started = self._plan(), self._worker_telemetry.now()
-        self._worker_telemetry.loaded(plan, self._worker.load(plan), started)
+        self._load_started = self._worker_telemetry.now()
+        self._worker.start_load(self._plan())  # reads done; copies run beside the forward pass
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish in start_load_kv, before any layer runs
+        assert self._worker is not None
+        self._worker.wait_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # whole chunks are stored once the step's KV exists, in wait_for_save
+        assert self._worker is not None
+        self._worker.save_layer(self._plan(), layer_name)
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
-        plan, started = self._plan(), self._worker_telemetry.now()
+        plan = self._plan()
+        self._worker_telemetry.loaded(plan, self._worker.finish_load(), self._load_started)
+        started = self._worker_telemetry.now()
         self._worker_telemetry.saved(plan, started, self._worker.save(plan))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

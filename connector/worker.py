@@ -31,6 +31,7 @@ from .engine.outcomes import (
     WorkerReport,
 )
 from .kv_blocks import BlockCopier
+from .layer_copies import BlockGather, BlockLoad, CopyThread, StepCopies
 from .tiers import disk as disk_files
 from .tiers.background import BackgroundTier, QueueFull
 from .tiers.base import Tier, classify
@@ -39,6 +40,9 @@ from .tiers.disk import DiskTier
 from .tiers.redis_tier import RedisTier
 
 logger = logging.getLogger("vllm.kvlens")
+
+_Staged = tuple[ChunkLoadResult, BlockLoad, ChunkLoad]  # a chunk read and checked, to copy in
+_ReadJob = tuple[LoadJob, LoadOutcome, list[_Staged]]
 
 DRAIN_WAIT_S = 0.05  # an idle engine's empty step waits this long for background writes
 
@@ -90,6 +94,9 @@ class ConnectorWorker:
         self._step_failed: set[int] = set()  # blocks that failed to load in the current step
         self._report = WorkerReport()
         self._suffix = storage_name("", rank)
+        self._copy_thread: CopyThread | None = None  # with use_layerwise, on CPU: copies beside the forward
+        self._step: StepCopies | None = None  # this step's copies, from its first hook to save()
+        self._loading: list[_ReadJob] = []  # this step's load jobs, from start_load to finish_load
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         copier = BlockCopier(kv_caches, num_blocks)
@@ -99,24 +106,59 @@ class ConnectorWorker:
                 f"per block; the scheduler planned {self.facts.num_layers} x {self.facts.block_bytes}"
             )
         self.copier = copier
+        if self.config.use_layerwise and copier.device.type == "cpu" and self._copy_thread is None:
+            self._copy_thread = CopyThread()
 
     # ---- loads --------------------------------------------------------------------------
     def load(self, plan: StepPlan) -> list[LoadOutcome]:
-        """Runs the step's load jobs in order; their outcomes, in the same order."""
+        """Runs the step's load jobs to the end; their outcomes, in job order."""
+        self.start_load(plan)
+        return self.finish_load()
+
+    def start_load(self, plan: StepPlan) -> None:
+        """Reads every chunk the step loads and starts copying them in, layer by layer.
+
+        Which chunks fail (missing, corrupt, a tier down) is known when this returns; the
+        copies run beside the forward pass (``wait_layer``) and are done after ``finish_load``.
+        """
         self._step_failed = set(plan.fail_blocks)
         self._failed_blocks.update(plan.fail_blocks)
-        outcomes = []
-        for job in plan.loads:
-            outcome = self._load_job(job)
+        self._loading = [self._read_job(job) for job in plan.loads]
+        for job, outcome, _ in self._loading:
             self._report.loads[job.request_id] = outcome
             self._step_failed.update(outcome.failed_block_ids)
             self._failed_blocks.update(outcome.failed_block_ids)
+        self._step_of(plan).start_loads([load for _, _, staged in self._loading for _, load, _ in staged])
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Returns once layer ``layer_name``'s loads of this step are in its KV tensor."""
+        if self._step is not None:
+            self._step.wait_layer(layer_name)
+
+    def finish_load(self) -> list[LoadOutcome]:
+        """Waits for the step's load copies; their outcomes, in job order (empty if none)."""
+        loading, self._loading = self._loading, []
+        if self._step is not None:
+            self._step.wait_all()
+        outcomes = []
+        for job, outcome, staged in loading:
+            for position, (_, load, _) in enumerate(staged):
+                if load.error is not None:  # the copy itself raised: this chunk on is recomputed
+                    self._fail_from(outcome, staged[position:], load.error)
+                    self._step_failed.update(outcome.failed_block_ids)
+                    self._failed_blocks.update(outcome.failed_block_ids)
+                    break
+            outcome.seconds += sum(load.seconds for _, load, _ in staged)  # reads + copies
+            if outcome.failed:
+                self._log_failed_load(job, outcome)
             outcomes.append(outcome)
         return outcomes
 
-    def _load_job(self, job: LoadJob) -> LoadOutcome:
-        started = time.perf_counter()
+    def _read_job(self, job: LoadJob) -> _ReadJob:
+        """Reads and checks a job's chunks; the copies to make for the ones that are usable."""
         outcome = LoadOutcome(job.request_id)
+        started = time.perf_counter()
+        staged: list[_Staged] = []
         reads = self._start_reads(job)
         failed = False
         for chunk in job.chunks:
@@ -125,7 +167,10 @@ class ConnectorWorker:
             if failed:  # recomputed anyway, and no longer trusted as part of this prefix
                 result.reason = FailureReason.PREFIX_FAILED
             else:
-                self._load_chunk(chunk, next(reads[chunk.tier]), result, outcome)
+                load = self._read_chunk(chunk, next(reads[chunk.tier]), result)
+                if load is not None:
+                    outcome.nbytes += self._payload_bytes(chunk)
+                    staged.append((result, load, chunk))
                 failed = not result.ok
             if not result.ok:
                 outcome.failed_block_ids.extend(chunk.block_ids)
@@ -135,22 +180,36 @@ class ConnectorWorker:
                             job.request_id, chunk.name, tier_name, result.reason or FailureReason.IO_ERROR
                         )
                     )
-        outcome.seconds = time.perf_counter() - started
         remote = self.tiers.get(REMOTE)
         if isinstance(remote, BackgroundTier):
             while remote.reads:
                 outcome.remote_calls.append(remote.reads.popleft())
-        if failed:
-            first = next(c for c in outcome.chunks if not c.ok)
-            logger.warning(
-                "KVLens: request %s: load failed for %d blocks (%s in %s: %s); vLLM recomputes them",
-                job.request_id,
-                len(outcome.failed_block_ids),
-                first.reason.value if first.reason else "error",
-                first.planned_tier,
-                first.detail,
-            )
-        return outcome
+        outcome.seconds = time.perf_counter() - started  # the copies' time is added when done
+        return job, outcome, staged
+
+    def _fail_from(self, outcome: LoadOutcome, staged: list[_Staged], error: BaseException) -> None:
+        """A copy raised: that chunk and every later one of the request are recomputed."""
+        reason, detail = classify(error)
+        for i, (result, _, chunk) in enumerate(staged):
+            result.tier = None
+            result.reason, result.detail = (reason, detail) if i == 0 else (FailureReason.PREFIX_FAILED, "")
+            outcome.nbytes -= self._payload_bytes(chunk)
+            outcome.failed_block_ids.extend(chunk.block_ids)
+
+    def _payload_bytes(self, chunk: ChunkLoad) -> int:
+        return len(chunk.block_ids) * self.facts.block_bytes * self.facts.num_layers
+
+    @staticmethod
+    def _log_failed_load(job: LoadJob, outcome: LoadOutcome) -> None:
+        first = next(c for c in outcome.chunks if not c.ok)
+        logger.warning(
+            "KVLens: request %s: load failed for %d blocks (%s in %s: %s); vLLM recomputes them",
+            job.request_id,
+            len(outcome.failed_block_ids),
+            first.reason.value if first.reason else "error",
+            first.planned_tier,
+            first.detail,
+        )
 
     def _start_reads(self, job: LoadJob) -> dict[str, Iterator[memoryview | BaseException]]:
         """Per planned tier, the reads of its chunks in job order (slow tiers read ahead)."""
@@ -167,14 +226,11 @@ class ConnectorWorker:
             return tier.get_many(names)
         return (_get(tier, name) for name in names)
 
-    def _load_chunk(
-        self,
-        chunk: ChunkLoad,
-        first_read: memoryview | BaseException,
-        result: ChunkLoadResult,
-        outcome: LoadOutcome,
-    ) -> None:
-        """Copy one chunk's blocks in from its tier or, failing that, another usable tier."""
+    def _read_chunk(
+        self, chunk: ChunkLoad, first_read: memoryview | BaseException, result: ChunkLoadResult
+    ) -> BlockLoad | None:
+        """One chunk's copy to make, from its tier or, failing that, another usable tier."""
+        assert self.copier is not None
         name = storage_name(chunk.name, self.rank)
         read = first_read
         for tier_name in [chunk.tier] + [t for t in self.tiers if t != chunk.tier]:
@@ -182,19 +238,25 @@ class ConnectorWorker:
                 if not self.health[tier_name].usable():
                     continue
                 read = _get(self.tiers[tier_name], name)
-            error = read if isinstance(read, BaseException) else self._scatter(read, chunk)
+            error: BaseException | None = read if isinstance(read, BaseException) else None
+            if error is None:
+                try:
+                    payload = self.copier.payload_view(read)  # type: ignore[arg-type]
+                    self.copier.check_payload(payload, len(chunk.block_ids), chunk.first_block)
+                except ValueError as e:
+                    error = e
             if error is None:
                 result.tier = tier_name
-                outcome.nbytes += len(chunk.block_ids) * self.facts.block_bytes * self.facts.num_layers
                 self.health[tier_name].succeeded()
                 self._promote(chunk, name, read)  # type: ignore[arg-type]
-                return
+                return BlockLoad(payload, chunk.block_ids, chunk.first_block)
             reason, detail = classify(error)
             if isinstance(error, ConnectionAbortedError):
                 reason = FailureReason.TIER_UNHEALTHY
             self.health[tier_name].failed(reason, detail)
             if tier_name == chunk.tier:
                 result.reason, result.detail = reason, detail
+        return None
 
     def _promote(self, chunk: ChunkLoad, name: str, payload: memoryview) -> None:
         """Keep a chunk read from a slower tier in the faster ones the scheduler admitted it to."""
@@ -209,32 +271,55 @@ class ConnectorWorker:
                         StoreFailure("", chunk.name, tier_name, reason, detail)
                     )
 
-    def _scatter(self, payload: memoryview, chunk: ChunkLoad) -> BaseException | None:
-        assert self.copier is not None
-        try:
-            self.copier.scatter(self.copier.payload_view(payload), chunk.block_ids, chunk.first_block)
-        except (ValueError, RuntimeError) as e:
-            return e
-        return None
-
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
     # ---- stores -------------------------------------------------------------------------
+    def save_layer(self, plan: StepPlan, layer_name: str) -> None:
+        """Layer ``layer_name``'s KV of this step is complete: the step's stores copy it out now,
+        beside the layers still computing (only with a copy thread; otherwise ``save`` does)."""
+        if self._copy_thread is None or not plan.writes:
+            return
+        step = self._step_of(plan)
+        if step.gathers is None:  # the step's first layer: one buffer per store to make
+            assert self.copier is not None
+            step.gathers = {
+                id(op): BlockGather(self.copier.new_payload(len(op.block_ids)), op.block_ids)
+                for op in plan.writes
+                if isinstance(op, StoreJob)
+                and any(t in self.tiers and self.health[t].usable() for t in op.tiers)
+            }
+        step.gather_layer(layer_name)
+
     def save(self, plan: StepPlan) -> list[StoreFailure]:
-        """Evictions and stores in plan order; returns this step's failed or withdrawn stores."""
+        """Evictions and stores in plan order; returns this step's failed or withdrawn stores.
+        Ends the step: every copy it started is done when this returns."""
+        step = self._step_of(plan)
+        step.finish_gathers()
+        gathers = step.gathers or {}
+        self._step = None
         failures: list[StoreFailure] = []
         for op in plan.writes:
             if isinstance(op, Eviction):
                 self._evict(op)
             else:
-                failures.extend(self._store(op))
+                failures.extend(self._store(op, gathers.get(id(op))))
         self._report.store_failures.extend(failures)
         if plan.drain:
             for tier in self._background:
                 tier.drain(DRAIN_WAIT_S)
         return failures
+
+    def _step_of(self, plan: StepPlan) -> StepCopies:
+        """This step's copies (a new step when the plan is new; a step vLLM abandoned midway,
+        by raising, is waited for first: its copies must not outlive it)."""
+        if self._step is None or self._step.plan is not plan:
+            if self._step is not None:
+                self._step.wait_all()
+            assert self.copier is not None
+            self._step = StepCopies(plan, self.copier, self._copy_thread)
+        return self._step
 
     def _evict(self, op: Eviction) -> None:
         tier = self.tiers.get(op.tier)
@@ -245,7 +330,7 @@ class ConnectorWorker:
         except OSError as e:  # a stale copy costs space, never correctness: its index entry is gone
             logger.debug("KVLens: evicting %s from %s failed: %s", op.name[:12], op.tier, e)
 
-    def _store(self, job: StoreJob) -> list[StoreFailure]:
+    def _store(self, job: StoreJob, gathered: BlockGather | None) -> list[StoreFailure]:
         if job.after_loads and not self._step_failed.isdisjoint(job.after_loads):
             return self._fail(job, job.tiers, FailureReason.DEPENDENCY_FAILED, "computed over a failed load")
         usable = [t for t in job.tiers if t in self.tiers and self.health[t].usable()]
@@ -254,7 +339,12 @@ class ConnectorWorker:
             return failures
         assert self.copier is not None
         try:
-            data = self.copier.gather(job.block_ids)
+            if gathered is None:
+                data = self.copier.gather(job.block_ids)
+            elif gathered.error is not None:
+                raise gathered.error
+            else:
+                data = gathered.out.cpu()
         except (RuntimeError, ValueError) as e:
             return failures + self._fail(job, usable, FailureReason.IO_ERROR, str(e))
         payload = memoryview(data.numpy()).cast("B")
@@ -337,6 +427,8 @@ class ConnectorWorker:
         return all(tier.drain(timeout_s) for tier in self._background)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
+        if self._copy_thread is not None:
+            self._copy_thread.close(timeout_s)
         for tier in self._background:
             tier.close(timeout_s)
 

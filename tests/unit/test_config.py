@@ -74,9 +74,15 @@ def test_missing_yaml_file_is_a_clear_error(tmp_path):
 
 
 def test_lmcache_features_kvlens_lacks_are_accepted_off_and_refused_on():
-    load_config({"lmcache.use_layerwise": False, "lmcache.enable_async_loading": False}, env={})
-    with pytest.raises(ConfigError, match="use_layerwise"):
-        load_config({"lmcache.use_layerwise": True}, env={})
+    load_config({"lmcache.enable_async_loading": False, "lmcache.enable_blending": False}, env={})
+    with pytest.raises(ConfigError, match="enable_async_loading"):
+        load_config({"lmcache.enable_async_loading": True}, env={})
+
+
+def test_layerwise_copies_are_on_by_default_and_can_be_turned_off():
+    assert load_config({}, env={}).use_layerwise is True
+    assert load_config({"lmcache.use_layerwise": False}, env={}).use_layerwise is False
+    assert load_config({}, env={"LMCACHE_USE_LAYERWISE": "false"}).use_layerwise is False
 
 
 def test_known_lmcache_keys_that_do_not_apply_are_a_warning_not_an_error(caplog):
