@@ -166,7 +166,10 @@ class BlockCopier:
         per_block_all_layers = self.num_layers * self.block_bytes
         if total == 0 or total % per_block_all_layers:
             raise ValueError(f"payload of {total} bytes is not whole blocks of this KV layout")
-        with warnings.catch_warnings():  # a read-only buffer (a remote read) is fine: it is only read
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        if buffer.readonly:
+            with warnings.catch_warnings():  # a read-only buffer (a remote read) is fine: only read
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                flat = torch.frombuffer(buffer, dtype=torch.uint8)
+        else:
             flat = torch.frombuffer(buffer, dtype=torch.uint8)
         return flat.view(self.num_layers, total // per_block_all_layers, self.block_bytes)

@@ -66,9 +66,16 @@ def _kvlens_remote(s: Settings) -> dict[str, Any]:
     return {"lmcache.local_cpu": False, "lmcache.remote_url": s.kvlens_remote_url}
 
 
+def _kvlens_cpu_in_step(s: Settings) -> dict[str, Any]:
+    """The CPU tier with layer-wise copies off: every copy runs inside the step (the A/B of
+    copying beside the forward pass)."""
+    return {**_kvlens_cpu(s), "lmcache.use_layerwise": False}
+
+
 # KVLens tiers by name: the hook for new tiers (--kvlens-tiers cpu,disk,remote).
 KVLENS_TIERS: dict[str, Callable[[Settings], dict[str, Any]]] = {
     "cpu": _kvlens_cpu,
+    "cpu-in-step": _kvlens_cpu_in_step,
     "disk": _kvlens_disk,
     "remote": _kvlens_remote,
 }

@@ -39,6 +39,24 @@ def damage(
     return touched
 
 
+def count_layer_hooks(worker) -> dict[str, int]:
+    """Counts vLLM's per-layer connector calls that reach the worker (layer-wise copies)."""
+    calls = {"wait_layer": 0, "save_layer": 0, "wait_layer_with_loads": 0}
+    wait_layer, save_layer = worker.wait_layer, worker.save_layer
+
+    def counting_wait(name):
+        calls["wait_layer"] += 1
+        calls["wait_layer_with_loads"] += bool(worker._step is not None and worker._step.loads)
+        return wait_layer(name)
+
+    def counting_save(plan, name):
+        calls["save_layer"] += 1
+        return save_layer(plan, name)
+
+    worker.wait_layer, worker.save_layer = counting_wait, counting_save
+    return calls
+
+
 def rss_megabytes() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -91,6 +109,7 @@ def main() -> None:
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
             worker = get_kv_transfer_group()._worker
+            worker.layer_hook_calls = count_layer_hooks(worker)
 
     preemptions = [0]
     original_preempt = core.scheduler._preempt_request
@@ -157,6 +176,7 @@ def main() -> None:
         state["pinned_chunks"] = sum(t.pinned_keys for t in sched.tiers.values())
         state["index_bytes"] = {name: t.used_bytes for name, t in sched.tiers.items()}
         cpu = worker.tiers.get("cpu") if worker is not None else None
+        state["layer_hook_calls"] = getattr(worker, "layer_hook_calls", None)
         state["worker_cpu_bytes"] = cpu.used_bytes if cpu is not None else None
     port = os.environ.get("KVLENS_METRICS_PORT")
     if port:

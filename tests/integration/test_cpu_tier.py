@@ -58,3 +58,11 @@ def test_nothing_is_left_tracked_or_pinned_after_the_workload(cpu_run):
     assert state["unfinished_requests"] == 0 and state["pinned_requests"] == 0
     assert state["pinned_chunks"] == 0 and state["failed_blocks"] == []
     assert state["tier_chunks|cpu"] > 0
+
+
+def test_vllm_calls_the_layer_hooks_so_loads_overlap_the_forward_pass(cpu_run):
+    """Layer-wise copies (the default) rely on vLLM calling wait_for_layer_load and
+    save_kv_layer on this platform; without them every copy would wait for the step's end."""
+    calls = cpu_run["state"]["layer_hook_calls"]
+    assert calls["save_layer"] > 0
+    assert calls["wait_layer_with_loads"] > 0
