@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -36,6 +37,17 @@ def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((pos, b, 1))
     return runs
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, one_thread: bool) -> None:
+    """``dst.copy_(src)``; with ``one_thread`` on CPU, in this thread only: torch would split a
+    large copy over a new OpenMP team of as many threads as the worker has cores, which would
+    run on the worker's own cores beside the forward pass (numpy copies in one thread and, like
+    torch, without the GIL)."""
+    if one_thread and dst.device.type == "cpu":
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src)
 
 
 def _layer_number(name: str) -> int:
@@ -111,13 +123,15 @@ class BlockCopier:
             (self.num_layers, num_blocks, self.block_bytes), dtype=torch.uint8, device=self.device
         )
 
-    def gather_layer(self, i: int, out: torch.Tensor, block_ids: Sequence[int]) -> None:
-        """Copy layer ``i``'s blocks ``block_ids`` into ``out[i]``."""
+    def gather_layer(
+        self, i: int, out: torch.Tensor, block_ids: Sequence[int], one_thread: bool = False
+    ) -> None:
+        """Copy layer ``i``'s blocks ``block_ids`` into ``out[i]`` (``one_thread``: see ``_copy``)."""
         layer = self.layers[i]
         if layer.flat is not None:
             dst = _widest_view(out[i])
             for pos, first, n in _runs(block_ids):
-                dst[pos : pos + n].copy_(layer.flat[first : first + n])
+                _copy(dst[pos : pos + n], layer.flat[first : first + n], one_thread)
             return
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         blocks = layer.tensor.index_select(layer.block_dim, idx)
@@ -141,9 +155,15 @@ class BlockCopier:
             self.scatter_layer(i, payload, block_ids, first_block)
 
     def scatter_layer(
-        self, i: int, payload: torch.Tensor, block_ids: Sequence[int], first_block: int
+        self,
+        i: int,
+        payload: torch.Tensor,
+        block_ids: Sequence[int],
+        first_block: int,
+        one_thread: bool = False,
     ) -> None:
-        """Write layer ``i`` of payload blocks ``first_block ..`` into ``block_ids`` (checked payload)."""
+        """Write layer ``i`` of payload blocks ``first_block ..`` into ``block_ids`` (a checked
+        payload; ``one_thread``: see ``_copy``)."""
         n = len(block_ids)
         src = payload[i, first_block : first_block + n]
         if self.device.type != "cpu":
@@ -152,7 +172,7 @@ class BlockCopier:
         if layer.flat is not None:
             rows = src if layer.flat.dtype == torch.uint8 else src.contiguous().view(layer.flat.dtype)
             for pos, first, length in _runs(block_ids):
-                layer.flat[first : first + length].copy_(rows[pos : pos + length])
+                _copy(layer.flat[first : first + length], rows[pos : pos + length], one_thread)
             return
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         typed = src.contiguous().view(self.dtype).view(n, *self.block_shape)

@@ -125,7 +125,9 @@ class StepCopies:
             if load.error is None:
                 started = time.perf_counter()
                 try:
-                    self._copier.scatter_layer(i, load.payload, load.block_ids, load.first_block)
+                    self._copier.scatter_layer(
+                        i, load.payload, load.block_ids, load.first_block, one_thread=self._runner is not None
+                    )
                 except Exception as e:  # noqa: BLE001 - becomes failed blocks, never a crash
                     load.error = e
                 load.seconds += time.perf_counter() - started
@@ -152,7 +154,7 @@ class StepCopies:
         for g in gathers:
             if g.error is None:
                 try:
-                    self._copier.gather_layer(i, g.out, g.block_ids)
+                    self._copier.gather_layer(i, g.out, g.block_ids, one_thread=self._runner is not None)
                 except Exception as e:  # noqa: BLE001 - becomes a failed store
                     g.error = e
 

@@ -65,10 +65,10 @@ def test_layers_copy_beside_the_forward_pass(monkeypatch):
     release = threading.Event()
     scatter = BlockCopier.scatter_layer
 
-    def slow_after_layer_0(self, i, *args):
+    def slow_after_layer_0(self, i, *args, **kw):
         if i > 0:
             release.wait(5)
-        scatter(self, i, *args)
+        scatter(self, i, *args, **kw)
 
     monkeypatch.setattr(BlockCopier, "scatter_layer", slow_after_layer_0)
     plan = load_plan()
@@ -134,10 +134,10 @@ def test_a_copy_that_raises_fails_its_chunk_and_later_ones_and_withdraws_depende
     store_two_chunks(w)
     scatter = BlockCopier.scatter_layer
 
-    def fail_second_chunk(self, i, payload, block_ids, first_block):
+    def fail_second_chunk(self, i, payload, block_ids, first_block, **kw):
         if tuple(block_ids) == (10, 11) and i == 1:
             raise RuntimeError("copy engine fault")
-        scatter(self, i, payload, block_ids, first_block)
+        scatter(self, i, payload, block_ids, first_block, **kw)
 
     monkeypatch.setattr(BlockCopier, "scatter_layer", fail_second_chunk)
     dependent = StoreJob("b", "ef" * 16, (12, 13), (CPU,), 32, after_loads=(10, 11))
@@ -164,10 +164,10 @@ def test_a_step_vllm_abandoned_midway_finishes_its_copies_before_the_next(monkey
     scatter = BlockCopier.scatter_layer
     copying = []
 
-    def slow(self, i, *args):
+    def slow(self, i, *args, **kw):
         copying.append(i)
         time.sleep(0.05)
-        scatter(self, i, *args)
+        scatter(self, i, *args, **kw)
 
     monkeypatch.setattr(BlockCopier, "scatter_layer", slow)
     w.start_load(load_plan())  # the forward pass raised: no wait_for_save for this step
