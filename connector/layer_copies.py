@@ -15,7 +15,6 @@ the step is over, and an eviction or a store must never race a copy.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cpu_affinity import run_beside_worker
 from .kv_blocks import BlockCopier
 
 logger = logging.getLogger("vllm.kvlens")
@@ -66,7 +66,7 @@ class CopyThread:
         return done
 
     def _run(self) -> None:
-        _use_every_allowed_cpu()
+        run_beside_worker()  # the point is to copy on another core than the forward pass's
         while True:
             item = self._tasks.get()
             if item is None:
@@ -82,16 +82,6 @@ class CopyThread:
     def close(self, timeout_s: float = 5.0) -> None:
         self._tasks.put(None)
         self._thread.join(timeout_s)
-
-
-def _use_every_allowed_cpu() -> None:
-    """Let this thread leave the core vLLM bound the worker's thread to (it inherited that
-    binding): the point is to copy on another core while that one runs the model. The kernel
-    keeps the thread within the process's cpuset."""
-    try:
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    except (AttributeError, OSError, ValueError) as e:  # not Linux, or not allowed: copy where we are
-        logger.debug("KVLens: copy thread keeps its CPU binding: %s", e)
 
 
 class StepCopies:

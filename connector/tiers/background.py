@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from ..cpu_affinity import run_beside_worker
 from ..engine.health import TierHealth
 from ..engine.outcomes import FailureReason, RemoteCall
 from .base import Tier, classify
@@ -134,6 +135,7 @@ class BackgroundTier:
         return True
 
     def _write_loop(self) -> None:
+        run_beside_worker()
         while True:
             with self._lock:
                 while not self._ops and not self._closed:
@@ -290,6 +292,7 @@ class BackgroundTier:
         return future
 
     def _read_loop(self) -> None:
+        run_beside_worker()
         while True:
             item = self._reads.get()
             if item is None:

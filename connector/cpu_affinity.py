@@ -1,0 +1,59 @@
+"""Where KVLens's own threads in a vLLM worker may run.
+
+vLLM's CPU worker binds its threads to the worker's cores (``VLLM_CPU_OMP_THREADS_BIND``)
+before it creates the connector, and a thread inherits the binding of the thread that
+started it: without care, KVLens's copy, write and read threads would all share the worker's
+core(s) with the forward pass they are meant to run beside. Each of them calls
+``run_beside_worker()`` first, which widens its own binding (only its own: ``sched_setaffinity``
+with pid 0 applies to the calling thread) to every CPU of the NUMA nodes that hold the
+worker's cores, so copies stay next to the memory they copy. The kernel keeps the thread
+inside the process's cpuset (a container's CPU limit still holds).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+
+logger = logging.getLogger("vllm.kvlens")
+
+_NODES = "/sys/devices/system/node"
+
+
+def parse_cpulist(text: str) -> set[int]:
+    """``"0-3,8,10-11"`` (the kernel's list format) as a set; raises ValueError if malformed."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        lo, hi = int(first), int(last or first)
+        if lo < 0 or hi < lo:
+            raise ValueError(f"bad CPU range {part!r}")
+        cpus.update(range(lo, hi + 1))
+    return cpus
+
+
+def node_cpus(bound: Iterable[int], nodes_dir: str = _NODES) -> set[int]:
+    """Every CPU of the NUMA nodes holding any CPU in ``bound``; all CPUs where nodes are unknown."""
+    bound = set(bound)
+    wider: set[int] = set()
+    try:
+        for entry in os.listdir(nodes_dir):
+            if entry.startswith("node") and entry[4:].isdigit():
+                with open(os.path.join(nodes_dir, entry, "cpulist")) as f:
+                    cpus = parse_cpulist(f.read())
+                if cpus & bound:
+                    wider |= cpus
+    except (OSError, ValueError):
+        wider = set()
+    return (wider or set(range(os.cpu_count() or 1))) | bound
+
+
+def run_beside_worker() -> None:
+    """Let the calling thread run on any CPU of the worker's NUMA node(s), not only its cores."""
+    try:
+        os.sched_setaffinity(0, node_cpus(os.sched_getaffinity(0)))
+    except (AttributeError, OSError, ValueError) as e:  # not Linux, or not allowed: stay bound
+        logger.debug("KVLens: thread keeps its CPU binding: %s", e)
