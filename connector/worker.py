@@ -32,6 +32,7 @@ from .engine.outcomes import (
 )
 from .kv_blocks import BlockCopier
 from .layer_copies import BlockGather, BlockLoad, CopyThread, StepCopies
+from .payload_pool import PayloadPool
 from .tiers import disk as disk_files
 from .tiers.background import BackgroundTier, QueueFull
 from .tiers.base import Tier, classify
@@ -45,6 +46,7 @@ _Staged = tuple[ChunkLoadResult, BlockLoad, ChunkLoad]  # a chunk read and check
 _ReadJob = tuple[LoadJob, LoadOutcome, list[_Staged]]
 
 DRAIN_WAIT_S = 0.05  # an idle engine's empty step waits this long for background writes
+POOL_BYTES = 256 * 1024**2  # buffers the CPU tier dropped, kept for the next stores' gathers
 
 
 class ConnectorWorker:
@@ -57,8 +59,9 @@ class ConnectorWorker:
         self.health: dict[str, TierHealth] = {}
         self._background: list[BackgroundTier] = []
         extra = config.extra_config
+        self._pool = PayloadPool(POOL_BYTES)
         if config.local_cpu:
-            self.tiers[CPU] = CpuTier()
+            self.tiers[CPU] = CpuTier(self._pool.dropped)
             self.health[CPU] = TierHealth(CPU)
         if config.local_disk:
             self.health[DISK] = TierHealth(DISK)
@@ -285,7 +288,7 @@ class ConnectorWorker:
         if step.gathers is None:  # the step's first layer: one buffer per store to make
             assert self.copier is not None
             step.gathers = {
-                id(op): BlockGather(self.copier.new_payload(len(op.block_ids)), op.block_ids)
+                id(op): BlockGather(self._new_payload(len(op.block_ids)), op.block_ids)
                 for op in plan.writes
                 if isinstance(op, StoreJob)
                 and any(t in self.tiers and self.health[t].usable() for t in op.tiers)
@@ -310,6 +313,13 @@ class ConnectorWorker:
             for tier in self._background:
                 tier.drain(DRAIN_WAIT_S)
         return failures
+
+    def _new_payload(self, num_blocks: int) -> torch.Tensor:
+        """A buffer to gather a chunk into: one the CPU tier dropped, else new memory."""
+        assert self.copier is not None
+        shape = (self.copier.num_layers, num_blocks, self.copier.block_bytes)
+        reused = self._pool.take(shape) if self.copier.device.type == "cpu" else None
+        return reused if reused is not None else self.copier.new_payload(num_blocks)
 
     def _step_of(self, plan: StepPlan) -> StepCopies:
         """This step's copies (a new step when the plan is new; a step vLLM abandoned midway,
@@ -340,14 +350,17 @@ class ConnectorWorker:
         assert self.copier is not None
         try:
             if gathered is None:
-                data = self.copier.gather(job.block_ids)
-            elif gathered.error is not None:
+                gathered = BlockGather(self._new_payload(len(job.block_ids)), job.block_ids)
+                for i in range(self.copier.num_layers):
+                    self.copier.gather_layer(i, gathered.out, job.block_ids)
+            if gathered.error is not None:
                 raise gathered.error
-            else:
-                data = gathered.out.cpu()
+            data = gathered.out.cpu()
         except (RuntimeError, ValueError) as e:
             return failures + self._fail(job, usable, FailureReason.IO_ERROR, str(e))
         payload = memoryview(data.numpy()).cast("B")
+        if usable == [CPU] and data is gathered.out:  # the CPU tier alone reads it: reusable once dropped
+            self._pool.own(payload, data)
         name = storage_name(job.name, self.rank)
         for tier_name in usable:
             try:
@@ -416,6 +429,7 @@ class ConnectorWorker:
         out = {
             "invalid_block_ids": len(self._failed_blocks),
             "pending_writes": sum(t.pending for t in self._background),
+            "reusable_buffer_bytes": self._pool.bytes,
         }
         cpu = self.tiers.get(CPU)
         if isinstance(cpu, CpuTier):

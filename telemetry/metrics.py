@@ -143,6 +143,11 @@ _DEFINITIONS = (
     Metric(
         "pending_writes", GAUGE, "Chunk writes and deletes queued for background tier writers (all ranks)."
     ),
+    Metric(
+        "reusable_buffer_bytes",
+        GAUGE,
+        "Bytes of buffers the CPU tier dropped, kept for the next stores to gather into (all ranks).",
+    ),
     Metric("suspect_blocks", GAUGE, "vLLM blocks whose load failed and that no step has rewritten yet."),
     Metric("pinned_requests", GAUGE, "Requests holding pins on cached chunks."),
     Metric("pinned_chunks", GAUGE, "Chunks pinned (not evictable) by pending loads, by tier.", ("tier",)),

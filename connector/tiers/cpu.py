@@ -6,15 +6,18 @@ only holds bytes, so it is as cheap as a dict.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .base import ChunkMissing
 
 
 class CpuTier:
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, on_drop: Callable[[memoryview], None] | None = None) -> None:
         self._chunks: dict[str, memoryview] = {}
         self.used_bytes = 0
+        self._on_drop = on_drop  # told of every payload the tier stops holding (buffer reuse)
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -35,7 +38,9 @@ class CpuTier:
         old = self._chunks.pop(name, None)
         if old is not None:
             self.used_bytes -= old.nbytes
+            if self._on_drop is not None:
+                self._on_drop(old)
 
     def clear(self) -> None:
-        self._chunks.clear()
-        self.used_bytes = 0
+        for name in list(self._chunks):
+            self.delete(name)

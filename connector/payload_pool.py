@@ -1,0 +1,50 @@
+"""Buffers of chunks the CPU tier dropped, reused by the next stores.
+
+A store copies a chunk's blocks into a new buffer that the CPU tier then keeps; fresh memory
+costs a page fault per 4 KiB page, which makes a store several times slower than a copy
+into memory already touched (bench/tier_bandwidth.py). Once the tier is full every store
+evicts about as many bytes as it adds, so the dropped buffers feed the next gathers.
+
+A buffer is reused only when nothing else can still read it: it was gathered for a store
+that went to the CPU tier alone (a disk or remote write may still hold a payload shared with
+another tier), and the worker drops it only in ``save``, after every load of the step has been
+copied. Buffers are kept per shape, up to ``max_bytes`` in all; beyond that they are freed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PayloadPool:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0  # held for reuse
+        self._free: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        self._owned: dict[int, torch.Tensor] = {}  # id of a view the CPU tier holds -> its buffer
+
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """A dropped buffer of ``shape`` to gather into, or None."""
+        free = self._free.get(shape)
+        if not free:
+            return None
+        buffer = free.pop()
+        self.bytes -= buffer.nbytes
+        return buffer
+
+    def own(self, view: memoryview, buffer: torch.Tensor) -> None:
+        """The CPU tier keeps ``view`` of ``buffer``, and nothing else reads it: reusable once dropped."""
+        self._owned[id(view)] = buffer
+
+    def dropped(self, view: memoryview) -> None:
+        """The CPU tier no longer holds ``view`` (called while the view is still alive)."""
+        buffer = self._owned.pop(id(view), None)
+        if buffer is None or self.bytes + buffer.nbytes > self.max_bytes:
+            return
+        self._free.setdefault(tuple(buffer.shape), []).append(buffer)
+        self.bytes += buffer.nbytes
+
+    def clear(self) -> None:
+        self._free.clear()
+        self._owned.clear()
+        self.bytes = 0
