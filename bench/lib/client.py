@@ -106,17 +106,22 @@ class Client:
 
     def metric_sum(self, name: str, **labels: str) -> float:
         """The sum of a metric's samples whose labels include ``labels`` (0 when absent)."""
-        total = 0.0
-        for line in self.metrics_text().splitlines():
-            if not line.startswith(name) or line.startswith("#"):
-                continue
-            m = re.match(r"^([^\s{]+)(\{[^}]*\})?\s+(\S+)", line)
-            if not m or m.group(1) != name:
-                continue
-            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-            if all(have.get(k) == v for k, v in labels.items()):
-                total += float(m.group(3))
-        return total
+        return metric_sum(self.metrics_text(), name, **labels)
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """``Client.metric_sum`` over a /metrics page already fetched (several metrics, one fetch)."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        m = re.match(r"^([^\s{]+)(\{[^}]*\})?\s+(\S+)", line)
+        if not m or m.group(1) != name:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
 
 
 async def stream(

@@ -114,3 +114,21 @@ def _read(path: Path) -> str | None:
         return path.read_text()
     except OSError:
         return None
+
+
+def _config(model: Path) -> dict:
+    return json.loads((Path(model) / "config.json").read_text())
+
+
+def vocab_size(model: Path) -> int:
+    return int(_config(model)["vocab_size"])
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """KV bytes one token takes in vLLM's cache (bf16), read from any checkpoint's config.json:
+    ``--model`` may name a model that no ``ModelSpec`` describes."""
+    cfg = _config(model)
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    return 2 * kv_heads * head_dim * BYTES_PER_ELEMENT * int(cfg["num_hidden_layers"])
