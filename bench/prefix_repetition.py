@@ -175,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
             "settings": wl.args_json(args),
             "workload": {
                 "vllm_bench_serve": ["vllm", "bench", "serve", *shown_args(args, bench)],
+                "requests_per_repetition": args.prefixes * args.prompts_per_prefix,
                 "kv_blocks": kv_blocks,
                 "kv_tokens": kv_blocks * wl.VLLM_CPU_BLOCK,
                 "working_set_tokens": working_set,

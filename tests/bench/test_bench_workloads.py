@@ -1,0 +1,84 @@
+"""bench/prefix_repetition.py and bench/multi_round_chat.py keep working end to end: real vLLM
+servers (tiny model, --quick), vllm bench serve or the chat users, the tables, the JSON file.
+Never a timing assertion: on a shared 2-core machine only the shape of the result is stable
+(and token counts, which do not depend on timing). A missing LMCache virtualenv must show as
+"unavailable", not as a crash."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 600  # ~2-4 minutes here: two tiny-model servers, two repetitions each
+MODES = ["none", "kvlens-cpu", "lmcache"]
+FIGURES = ("total_token_throughput", "output_throughput", "request_throughput", "p50_ttft_ms", "p99_ttft_ms")
+
+
+def run_quick(script: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    cmd = [sys.executable, str(REPO / "bench" / script), "--quick", "--modes", "none,kvlens,lmcache"]
+    cmd += ["--kvlens-tiers", "cpu", "--lmcache-setup", "no"]
+    cmd += ["--lmcache-venv", str(tmp_path / "no-venv-lmcache"), "--out", str(tmp_path)]
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert "unavailable: LMCache's virtualenv is not usable" in run.stdout
+    data = json.loads((tmp_path / f"{Path(script).stem}.json").read_text())
+    assert (tmp_path / f"{Path(script).stem}.png").exists()
+    return run, data
+
+
+def check_common_shape(data: dict, baselines: set[str]) -> None:
+    assert set(data) >= {"meta", "settings", "workload", "ratios", "unavailable", "summary", "raw"}
+    assert data["meta"]["modes"] == MODES
+    assert set(data["unavailable"]) == {"lmcache"}
+    assert set(data["summary"]) == {"none", "kvlens-cpu"}
+    assert set(data["ratios"]) == {f"vs_{b}" for b in baselines}
+    repeats = data["settings"]["repeats"]
+    for name, s in data["summary"].items():
+        assert s["repetitions"] == repeats == len(data["raw"][name]), name
+        for key in (*FIGURES, "tokens_computed", "tokens_vllm_hit", "tokens_connector"):
+            assert s[key]["n"] == repeats, (name, key)
+        assert s["failed_total"] == 0, name
+        assert s["requests_total"] == repeats * data["workload"]["requests_per_repetition"], name
+    kv = data["summary"]["kvlens-cpu"]
+    assert kv["connector"] == "kvlens"
+    assert data["summary"]["none"]["connector"] is None
+    # The working set did not fit vLLM's KV memory: KVLens served prefixes that vLLM had evicted
+    # (token counts from vLLM's /metrics, not times).
+    assert data["workload"]["working_set_tokens"] > data["workload"]["kv_tokens"]
+    assert kv["tokens_connector"]["median"] > 0
+    assert data["summary"]["none"]["tokens_connector"]["median"] == 0
+
+
+def test_quick_prefix_repetition_reports_ratios_to_none_and_lmcache_unavailable(tmp_path):
+    _, data = run_quick("prefix_repetition.py", tmp_path)
+    check_common_shape(data, {"ceiling", "none"})
+    assert data["workload"]["vllm_bench_serve"][:5] == ["vllm", "bench", "serve", "--backend", "openai"]
+    assert "prefix_repetition" in data["workload"]["vllm_bench_serve"]
+    # No ceiling in this run: ratios to none only, and the target cannot be judged.
+    assert data["ratios"]["vs_ceiling"] == {}
+    assert set(data["ratios"]["vs_none"]) == {"kvlens-cpu"}
+    assert set(data["ratios"]["vs_none"]["kvlens-cpu"]) == set(FIGURES)
+    assert data["targets"]["kvlens_throughput_vs_ceiling"]["measured"] == {}
+    # vllm bench serve sent the same data set to both modes.
+    none, kv = data["summary"]["none"], data["summary"]["kvlens-cpu"]
+    assert none["total_input_tokens"]["median"] == kv["total_input_tokens"]["median"] > 0
+
+
+def test_quick_multi_round_chat_reports_ratios_to_none_and_lmcache_unavailable(tmp_path):
+    _, data = run_quick("multi_round_chat.py", tmp_path)
+    check_common_shape(data, {"none"})
+    assert set(data["ratios"]["vs_none"]) == {"kvlens-cpu"}
+    assert set(data["ratios"]["vs_none"]["kvlens-cpu"]) >= {*FIGURES, "p90_ttft_ms"}
+    for recs in data["raw"].values():
+        assert all(r["errors"] == [] for r in recs)
