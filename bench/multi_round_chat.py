@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.lib import report  # noqa: E402
 from bench.lib import workload as wl  # noqa: E402
 from bench.lib.client import REQUEST_TIMEOUT_S, stream  # noqa: E402
-from bench.lib.models import kv_bytes_per_token, vocab_size  # noqa: E402
-from bench.lib.runner import LiveMode, Run, ServerShape, add_common_args  # noqa: E402
+from bench.lib.models import vocab_size  # noqa: E402
+from bench.lib.runner import LiveMode, Run, add_common_args  # noqa: E402
 
 DEFAULT_MODES = "none,kvlens,example,lmcache"
 QUICK_MODES = DEFAULT_MODES
@@ -196,19 +196,9 @@ def run(args: argparse.Namespace) -> int:
     vocab = vocab_size(Path(bench.model))
     longest = longest_prompt(args)
     max_len = longest + args.answer_len + 16
-    per_request = wl.blocks(max_len)
-    kv_blocks = args.kv_blocks or per_request * max(1, math.ceil(args.users / 3)) + 1
-    if kv_blocks < per_request:
-        raise SystemExit(f"--kv-blocks {kv_blocks} cannot hold one request ({per_request} blocks)")
-    bpt = kv_bytes_per_token(Path(bench.model))
+    third = wl.blocks(max_len) * max(1, math.ceil(args.users / 3)) + 1
     working_set = args.system_len + args.users * (longest - args.system_len + args.answer_len)
-    wl.kv_note(bench, kv_blocks, working_set, bpt)
-    shape = ServerShape(
-        max_model_len=max_len,
-        kv_blocks=kv_blocks,
-        kv_space_gib=1,
-        working_set_gb=args.repeats * working_set * bpt / 1e9,
-    )
+    shape, sizes = wl.small_kv_shape(bench, max_len, args.kv_blocks or third, working_set)
     records = wl.measure_in_turns(bench, shape, args.repeats, lambda lm, rep: measure(bench, lm, rep, vocab))
     summary = wl.summarize(bench, records, RATIO_KEYS, BASELINES)
     bench.finish(
@@ -217,9 +207,7 @@ def run(args: argparse.Namespace) -> int:
             "workload": {
                 "requests_per_repetition": args.users * args.rounds,
                 "longest_prompt_tokens": longest,
-                "kv_blocks": kv_blocks,
-                "kv_tokens": kv_blocks * wl.VLLM_CPU_BLOCK,
-                "working_set_tokens": working_set,
+                **sizes,
             },
             "ratios": wl.headline(summary, RATIO_KEYS, BASELINES),
             "unavailable": dict(bench.skipped),

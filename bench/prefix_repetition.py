@@ -35,8 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib import report  # noqa: E402
 from bench.lib import workload as wl  # noqa: E402
-from bench.lib.models import kv_bytes_per_token  # noqa: E402
-from bench.lib.runner import LiveMode, Run, ServerShape, add_common_args  # noqa: E402
+from bench.lib.runner import LiveMode, Run, add_common_args  # noqa: E402
 from bench.lib.servers import SERVED_MODEL_NAME, ManagedProcess, server_env  # noqa: E402
 
 DEFAULT_MODES = "none,ceiling,kvlens,example,lmcache"
@@ -153,21 +152,9 @@ def run(args: argparse.Namespace) -> int:
         f"{args.prefix_len}+{args.suffix_len} prompt tokens, {args.output_len} generated, "
         f"{args.concurrency} in flight, {args.repeats} repetitions"
     )
-    per_request = wl.blocks(max_model_len(args))
-    kv_blocks = args.kv_blocks or per_request * args.concurrency + 1
-    if kv_blocks < per_request:
-        raise SystemExit(f"--kv-blocks {kv_blocks} cannot hold one request ({per_request} blocks)")
-    bpt = kv_bytes_per_token(Path(bench.model))
+    in_flight = wl.blocks(max_model_len(args)) * args.concurrency + 1
     working_set = args.prefixes * (args.prefix_len + args.suffix_len)
-    wl.kv_note(bench, kv_blocks, working_set, bpt)
-    if working_set > 2**30 // bpt:
-        bench.note(f"the ceiling's 1 GiB ({2**30 // bpt} tokens) does not hold every prefix")
-    shape = ServerShape(
-        max_model_len=max_model_len(args),
-        kv_blocks=kv_blocks,
-        kv_space_gib=1,
-        working_set_gb=args.repeats * working_set * bpt / 1e9,
-    )
+    shape, sizes = wl.small_kv_shape(bench, max_model_len(args), args.kv_blocks or in_flight, working_set)
     records = wl.measure_in_turns(bench, shape, args.repeats, lambda lm, rep: run_bench_serve(bench, lm, rep))
     summary = wl.summarize(bench, records, RATIO_KEYS, BASELINES)
     bench.finish(
@@ -176,9 +163,7 @@ def run(args: argparse.Namespace) -> int:
             "workload": {
                 "vllm_bench_serve": ["vllm", "bench", "serve", *shown_args(args, bench)],
                 "requests_per_repetition": args.prefixes * args.prompts_per_prefix,
-                "kv_blocks": kv_blocks,
-                "kv_tokens": kv_blocks * wl.VLLM_CPU_BLOCK,
-                "working_set_tokens": working_set,
+                **sizes,
             },
             "ratios": wl.headline(summary, RATIO_KEYS, BASELINES),
             "targets": targets(summary),

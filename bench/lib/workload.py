@@ -24,9 +24,11 @@ from typing import Any
 
 from . import report
 from .client import Client, metric_sum
+from .models import kv_bytes_per_token
 from .runner import LiveMode, Run, ServerShape, rotated, stop_on_signals
 
 VLLM_CPU_BLOCK = 128  # tokens per KV block in vLLM on CPU
+CEILING_GIB = 1  # VLLM_CPU_KVCACHE_SPACE of every mode; only the ceiling is not capped in blocks
 SOURCES_METRIC = "vllm:prompt_tokens_by_source_total"
 SOURCES = {"tokens_computed": "local_compute", "tokens_vllm_hit": "local_cache_hit"}
 SOURCES["tokens_connector"] = "external_kv_transfer"
@@ -60,14 +62,30 @@ def blocks(tokens: int) -> int:
     return -(-tokens // VLLM_CPU_BLOCK)
 
 
-def kv_note(bench: Run, kv_blocks: int, working_set_tokens: int, bytes_per_token: int) -> None:
-    """Says how the working set compares with the KV memory the small-memory modes get."""
+def small_kv_shape(
+    bench: Run, max_model_len: int, kv_blocks: int, working_set: int
+) -> tuple[ServerShape, dict[str, int]]:
+    """The servers' shape: ``kv_blocks`` of vLLM KV memory in every mode but the ceiling, which
+    gets ``CEILING_GIB``; notes how one repetition's working set compares with both. Returns the
+    shape and the figures the JSON keeps."""
+    if kv_blocks < blocks(max_model_len):
+        raise SystemExit(f"--kv-blocks {kv_blocks} cannot hold one request ({blocks(max_model_len)} blocks)")
+    per_token = kv_bytes_per_token(Path(bench.model))
     cap = kv_blocks * VLLM_CPU_BLOCK
     bench.note(
         f"vLLM KV memory in every mode but the ceiling: {kv_blocks} blocks = {cap} tokens "
-        f"({cap * bytes_per_token / 2**20:.0f} MiB); one repetition's working set: {working_set_tokens} "
-        f"tokens ({working_set_tokens / cap:.1f}x)"
+        f"({cap * per_token / 2**20:.0f} MiB); one repetition's working set: {working_set} tokens "
+        f"({working_set / cap:.1f}x)"
     )
+    if any(m.ceiling for m in bench.modes) and working_set * per_token > CEILING_GIB * 2**30:
+        bench.note(f"the ceiling's {CEILING_GIB} GiB of KV memory does not hold the working set either")
+    shape = ServerShape(
+        max_model_len=max_model_len,
+        kv_blocks=kv_blocks,
+        kv_space_gib=CEILING_GIB,
+        working_set_gb=bench.args.repeats * working_set * per_token / 1e9,  # a connector keeps them all
+    )
+    return shape, {"kv_blocks": kv_blocks, "kv_tokens": cap, "working_set_tokens": working_set}
 
 
 # ---- measuring --------------------------------------------------------------------------------
