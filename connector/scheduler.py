@@ -26,7 +26,7 @@ from .engine.facts import EngineFacts
 from .engine.index import PinTable, TierIndex
 from .engine.jobs import CPU, DISK, REMOTE, Eviction, StepPlan
 from .engine.keys import ChunkKey, PrefixHasher, block_aligned_keys
-from .engine.namespaces import FirstChunkNamespaces, first_chunk_fingerprint, namespace_differences
+from .engine.namespaces import FirstChunkNamespaces, namespace_differences
 from .engine.outcomes import (
     FailureReason,
     LoadOutcome,
@@ -207,7 +207,7 @@ class ConnectorScheduler:
         if reason is MissReason.EVICTED and first_missing is not None:
             detail = self.recently_evicted.detail(first_missing)
         elif reason is MissReason.NOT_STORED and not hits:
-            reason, detail = self._other_namespace(tokens, policy, reason)
+            reason, detail = self._other_namespace(self.hashers[rid].fingerprint(tokens), policy, reason)
         if 0 < need < self.config.min_retrieve_tokens:
             need, reason, detail = 0, MissReason.BELOW_MIN_RETRIEVE, None
         self.lookups[rid] = LookupResult(
@@ -222,10 +222,9 @@ class ConnectorScheduler:
         return need
 
     def _other_namespace(
-        self, tokens: Any, policy: RequestPolicy, reason: MissReason
+        self, fingerprint: bytes | None, policy: RequestPolicy, reason: MissReason
     ) -> tuple[MissReason, dict[str, Any] | None]:
         """A first chunk never stored here may have been stored under another namespace."""
-        fingerprint = first_chunk_fingerprint(tokens, self.config.chunk_size)
         other = self.first_chunks.other(fingerprint, policy.namespace) if fingerprint else None
         if other is None or policy.namespace is None:
             return reason, None
@@ -348,7 +347,7 @@ class ConnectorScheduler:
         stores = policy.save_skip_reason is None and self.facts.stores
         size = self.config.chunk_size
         if stores:
-            fingerprint = first_chunk_fingerprint(request.all_token_ids, size)
+            fingerprint = hasher.fingerprint(request.all_token_ids)
             if fingerprint is not None:
                 self.first_chunks.note(fingerprint, policy.namespace)
         if self.whatif is None:

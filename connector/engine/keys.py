@@ -5,6 +5,16 @@ incompatible (model, dtype, KV layout, parallel layout, LoRA, cache salt, tags),
 engines that share a store only ever exchange KV they could have computed themselves.
 BLAKE2b is used rather than Python's ``hash()`` (salted per process) or a non-cryptographic
 hash: a collision here would hand vLLM the wrong KV, so keys must be collision resistant.
+
+A chunk's key (v2) is BLAKE2b over its parent's 16-byte digest followed by its token ids,
+little-endian: 4 bytes each when every id of the chunk fits in 32 bits (every vocabulary
+today), else 8 bytes each (signed, as in v1). The two widths hash under different ``person``
+strings, so they are two unrelated functions: ``[1, 1]`` in 4 bytes and ``[1 + 2**32]`` in 8
+are the same bytes but never the same key. The parent has a fixed length and the width is
+fixed per key, so the bytes decode to one token list and no length is needed; that lets the
+keys of a chunk's whole-block prefixes share one pass over its tokens
+(``block_aligned_keys``). v1 hashed 8 bytes a token after a length: converting ids to 8-byte
+integers was the largest cost of a lookup.
 """
 
 from __future__ import annotations
@@ -16,10 +26,26 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 DIGEST_SIZE = 16  # 128-bit chunk hashes
+CHUNK_KEY_VERSION = b"kvlens-chunk-v2"
 _LITTLE = sys.byteorder == "little"
+_U32 = next(code for code in "IL" if array(code).itemsize == 4)
+# Hash states to copy: building one with a person string costs more than hashing 1 KB.
+_NARROW = hashlib.blake2b(digest_size=DIGEST_SIZE, person=CHUNK_KEY_VERSION)
+_WIDE = hashlib.blake2b(digest_size=DIGEST_SIZE, person=CHUNK_KEY_VERSION + b"w")
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
+def _narrow(tokens: Sequence[int]) -> array | None:
+    """The ids as 4-byte little-endian integers; None when one does not fit (or is negative)."""
+    try:
+        arr = array(_U32, tokens)
+    except OverflowError:
+        return None
+    if not _LITTLE:  # pragma: no cover - keys must match across machines
+        arr.byteswap()
+    return arr
+
+
+def _wide(tokens: Sequence[int]) -> bytes:
     arr = array("q", tokens)
     if not _LITTLE:  # pragma: no cover - keys must match across machines
         arr.byteswap()
@@ -88,11 +114,32 @@ class ChunkKey:
 
 
 def chain(parent: bytes, tokens: Sequence[int]) -> bytes:
-    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"kvlens-chunk-v1")
+    """The key of the chunk ``tokens`` following the chunk (or namespace seed) ``parent``."""
+    narrow = _narrow(tokens)
+    h = _NARROW.copy() if narrow is not None else _WIDE.copy()
     h.update(parent)
-    h.update(len(tokens).to_bytes(8, "little"))
-    h.update(_token_bytes(tokens))
+    h.update(narrow if narrow is not None else _wide(tokens))
     return h.digest()
+
+
+def chain_chunks(parent: bytes, tokens: Sequence[int], chunk_size: int) -> list[bytes]:
+    """The chained keys of consecutive whole chunks of ``tokens`` (a multiple of ``chunk_size``),
+    converting the ids in one go."""
+    narrow = _narrow(tokens)
+    digests = []
+    if narrow is None:  # some chunk needs 8 bytes a token: each chunk picks its own width
+        for start in range(0, len(tokens), chunk_size):
+            parent = chain(parent, tokens[start : start + chunk_size])
+            digests.append(parent)
+        return digests
+    view, step = memoryview(narrow).cast("B"), 4 * chunk_size
+    for at in range(0, len(view), step):
+        h = _NARROW.copy()
+        h.update(parent)
+        h.update(view[at : at + step])
+        parent = h.digest()
+        digests.append(parent)
+    return digests
 
 
 def chunk_keys(
@@ -122,14 +169,39 @@ def block_aligned_keys(
 
     A chunk that is not (yet) complete can still be shared block by block: a later prompt
     that extends this one finds the blocks it has in common instead of recomputing up to a
-    whole chunk.
+    whole chunk. The prefixes share one hash state, copied at each block boundary.
     """
-    n = min(len(chunk_tokens), chunk_size)
+    n = min(len(chunk_tokens), chunk_size - 1) // block_size * block_size
+    narrow = _narrow(chunk_tokens[:n])
+    if narrow is None:  # a long prefix needs 8 bytes a token, shorter ones may not
+        lengths = range(n, 0, -block_size)
+        return [ChunkKey(chain(parent, chunk_tokens[:length]), start, length) for length in lengths]
+    view, step = memoryview(narrow).cast("B"), 4 * block_size
+    h = _NARROW.copy()
+    h.update(parent)
     keys = []
-    for length in range(n // block_size * block_size, 0, -block_size):
-        if length < chunk_size:
-            keys.append(ChunkKey(chain(parent, chunk_tokens[:length]), start, length))
+    for at in range(0, len(view), step):
+        h.update(view[at : at + step])
+        keys.append(ChunkKey(h.copy().digest(), start, (at + step) // 4))
+    keys.reverse()
     return keys
+
+
+def key_fingerprint(namespace: Namespace) -> str:
+    """Twelve hex digits, equal for two engines when their chunk keys agree: the namespace and
+    the key version (the info gauge's ``key_fingerprint``; v1 engines showed the seed's)."""
+    return hashlib.blake2b(namespace.seed(), digest_size=6, person=CHUNK_KEY_VERSION).hexdigest()
+
+
+def first_chunk_fingerprint(tokens: Sequence[int], chunk_size: int) -> bytes | None:
+    """The namespace-free hash of the first whole chunk (namespaces.py explains misses with
+    it); None for a shorter prompt. Never a key: it lives in the scheduler's memory only."""
+    if len(tokens) < chunk_size:
+        return None
+    return chain(_TOKENS_ONLY, tokens[:chunk_size])
+
+
+_TOKENS_ONLY = b"kvlens-tokens-v2"  # the fingerprint's parent (16 bytes, like a digest)
 
 
 class PrefixHasher:
@@ -140,13 +212,14 @@ class PrefixHasher:
     chunks hashed so far stay valid and each call hashes only chunks not seen before.
     """
 
-    __slots__ = ("_namespace", "_seed", "_chunk_size", "_full")
+    __slots__ = ("_namespace", "_seed", "_chunk_size", "_full", "_fingerprint")
 
     def __init__(self, namespace: Namespace, chunk_size: int) -> None:
         self._namespace = namespace
         self._seed = namespace.seed()
         self._chunk_size = chunk_size
         self._full: list[ChunkKey] = []
+        self._fingerprint: bytes | None = None
 
     @property
     def namespace(self) -> Namespace:
@@ -164,10 +237,20 @@ class PrefixHasher:
         """Hash the whole chunks of ``tokens[:upto]`` not hashed yet (slicing only those)."""
         size = self._chunk_size
         end = min(upto, len(tokens))
+        first = len(self._full) * size
+        end -= (end - first) % size
+        if end <= first:
+            return
         parent = self._full[-1].digest if self._full else self._seed
-        for start in range(len(self._full) * size, end - size + 1, size):
-            parent = chain(parent, tokens[start : start + size])
-            self._full.append(ChunkKey(parent, start, size))
+        digests = chain_chunks(parent, tokens[first:end], size)
+        self._full += [ChunkKey(d, s, size) for d, s in zip(digests, range(first, end, size), strict=True)]
+
+    def fingerprint(self, tokens: Sequence[int]) -> bytes | None:
+        """``first_chunk_fingerprint`` of the request, hashed once (a lookup that misses and the
+        request's first schedule both ask)."""
+        if self._fingerprint is None:
+            self._fingerprint = first_chunk_fingerprint(tokens, self._chunk_size)
+        return self._fingerprint
 
     def full_keys(self, start: int = 0, end: int | None = None) -> list[ChunkKey]:
         """Hashed whole-chunk keys ending after ``start`` and at or before ``end``."""

@@ -4,27 +4,18 @@ share" case): a bounded memory of which namespaces stored a prompt's first chunk
 A chunk's key covers the namespace (model, dtype, KV layout, parallel size, LoRA, cache salt,
 tags), so a prompt stored under one namespace is simply absent under another. To explain such
 a miss, the scheduler notes, for every request that stores, a namespace-free fingerprint of
-its first chunk's tokens and the namespace it stores under. A lookup whose first chunk is
-missing asks whether another namespace stored those tokens, and which parts of the namespace
-differ (names only: a cache salt or a tag value is never reported). Pure logic.
+its first chunk's tokens (``keys.first_chunk_fingerprint``) and the namespace it stores under.
+A lookup whose first chunk is missing asks whether another namespace stored those tokens, and
+which parts of the namespace differ (names only: a cache salt or a tag value is never
+reported). Pure logic.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import fields
 
-from .keys import Namespace, chain
-
-_TOKENS_ONLY = b"kvlens-tokens-only"  # the chain's parent: no namespace in the fingerprint
-
-
-def first_chunk_fingerprint(tokens: Sequence[int], chunk_size: int) -> bytes | None:
-    """The namespace-free hash of the first whole chunk; None for a shorter prompt."""
-    if len(tokens) < chunk_size:
-        return None
-    return chain(_TOKENS_ONLY, tokens[:chunk_size])
+from .keys import Namespace
 
 
 def namespace_differences(mine: Namespace, other: Namespace) -> list[str]:

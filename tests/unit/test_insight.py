@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from connector.engine.jobs import CPU
-from connector.engine.keys import Namespace
-from connector.engine.namespaces import FirstChunkNamespaces, first_chunk_fingerprint, namespace_differences
+from connector.engine.keys import Namespace, first_chunk_fingerprint
+from connector.engine.namespaces import FirstChunkNamespaces, namespace_differences
 from connector.engine.outcomes import MissReason, WorkerReport
 from connector.engine.prefill_cost import PrefillCostMeter
 
