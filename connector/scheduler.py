@@ -25,7 +25,7 @@ from .engine.block_events import BlockEvents
 from .engine.facts import EngineFacts
 from .engine.index import PinTable, TierIndex
 from .engine.jobs import CPU, DISK, REMOTE, Eviction, StepPlan
-from .engine.keys import ChunkKey, PrefixHasher, block_aligned_keys
+from .engine.keys import ChunkKey, PrefixHasher, block_aligned_keys, block_prefixes
 from .engine.namespaces import FirstChunkNamespaces, namespace_differences
 from .engine.outcomes import (
     FailureReason,
@@ -237,18 +237,20 @@ class ConnectorScheduler:
         missing whole chunk; whether it sits only in a skipped tier; the remote round trips."""
         hits: list[ChunkHit] = []
         first_missing, unhealthy = None, False
+        local = self._usable_tiers()
         keys = self.hashers[rid].keys(tokens, include_partial=True, upto=upto)
         for key in keys:
-            tier = self.tier_holding(key.hex)
+            name = key.hex
+            tier = _holder(local, name)
             if tier is None:
                 if key.num_tokens == self.config.chunk_size:
-                    first_missing = key.hex
-                unhealthy = any(key.hex in t for t in self.tiers.values())
+                    first_missing = name
+                unhealthy = any(name in t for t in self.tiers.values())
                 break
             hits.append(ChunkHit(key, tier.name))
         calls: list[RemoteCall] = []
         if self.config.extra_config.block_granular_tails:
-            self._extend_by_blocks(rid, tokens, upto, hits)
+            self._extend_by_blocks(rid, tokens, upto, hits, local)
         if (
             self.remote is not None
             and len(hits) < len(keys)
@@ -294,11 +296,13 @@ class ConnectorScheduler:
                 break
         return None
 
-    def tier_holding(self, name: str) -> TierIndex | None:
-        """The fastest usable tier that holds the chunk."""
-        return next((t for t in self.tiers.values() if name in t and self.usable(t.name)), None)
+    def _usable_tiers(self) -> list[TierIndex]:
+        """The local tiers a lookup may answer from, fastest first."""
+        return [t for t in self.tiers.values() if self.usable(t.name)]
 
-    def _extend_by_blocks(self, rid: str, tokens: Any, upto: int, hits: list[ChunkHit]) -> None:
+    def _extend_by_blocks(
+        self, rid: str, tokens: Any, upto: int, hits: list[ChunkHit], local: list[TierIndex]
+    ) -> None:
         """After the last whole-chunk hit, take the longest stored whole-block prefix of the next chunk."""
         last = hits[-1].key if hits else None
         if last is not None and last.num_tokens < self.config.chunk_size:
@@ -306,10 +310,10 @@ class ConnectorScheduler:
         start = last.end if last is not None else 0
         parent = self.hashers[rid].parent_of(last)
         chunk = tokens[start : min(upto, start + self.config.chunk_size)]
-        for key in block_aligned_keys(parent, chunk, start, self.config.chunk_size, self.facts.block_size):
-            tier = self.tier_holding(key.hex)
+        for length, digest in block_prefixes(parent, chunk, self.config.chunk_size, self.facts.block_size):
+            tier = _holder(local, digest.hex())
             if tier is not None:
-                hits.append(ChunkHit(key, tier.name))
+                hits.append(ChunkHit(ChunkKey(digest, start, length), tier.name))
                 return
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> LookupOutcome | None:
@@ -617,6 +621,14 @@ class ConnectorScheduler:
             if advice is not None and self._advice.get(tier) != advice:
                 self._advice[tier] = advice
                 logger.info("KVLens sizing: %s", advice)
+
+
+def _holder(tiers: list[TierIndex], name: str) -> TierIndex | None:
+    """The first of ``tiers`` that holds the chunk (a plain loop: it runs per chunk of a lookup)."""
+    for tier in tiers:
+        if name in tier:
+            return tier
+    return None
 
 
 def _prompt_tokens(request: Any) -> int:

@@ -161,30 +161,36 @@ def chunk_keys(
     return keys
 
 
-def block_aligned_keys(
-    parent: bytes, chunk_tokens: Sequence[int], start: int, chunk_size: int, block_size: int
-) -> list[ChunkKey]:
-    """Keys for the whole-block prefixes of one unfull chunk (``chunk_tokens``, starting at
-    token ``start``), longest first.
+def block_prefixes(
+    parent: bytes, chunk_tokens: Sequence[int], chunk_size: int, block_size: int
+) -> list[tuple[int, bytes]]:
+    """``(length, digest)`` of each whole-block prefix of one unfull chunk, longest first.
 
     A chunk that is not (yet) complete can still be shared block by block: a later prompt
     that extends this one finds the blocks it has in common instead of recomputing up to a
-    whole chunk. The prefixes share one hash state, copied at each block boundary.
+    whole chunk. The prefixes share one hash state, copied at each block boundary; a lookup
+    probes the digests and builds a key only for the one it finds.
     """
     n = min(len(chunk_tokens), chunk_size - 1) // block_size * block_size
     narrow = _narrow(chunk_tokens[:n])
     if narrow is None:  # a long prefix needs 8 bytes a token, shorter ones may not
-        lengths = range(n, 0, -block_size)
-        return [ChunkKey(chain(parent, chunk_tokens[:length]), start, length) for length in lengths]
+        return [(length, chain(parent, chunk_tokens[:length])) for length in range(n, 0, -block_size)]
     view, step = memoryview(narrow).cast("B"), 4 * block_size
     h = _NARROW.copy()
     h.update(parent)
-    keys = []
+    prefixes = []
     for at in range(0, len(view), step):
         h.update(view[at : at + step])
-        keys.append(ChunkKey(h.copy().digest(), start, (at + step) // 4))
-    keys.reverse()
-    return keys
+        prefixes.append(((at + step) // 4, h.copy().digest()))
+    prefixes.reverse()
+    return prefixes
+
+
+def block_aligned_keys(
+    parent: bytes, chunk_tokens: Sequence[int], start: int, chunk_size: int, block_size: int
+) -> list[ChunkKey]:
+    """``block_prefixes`` as keys of a chunk starting at token ``start``, longest first."""
+    return [ChunkKey(d, start, n) for n, d in block_prefixes(parent, chunk_tokens, chunk_size, block_size)]
 
 
 def key_fingerprint(namespace: Namespace) -> str:
