@@ -207,7 +207,7 @@ class ConnectorScheduler:
         if reason is MissReason.EVICTED and first_missing is not None:
             detail = self.recently_evicted.detail(first_missing)
         elif reason is MissReason.NOT_STORED and not hits:
-            reason, detail = self._other_namespace(self.hashers[rid].fingerprint(tokens), policy, reason)
+            reason, detail = self._other_namespace(rid, tokens, policy, reason)
         if 0 < need < self.config.min_retrieve_tokens:
             need, reason, detail = 0, MissReason.BELOW_MIN_RETRIEVE, None
         self.lookups[rid] = LookupResult(
@@ -222,13 +222,17 @@ class ConnectorScheduler:
         return need
 
     def _other_namespace(
-        self, fingerprint: bytes | None, policy: RequestPolicy, reason: MissReason
+        self, rid: str, tokens: Any, policy: RequestPolicy, reason: MissReason
     ) -> tuple[MissReason, dict[str, Any] | None]:
         """A first chunk never stored here may have been stored under another namespace."""
-        other = self.first_chunks.other(fingerprint, policy.namespace) if fingerprint else None
-        if other is None or policy.namespace is None:
+        namespace = policy.namespace
+        if namespace is None or not self.first_chunks.others_than(namespace):
             return reason, None
-        return MissReason.OTHER_NAMESPACE, {"differs_in": namespace_differences(policy.namespace, other)}
+        fingerprint = self.hashers[rid].fingerprint(tokens)
+        other = self.first_chunks.other(fingerprint, namespace) if fingerprint else None
+        if other is None:
+            return reason, None
+        return MissReason.OTHER_NAMESPACE, {"differs_in": namespace_differences(namespace, other)}
 
     def _find_hits(
         self, rid: str, tokens: Any, upto: int

@@ -19,6 +19,7 @@ integers was the largest cost of a lookup.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 from array import array
@@ -65,26 +66,12 @@ class Namespace:
     tags: tuple[tuple[str, str], ...] = ()
 
     def seed(self) -> bytes:
-        # v1 wrote a tag as one part "name=value", so {"a=b": "c"} and {"a": "b=c"} shared
-        # keys. v2 writes name and value as parts of their own; only tagged namespaces use
-        # it, so untagged keys (and the chunks already stored under them) stay as they were.
-        person = b"kvlens-ns-v2" if self.tags else b"kvlens-ns-v1"
-        h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=person)
-        for part in (
-            self.model,
-            self.dtype,
-            self.kv_layout,
-            str(self.world_size),
-            self.lora or "",
-            self.cache_salt or "",
-            *(part for tag in self.tags for part in tag),
-        ):
-            data = part.encode()
-            h.update(len(data).to_bytes(8, "little"))
-            h.update(data)
-        return h.digest()
+        """The chain's first parent (memoized: every request's hasher asks)."""
+        return _seed(self)
 
     def with_request(self, lora: str | None, cache_salt: str | None, tags: Mapping[str, str]) -> Namespace:
+        if lora == self.lora and cache_salt == self.cache_salt and not tags and not self.tags:
+            return self
         return Namespace(
             self.model,
             self.dtype,
@@ -94,6 +81,28 @@ class Namespace:
             cache_salt,
             tuple(sorted(tags.items())),
         )
+
+
+@functools.lru_cache(maxsize=1024)
+def _seed(namespace: Namespace) -> bytes:
+    # v1 wrote a tag as one part "name=value", so {"a=b": "c"} and {"a": "b=c"} shared
+    # keys. v2 writes name and value as parts of their own; only tagged namespaces use
+    # it, so untagged seeds stayed as they were.
+    person = b"kvlens-ns-v2" if namespace.tags else b"kvlens-ns-v1"
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=person)
+    for part in (
+        namespace.model,
+        namespace.dtype,
+        namespace.kv_layout,
+        str(namespace.world_size),
+        namespace.lora or "",
+        namespace.cache_salt or "",
+        *(part for tag in namespace.tags for part in tag),
+    ):
+        data = part.encode()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.digest()
 
 
 @dataclass(frozen=True, slots=True)

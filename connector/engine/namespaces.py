@@ -30,6 +30,7 @@ class FirstChunkNamespaces:
         self._seen: OrderedDict[bytes, list[Namespace]] = OrderedDict()
         self._capacity = capacity
         self._per_prompt = per_prompt
+        self._lists: dict[Namespace, int] = {}  # namespace -> how many fingerprints list it
 
     def __len__(self) -> int:
         return len(self._seen)
@@ -38,10 +39,27 @@ class FirstChunkNamespaces:
         spaces = self._seen.pop(fingerprint, [])
         if namespace in spaces:
             spaces.remove(namespace)
+        else:
+            self._count(namespace, 1)
         spaces.append(namespace)
+        for dropped in spaces[: -self._per_prompt]:
+            self._count(dropped, -1)
         self._seen[fingerprint] = spaces[-self._per_prompt :]
         while len(self._seen) > self._capacity:
-            self._seen.popitem(last=False)
+            for dropped in self._seen.popitem(last=False)[1]:
+                self._count(dropped, -1)
+
+    def others_than(self, namespace: Namespace) -> bool:
+        """Whether a namespace other than ``namespace`` is remembered at all; when none is (one
+        namespace stores everything), a lookup need not fingerprint its prompt."""
+        return len(self._lists) > (namespace in self._lists)
+
+    def _count(self, namespace: Namespace, delta: int) -> None:
+        n = self._lists.get(namespace, 0) + delta
+        if n:
+            self._lists[namespace] = n
+        else:
+            del self._lists[namespace]
 
     def other(self, fingerprint: bytes, namespace: Namespace) -> Namespace | None:
         """The most recent other namespace that stored these tokens, if any."""
