@@ -4,8 +4,9 @@ Drives the real scheduler half at the default config (``load_config({}, env={})`
 256 tokens, the CPU tier, block-granular tails) with stand-in requests, as vLLM would: each
 lookup is a new request id, so it hashes the prompt from scratch. A hit is the same prompt
 stored by an earlier request (through the planner, so its whole-block tail is stored too);
-the index also holds ``others`` unrelated chunks. ``alloc`` adds vLLM's next call,
-``after_alloc`` (what-if recording, the namespace memory), to the lookup.
+the index also holds ``others`` unrelated chunks. Prompts of 1,000 and 4,000 tokens end in an
+unfull chunk, so a hit also probes the tail's whole-block prefixes; 32,000 is whole chunks.
+``+after_alloc`` adds vLLM's next call (what-if recording, the namespace memory).
 
     python bench/lookup.py [--quick] [--out bench/results/lookup.json]
 """
@@ -93,6 +94,12 @@ def store(sched: ConnectorScheduler, tokens: list[int]) -> None:
     sched.take_done()
 
 
+def expected_load(prompt_len: int, chunk_size: int) -> int:
+    """What a hit loads: the whole chunks and the tail's whole blocks, less the last token."""
+    stored = prompt_len - prompt_len % chunk_size + prompt_len % chunk_size // BLOCK * BLOCK
+    return stored - 1 if stored >= prompt_len else stored
+
+
 def measure(prompt_len: int, others: int, hit: bool, reps: int) -> dict[str, float | int | bool]:
     tokens = [(t * 7919 + 13) % VOCAB for t in range(prompt_len)]
     sched = scheduler(others)
@@ -115,7 +122,7 @@ def measure(prompt_len: int, others: int, hit: bool, reps: int) -> dict[str, flo
     finally:
         gc.enable()
         sched.shutdown()
-    expected = prompt_len - 1 if hit else 0
+    expected = expected_load(prompt_len, sched.config.chunk_size) if hit else 0
     if need != expected:
         raise AssertionError(f"lookup returned {need} tokens, expected {expected}")
     per_1k = 1e6 * 1000 / prompt_len
@@ -129,7 +136,7 @@ def measure(prompt_len: int, others: int, hit: bool, reps: int) -> dict[str, flo
 
 
 def grid(quick: bool) -> list[tuple[int, int, bool]]:
-    prompts = (1024, 4096, 32768) if not quick else (1024, 32768)
+    prompts = (1000, 4000, 32000) if not quick else (1000, 32000)
     sizes = (10, 1000, 100_000) if not quick else (10, 10_000)
     rows = [(p, 0, False) for p in prompts]
     rows += [(p, n, hit) for hit in (False, True) for n in sizes for p in prompts]
@@ -146,7 +153,7 @@ def main() -> None:
     rows = []
     print(f"{'case':>5} {'prompt':>7} {'others':>7} {'lookup us/1k tok':>17} {'+after_alloc':>13}")
     for prompt_len, others, hit in grid(args.quick):
-        row = measure(prompt_len, others, hit, max(reps * 1024 // prompt_len, 15))
+        row = measure(prompt_len, others, hit, max(reps * 1000 // prompt_len, 15))
         rows.append(row)
         print(
             f"{'hit' if hit else 'miss':>5} {prompt_len:>7} {others:>7}"

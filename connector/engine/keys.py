@@ -23,7 +23,7 @@ import functools
 import hashlib
 import sys
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 DIGEST_SIZE = 16  # 128-bit chunk hashes
@@ -172,27 +172,31 @@ def chunk_keys(
 
 def block_prefixes(
     parent: bytes, chunk_tokens: Sequence[int], chunk_size: int, block_size: int
-) -> list[tuple[int, bytes]]:
-    """``(length, digest)`` of each whole-block prefix of one unfull chunk, longest first.
+) -> Iterator[tuple[int, bytes]]:
+    """``(length, digest)`` of each whole-block prefix of one unfull chunk, longest first, lazily.
 
     A chunk that is not (yet) complete can still be shared block by block: a later prompt
     that extends this one finds the blocks it has in common instead of recomputing up to a
-    whole chunk. The prefixes share one hash state, copied at each block boundary; a lookup
-    probes the digests and builds a key only for the one it finds.
+    whole chunk. The longest prefix (the one a repeated prompt stored) costs one hash; the
+    shorter ones share a second pass, one hash state copied at each block boundary, and only
+    when asked for.
     """
     n = min(len(chunk_tokens), chunk_size - 1) // block_size * block_size
-    narrow = _narrow(chunk_tokens[:n])
+    narrow = _narrow(chunk_tokens[:n]) if n else None
     if narrow is None:  # a long prefix needs 8 bytes a token, shorter ones may not
-        return [(length, chain(parent, chunk_tokens[:length])) for length in range(n, 0, -block_size)]
-    view, step = memoryview(narrow).cast("B"), 4 * block_size
+        yield from ((length, chain(parent, chunk_tokens[:length])) for length in range(n, 0, -block_size))
+        return
     h = _NARROW.copy()
     h.update(parent)
-    prefixes = []
-    for at in range(0, len(view), step):
+    longest = h.copy()
+    longest.update(narrow)
+    yield n, longest.digest()
+    view, step = memoryview(narrow).cast("B"), 4 * block_size
+    shorter = []
+    for at in range(0, len(view) - step, step):
         h.update(view[at : at + step])
-        prefixes.append(((at + step) // 4, h.copy().digest()))
-    prefixes.reverse()
-    return prefixes
+        shorter.append(((at + step) // 4, h.copy().digest()))
+    yield from reversed(shorter)
 
 
 def block_aligned_keys(
