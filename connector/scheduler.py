@@ -240,18 +240,16 @@ class ConnectorScheduler:
         """The stored chunks of the prompt's prefix (local tiers, then the remote); the first
         missing whole chunk; whether it sits only in a skipped tier; the remote round trips."""
         hits: list[ChunkHit] = []
-        first_missing, unhealthy = None, False
         local = self._usable_tiers()
-        keys = self.hashers[rid].keys(tokens, include_partial=True, upto=upto)
-        for key in keys:
-            name = key.hex
-            tier = _holder(local, name)
-            if tier is None:
-                if key.num_tokens == self.config.chunk_size:
-                    first_missing = name
-                unhealthy = any(name in t for t in self.tiers.values())
-                break
-            hits.append(ChunkHit(key, tier.name))
+        hasher = self.hashers[rid]
+        keys = hasher.keys(tokens, include_partial=False, upto=upto)
+        first_missing, unhealthy = self._probe_local(keys, local, hits)
+        if len(hits) == len(keys) or self.remote is not None:  # else the unfull tail cannot count
+            tail = hasher.tail_key(tokens, upto)
+            if tail is not None:
+                keys.append(tail)
+                if len(hits) == len(keys) - 1:
+                    first_missing, unhealthy = self._probe_local([tail], local, hits)
         calls: list[RemoteCall] = []
         if self.config.extra_config.block_granular_tails:
             self._extend_by_blocks(rid, tokens, upto, hits, local)
@@ -263,6 +261,20 @@ class ConnectorScheduler:
             first_missing = self._extend_from_remote(rid, tokens, upto, keys, hits, calls, first_missing)
             unhealthy = unhealthy or (len(hits) < len(keys) and not self.usable(REMOTE))
         return hits, first_missing, unhealthy, calls
+
+    def _probe_local(
+        self, keys: list[ChunkKey], local: list[TierIndex], hits: list[ChunkHit]
+    ) -> tuple[str | None, bool]:
+        """Add the chunks of ``keys`` that ``local`` holds, up to the first missing one; that
+        one's name if it is a whole chunk, and whether it sits only in a skipped tier."""
+        for key in keys:
+            name = key.hex
+            tier = _holder(local, name)
+            if tier is None:
+                whole = key.num_tokens == self.config.chunk_size
+                return (name if whole else None), any(name in t for t in self.tiers.values())
+            hits.append(ChunkHit(key, tier.name))
+        return None, False
 
     def _extend_from_remote(
         self,

@@ -282,12 +282,22 @@ class PrefixHasher:
         """Keys of every whole chunk of ``tokens[:upto]`` and, if asked, of its unfull tail."""
         n = len(tokens) if upto is None else min(upto, len(tokens))
         self.extend(tokens, n)
-        full_end = n - n % self._chunk_size
-        keys = self.full_keys(0, full_end)
-        if include_partial and full_end < n:
-            parent = self.parent_of(keys[-1] if keys else None)
-            keys.append(ChunkKey(chain(parent, tokens[full_end:n]), full_end, n - full_end))
+        keys = self.full_keys(0, n - n % self._chunk_size)
+        tail = self.tail_key(tokens, n) if include_partial else None
+        if tail is not None:
+            keys.append(tail)
         return keys
+
+    def tail_key(self, tokens: Sequence[int], upto: int | None = None) -> ChunkKey | None:
+        """The key of the unfull chunk that ends ``tokens[:upto]``; None if it ends a chunk."""
+        size = self._chunk_size
+        n = len(tokens) if upto is None else min(upto, len(tokens))
+        full_end = n - n % size
+        if full_end == n:
+            return None
+        self.extend(tokens, full_end)
+        parent = self._full[full_end // size - 1].digest if full_end else self._seed
+        return ChunkKey(chain(parent, tokens[full_end:n]), full_end, n - full_end)
 
 
 def parse_tags(params: Mapping[str, object] | None) -> dict[str, str]:
