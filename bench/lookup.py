@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -151,6 +152,7 @@ def main() -> None:
     args = parser.parse_args()
     reps = args.reps or (20 if args.quick else 200)
     rows = []
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (timings are medians)")
     print(f"{'case':>5} {'prompt':>7} {'others':>7} {'lookup us/1k tok':>17} {'+after_alloc':>13}")
     for prompt_len, others, hit in grid(args.quick):
         row = measure(prompt_len, others, hit, max(reps * 1000 // prompt_len, 15))

@@ -13,7 +13,7 @@ strings, so they are two unrelated functions: ``[1, 1]`` in 4 bytes and ``[1 + 2
 are the same bytes but never the same key. The parent has a fixed length and the width is
 fixed per key, so the bytes decode to one token list and no length is needed; that lets the
 keys of a chunk's whole-block prefixes share one pass over its tokens
-(``block_aligned_keys``). v1 hashed 8 bytes a token after a length: converting ids to 8-byte
+(``block_prefixes``). v1 hashed 8 bytes a token after a length: converting ids to 8-byte
 integers was the largest cost of a lookup.
 """
 
@@ -212,15 +212,15 @@ def key_fingerprint(namespace: Namespace) -> str:
     return hashlib.blake2b(namespace.seed(), digest_size=6, person=CHUNK_KEY_VERSION).hexdigest()
 
 
+_TOKENS_ONLY = b"kvlens-tokens-v2"  # the fingerprint's parent (16 bytes, like a digest)
+
+
 def first_chunk_fingerprint(tokens: Sequence[int], chunk_size: int) -> bytes | None:
     """The namespace-free hash of the first whole chunk (namespaces.py explains misses with
     it); None for a shorter prompt. Never a key: it lives in the scheduler's memory only."""
     if len(tokens) < chunk_size:
         return None
     return chain(_TOKENS_ONLY, tokens[:chunk_size])
-
-
-_TOKENS_ONLY = b"kvlens-tokens-v2"  # the fingerprint's parent (16 bytes, like a digest)
 
 
 class PrefixHasher:
@@ -255,9 +255,9 @@ class PrefixHasher:
     def extend(self, tokens: Sequence[int], upto: int) -> None:
         """Hash the whole chunks of ``tokens[:upto]`` not hashed yet (slicing only those)."""
         size = self._chunk_size
-        end = min(upto, len(tokens))
         first = len(self._full) * size
-        end -= (end - first) % size
+        end = min(upto, len(tokens))
+        end -= end % size
         if end <= first:
             return
         parent = self._full[-1].digest if self._full else self._seed

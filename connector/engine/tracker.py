@@ -189,7 +189,7 @@ class RequestTracker:
         parent = self.hasher.parent_of(full[-1] if full else None)
         prompt_tail = tokens[tail_start : self.prompt_len]
         tails: list[ChunkKey] = []
-        if policy.block_tails:  # the longest whole-block prefix only: lookups find it from any longer tail
+        if policy.block_tails:  # the longest whole-block prefix: lookups probe every length
             for length, digest in block_prefixes(parent, prompt_tail, policy.chunk_size, policy.block_size):
                 tails.append(ChunkKey(digest, tail_start, length))
                 break
