@@ -40,6 +40,7 @@ from .engine.outcomes import (
 from .engine.policy import RecentlyEvicted, RequestPolicy, decide_policy, miss_reason, trace_headers
 from .engine.prefill_cost import PrefillCostMeter
 from .engine.suspects import SuspectBlocks
+from .engine.tails import TailDirectory
 from .engine.tracker import (
     ChunkHit,
     LookupResult,
@@ -76,8 +77,12 @@ class ConnectorScheduler:
         self.facts = facts
         self._clock = clock
         self.tiers: dict[str, TierIndex] = {}
+        # Exact only while no other engine's chunks can reach the index (see tails.py).
+        only_cpu = config.local_cpu and not config.local_disk and not config.remote_url
+        self.tails = TailDirectory() if only_cpu else None
         if config.local_cpu:
-            self.tiers[CPU] = TierIndex(CPU, config.cpu_budget_bytes)
+            on_drop = self.tails.discard if self.tails is not None else None
+            self.tiers[CPU] = TierIndex(CPU, config.cpu_budget_bytes, on_drop)
         self.disk_view: SharedDiskView | None = None
         if config.local_disk:
             self.tiers[DISK] = TierIndex(DISK, config.disk_budget_bytes)
@@ -244,7 +249,7 @@ class ConnectorScheduler:
         hasher = self.hashers[rid]
         keys = hasher.keys(tokens, include_partial=False, upto=upto)
         first_missing, unhealthy = self._probe_local(keys, local, hits)
-        if len(hits) == len(keys) or self.remote is not None:  # else the unfull tail cannot count
+        if (len(hits) == len(keys) or self.remote is not None) and self._tail_may_be_stored(hasher, upto):
             tail = hasher.tail_key(tokens, upto)
             if tail is not None:
                 keys.append(tail)
@@ -261,6 +266,11 @@ class ConnectorScheduler:
             first_missing = self._extend_from_remote(rid, tokens, upto, keys, hits, calls, first_missing)
             unhealthy = unhealthy or (len(hits) < len(keys) and not self.usable(REMOTE))
         return hits, first_missing, unhealthy, calls
+
+    def _tail_may_be_stored(self, hasher: PrefixHasher, upto: int) -> bool:
+        """The prompt's unfull last chunk is worth hashing: the directory (if exact) lists it."""
+        full_end = upto - upto % self.config.chunk_size
+        return self.tails is None or self.tails.holds(hasher.parent_at(full_end), upto - full_end)
 
     def _probe_local(
         self, keys: list[ChunkKey], local: list[TierIndex], hits: list[ChunkHit]
@@ -326,7 +336,12 @@ class ConnectorScheduler:
         start = last.end if last is not None else 0
         parent = self.hashers[rid].parent_of(last)
         chunk = tokens[start : min(upto, start + self.config.chunk_size)]
-        for length, digest in block_prefixes(parent, chunk, self.config.chunk_size, self.facts.block_size):
+        size, block = self.config.chunk_size, self.facts.block_size
+        if self.tails is not None:
+            prefixes = self.tails.prefixes(parent, chunk, size, block)
+        else:
+            prefixes = block_prefixes(parent, chunk, size, block)
+        for length, digest in prefixes:
             tier = _holder(local, digest.hex())
             if tier is not None:
                 hits.append(ChunkHit(ChunkKey(digest, start, length), tier.name))

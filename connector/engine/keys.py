@@ -252,6 +252,10 @@ class PrefixHasher:
         """The chain value a chunk following ``key`` (or the first chunk) hashes from."""
         return key.digest if key is not None else self._seed
 
+    def parent_at(self, start: int) -> bytes:
+        """The chain value the chunk starting at token ``start`` hashes from (hashed before it)."""
+        return self._full[start // self._chunk_size - 1].digest if start >= self._chunk_size else self._seed
+
     def extend(self, tokens: Sequence[int], upto: int) -> None:
         """Hash the whole chunks of ``tokens[:upto]`` not hashed yet (slicing only those)."""
         size = self._chunk_size
@@ -296,8 +300,7 @@ class PrefixHasher:
         if full_end == n:
             return None
         self.extend(tokens, full_end)
-        parent = self._full[full_end // size - 1].digest if full_end else self._seed
-        return ChunkKey(chain(parent, tokens[full_end:n]), full_end, n - full_end)
+        return ChunkKey(chain(self.parent_at(full_end), tokens[full_end:n]), full_end, n - full_end)
 
 
 def parse_tags(params: Mapping[str, object] | None) -> dict[str, str]:
