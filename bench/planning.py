@@ -2,7 +2,8 @@
 
 Drives the real scheduler half with stand-in requests, as vLLM would: every request is
 admitted and prefilled, then the engine decodes one token per request per step. Reports the
-time of ``build_plan`` per decode step and of one lookup per 1,000 prompt tokens. Planning
+time of ``build_plan`` per decode step and of one lookup per 1,000 prompt tokens (the first
+lookups of a fresh scheduler; ``bench/lookup.py`` measures misses and hits in detail). Planning
 should be flat in prompt length (it reads only each step's new tokens).
 
     python bench/planning.py [--quick] [--out bench/results/planning.json]

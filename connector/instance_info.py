@@ -1,10 +1,10 @@
 """Which instances can share KV: the labels of ``vllm:kvlens_info``.
 
 Two engines exchange KV only if their chunk keys agree (same key fingerprint: model, weights,
-dtype, KV layout, parallel size; and same chunk size) and they reach the same store (a shared
-disk directory on the same host, or the same Redis under the same key prefix). The labels say
-exactly that, so a dashboard table groups instances that can share and flags those that
-cannot, and why. No secrets: the remote URL is redacted, and the disk path is hashed.
+dtype, KV layout, parallel size, key version; and same chunk size) and they reach the same
+store (a shared disk directory on the same host, or the same Redis under the same key prefix).
+The labels say exactly that, so a dashboard table groups instances that can share and flags
+those that cannot, and why. No secrets: the remote URL is redacted, and the disk path is hashed.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from importlib import metadata
 from .config import KVLensConfig
 from .engine.facts import EngineFacts
 from .engine.jobs import DISK, REMOTE
+from .engine.keys import key_fingerprint
 
 LABELS = ("version", "chunk_size", "key_fingerprint", "tiers", "role", "storage")
 
@@ -44,7 +45,7 @@ def instance_info(config: KVLensConfig, facts: EngineFacts) -> str:
     values = (
         _version(),
         str(config.chunk_size),
-        facts.namespace().seed().hex()[:12],
+        key_fingerprint(facts.namespace()),
         "+".join(config.tier_names()),
         facts.kv_role,
         storage_identity(config),

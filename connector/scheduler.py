@@ -25,8 +25,8 @@ from .engine.block_events import BlockEvents
 from .engine.facts import EngineFacts
 from .engine.index import PinTable, TierIndex
 from .engine.jobs import CPU, DISK, REMOTE, Eviction, StepPlan
-from .engine.keys import ChunkKey, PrefixHasher, block_aligned_keys
-from .engine.namespaces import FirstChunkNamespaces, first_chunk_fingerprint, namespace_differences
+from .engine.keys import ChunkKey, PrefixHasher, block_aligned_keys, block_prefixes
+from .engine.namespaces import FirstChunkNamespaces, namespace_differences
 from .engine.outcomes import (
     FailureReason,
     LoadOutcome,
@@ -40,6 +40,7 @@ from .engine.outcomes import (
 from .engine.policy import RecentlyEvicted, RequestPolicy, decide_policy, miss_reason, trace_headers
 from .engine.prefill_cost import PrefillCostMeter
 from .engine.suspects import SuspectBlocks
+from .engine.tails import TailDirectory
 from .engine.tracker import (
     ChunkHit,
     LookupResult,
@@ -76,8 +77,12 @@ class ConnectorScheduler:
         self.facts = facts
         self._clock = clock
         self.tiers: dict[str, TierIndex] = {}
+        # Exact only while no other engine's chunks can reach the index (see tails.py).
+        only_cpu = config.local_cpu and not config.local_disk and not config.remote_url
+        self.tails = TailDirectory() if only_cpu else None
         if config.local_cpu:
-            self.tiers[CPU] = TierIndex(CPU, config.cpu_budget_bytes)
+            on_drop = self.tails.discard if self.tails is not None else None
+            self.tiers[CPU] = TierIndex(CPU, config.cpu_budget_bytes, on_drop)
         self.disk_view: SharedDiskView | None = None
         if config.local_disk:
             self.tiers[DISK] = TierIndex(DISK, config.disk_budget_bytes)
@@ -207,7 +212,7 @@ class ConnectorScheduler:
         if reason is MissReason.EVICTED and first_missing is not None:
             detail = self.recently_evicted.detail(first_missing)
         elif reason is MissReason.NOT_STORED and not hits:
-            reason, detail = self._other_namespace(tokens, policy, reason)
+            reason, detail = self._other_namespace(rid, tokens, policy, reason)
         if 0 < need < self.config.min_retrieve_tokens:
             need, reason, detail = 0, MissReason.BELOW_MIN_RETRIEVE, None
         self.lookups[rid] = LookupResult(
@@ -222,14 +227,17 @@ class ConnectorScheduler:
         return need
 
     def _other_namespace(
-        self, tokens: Any, policy: RequestPolicy, reason: MissReason
+        self, rid: str, tokens: Any, policy: RequestPolicy, reason: MissReason
     ) -> tuple[MissReason, dict[str, Any] | None]:
         """A first chunk never stored here may have been stored under another namespace."""
-        fingerprint = first_chunk_fingerprint(tokens, self.config.chunk_size)
-        other = self.first_chunks.other(fingerprint, policy.namespace) if fingerprint else None
-        if other is None or policy.namespace is None:
+        namespace = policy.namespace
+        if namespace is None or not self.first_chunks.others_than(namespace):
             return reason, None
-        return MissReason.OTHER_NAMESPACE, {"differs_in": namespace_differences(policy.namespace, other)}
+        fingerprint = self.hashers[rid].fingerprint(tokens)
+        other = self.first_chunks.other(fingerprint, namespace) if fingerprint else None
+        if other is None:
+            return reason, None
+        return MissReason.OTHER_NAMESPACE, {"differs_in": namespace_differences(namespace, other)}
 
     def _find_hits(
         self, rid: str, tokens: Any, upto: int
@@ -237,19 +245,19 @@ class ConnectorScheduler:
         """The stored chunks of the prompt's prefix (local tiers, then the remote); the first
         missing whole chunk; whether it sits only in a skipped tier; the remote round trips."""
         hits: list[ChunkHit] = []
-        first_missing, unhealthy = None, False
-        keys = self.hashers[rid].keys(tokens, include_partial=True, upto=upto)
-        for key in keys:
-            tier = self.tier_holding(key.hex)
-            if tier is None:
-                if key.num_tokens == self.config.chunk_size:
-                    first_missing = key.hex
-                unhealthy = any(key.hex in t for t in self.tiers.values())
-                break
-            hits.append(ChunkHit(key, tier.name))
+        local = self._usable_tiers()
+        hasher = self.hashers[rid]
+        keys = hasher.keys(tokens, include_partial=False, upto=upto)
+        first_missing, unhealthy = self._probe_local(keys, local, hits)
+        if (len(hits) == len(keys) or self.remote is not None) and self._tail_may_be_stored(hasher, upto):
+            tail = hasher.tail_key(tokens, upto)
+            if tail is not None:
+                keys.append(tail)
+                if len(hits) == len(keys) - 1:
+                    first_missing, unhealthy = self._probe_local([tail], local, hits)
         calls: list[RemoteCall] = []
         if self.config.extra_config.block_granular_tails:
-            self._extend_by_blocks(rid, tokens, upto, hits)
+            self._extend_by_blocks(rid, tokens, upto, hits, local)
         if (
             self.remote is not None
             and len(hits) < len(keys)
@@ -258,6 +266,25 @@ class ConnectorScheduler:
             first_missing = self._extend_from_remote(rid, tokens, upto, keys, hits, calls, first_missing)
             unhealthy = unhealthy or (len(hits) < len(keys) and not self.usable(REMOTE))
         return hits, first_missing, unhealthy, calls
+
+    def _tail_may_be_stored(self, hasher: PrefixHasher, upto: int) -> bool:
+        """The prompt's unfull last chunk is worth hashing: the directory (if exact) lists it."""
+        full_end = upto - upto % self.config.chunk_size
+        return self.tails is None or self.tails.holds(hasher.parent_at(full_end), upto - full_end)
+
+    def _probe_local(
+        self, keys: list[ChunkKey], local: list[TierIndex], hits: list[ChunkHit]
+    ) -> tuple[str | None, bool]:
+        """Add the chunks of ``keys`` that ``local`` holds, up to the first missing one; that
+        one's name if it is a whole chunk, and whether it sits only in a skipped tier."""
+        for key in keys:
+            name = key.hex
+            tier = _holder(local, name)
+            if tier is None:
+                whole = key.num_tokens == self.config.chunk_size
+                return (name if whole else None), any(name in t for t in self.tiers.values())
+            hits.append(ChunkHit(key, tier.name))
+        return None, False
 
     def _extend_from_remote(
         self,
@@ -295,11 +322,13 @@ class ConnectorScheduler:
                 break
         return None
 
-    def tier_holding(self, name: str) -> TierIndex | None:
-        """The fastest usable tier that holds the chunk."""
-        return next((t for t in self.tiers.values() if name in t and self.usable(t.name)), None)
+    def _usable_tiers(self) -> list[TierIndex]:
+        """The local tiers a lookup may answer from, fastest first."""
+        return [t for t in self.tiers.values() if self.usable(t.name)]
 
-    def _extend_by_blocks(self, rid: str, tokens: Any, upto: int, hits: list[ChunkHit]) -> None:
+    def _extend_by_blocks(
+        self, rid: str, tokens: Any, upto: int, hits: list[ChunkHit], local: list[TierIndex]
+    ) -> None:
         """After the last whole-chunk hit, take the longest stored whole-block prefix of the next chunk."""
         last = hits[-1].key if hits else None
         if last is not None and last.num_tokens < self.config.chunk_size:
@@ -307,10 +336,15 @@ class ConnectorScheduler:
         start = last.end if last is not None else 0
         parent = self.hashers[rid].parent_of(last)
         chunk = tokens[start : min(upto, start + self.config.chunk_size)]
-        for key in block_aligned_keys(parent, chunk, start, self.config.chunk_size, self.facts.block_size):
-            tier = self.tier_holding(key.hex)
+        size, block = self.config.chunk_size, self.facts.block_size
+        if self.tails is not None:
+            prefixes = self.tails.prefixes(parent, chunk, size, block)
+        else:
+            prefixes = block_prefixes(parent, chunk, size, block)
+        for length, digest in prefixes:
+            tier = _holder(local, digest.hex())
             if tier is not None:
-                hits.append(ChunkHit(key, tier.name))
+                hits.append(ChunkHit(ChunkKey(digest, start, length), tier.name))
                 return
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> LookupOutcome | None:
@@ -348,7 +382,7 @@ class ConnectorScheduler:
         stores = policy.save_skip_reason is None and self.facts.stores
         size = self.config.chunk_size
         if stores:
-            fingerprint = first_chunk_fingerprint(request.all_token_ids, size)
+            fingerprint = hasher.fingerprint(request.all_token_ids)
             if fingerprint is not None:
                 self.first_chunks.note(fingerprint, policy.namespace)
         if self.whatif is None:
@@ -618,6 +652,14 @@ class ConnectorScheduler:
             if advice is not None and self._advice.get(tier) != advice:
                 self._advice[tier] = advice
                 logger.info("KVLens sizing: %s", advice)
+
+
+def _holder(tiers: list[TierIndex], name: str) -> TierIndex | None:
+    """The first of ``tiers`` that holds the chunk (a plain loop: it runs per chunk of a lookup)."""
+    for tier in tiers:
+        if name in tier:
+            return tier
+    return None
 
 
 def _prompt_tokens(request: Any) -> int:

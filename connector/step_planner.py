@@ -182,6 +182,8 @@ class StepPlanner:
                     self._stop(tracker, key)
                     return
                 tiers = self._admit(plan, key, held)
+                if CPU in tiers and key.num_tokens < self.policy.chunk_size and self._s.tails is not None:
+                    self._s.tails.add(tracker.hasher.parent_at(key.start), key.num_tokens, key.hex)
                 if tiers and self._s.block_events.enabled:
                     self._s.block_events.describe(key.hex, key.start, key.num_tokens, request)
                 if tiers:

@@ -8,7 +8,7 @@ That is what makes a lookup agree with what the later load finds.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -21,9 +21,10 @@ class Entry:
 class TierIndex:
     """Keys of one tier in LRU order within a byte budget; pinned keys are never evicted."""
 
-    def __init__(self, name: str, capacity_bytes: int) -> None:
+    def __init__(self, name: str, capacity_bytes: int, on_drop: Callable[[str], None] | None = None) -> None:
         self.name = name
         self.capacity_bytes = capacity_bytes
+        self._on_drop = on_drop  # told every key that leaves (evicted, removed, cleared)
         self._entries: OrderedDict[str, Entry] = OrderedDict()
         self._used = 0
         self._pinned_keys = 0
@@ -165,6 +166,8 @@ class TierIndex:
         if entry.pins:
             self._pinned_keys -= 1
             self._pinned_bytes -= entry.nbytes
+        if self._on_drop is not None:
+            self._on_drop(key)
 
 
 class PinTable:

@@ -4,27 +4,18 @@ share" case): a bounded memory of which namespaces stored a prompt's first chunk
 A chunk's key covers the namespace (model, dtype, KV layout, parallel size, LoRA, cache salt,
 tags), so a prompt stored under one namespace is simply absent under another. To explain such
 a miss, the scheduler notes, for every request that stores, a namespace-free fingerprint of
-its first chunk's tokens and the namespace it stores under. A lookup whose first chunk is
-missing asks whether another namespace stored those tokens, and which parts of the namespace
-differ (names only: a cache salt or a tag value is never reported). Pure logic.
+its first chunk's tokens (``keys.first_chunk_fingerprint``) and the namespace it stores under.
+A lookup whose first chunk is missing asks whether another namespace stored those tokens, and
+which parts of the namespace differ (names only: a cache salt or a tag value is never
+reported). Pure logic.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import fields
 
-from .keys import Namespace, chain
-
-_TOKENS_ONLY = b"kvlens-tokens-only"  # the chain's parent: no namespace in the fingerprint
-
-
-def first_chunk_fingerprint(tokens: Sequence[int], chunk_size: int) -> bytes | None:
-    """The namespace-free hash of the first whole chunk; None for a shorter prompt."""
-    if len(tokens) < chunk_size:
-        return None
-    return chain(_TOKENS_ONLY, tokens[:chunk_size])
+from .keys import Namespace
 
 
 def namespace_differences(mine: Namespace, other: Namespace) -> list[str]:
@@ -39,6 +30,7 @@ class FirstChunkNamespaces:
         self._seen: OrderedDict[bytes, list[Namespace]] = OrderedDict()
         self._capacity = capacity
         self._per_prompt = per_prompt
+        self._lists: dict[Namespace, int] = {}  # namespace -> how many fingerprints list it
 
     def __len__(self) -> int:
         return len(self._seen)
@@ -47,10 +39,27 @@ class FirstChunkNamespaces:
         spaces = self._seen.pop(fingerprint, [])
         if namespace in spaces:
             spaces.remove(namespace)
+        else:
+            self._count(namespace, 1)
         spaces.append(namespace)
+        for dropped in spaces[: -self._per_prompt]:
+            self._count(dropped, -1)
         self._seen[fingerprint] = spaces[-self._per_prompt :]
         while len(self._seen) > self._capacity:
-            self._seen.popitem(last=False)
+            for dropped in self._seen.popitem(last=False)[1]:
+                self._count(dropped, -1)
+
+    def others_than(self, namespace: Namespace) -> bool:
+        """Whether a namespace other than ``namespace`` is remembered at all; when none is (one
+        namespace stores everything), a lookup need not fingerprint its prompt."""
+        return len(self._lists) > (namespace in self._lists)
+
+    def _count(self, namespace: Namespace, delta: int) -> None:
+        n = self._lists.get(namespace, 0) + delta
+        if n:
+            self._lists[namespace] = n
+        else:
+            del self._lists[namespace]
 
     def other(self, fingerprint: bytes, namespace: Namespace) -> Namespace | None:
         """The most recent other namespace that stored these tokens, if any."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .jobs import ChunkLoad
-from .keys import ChunkKey, PrefixHasher, block_aligned_keys, chain
+from .keys import ChunkKey, PrefixHasher, block_prefixes, chain
 from .outcomes import FailureReason, LoadOutcome, MissReason, RemoteCall, SaveSkipReason
 
 
@@ -189,10 +189,10 @@ class RequestTracker:
         parent = self.hasher.parent_of(full[-1] if full else None)
         prompt_tail = tokens[tail_start : self.prompt_len]
         tails: list[ChunkKey] = []
-        if policy.block_tails:
-            tails += block_aligned_keys(
-                parent, prompt_tail, tail_start, policy.chunk_size, policy.block_size
-            )[:1]
+        if policy.block_tails:  # the longest whole-block prefix: lookups probe every length
+            for length, digest in block_prefixes(parent, prompt_tail, policy.chunk_size, policy.block_size):
+                tails.append(ChunkKey(digest, tail_start, length))
+                break
         if policy.save_partial:
             exact = ChunkKey(chain(parent, prompt_tail), tail_start, len(prompt_tail))
             tails = [k for k in tails if k.num_tokens < exact.num_tokens] + [exact]

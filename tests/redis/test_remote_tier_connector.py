@@ -11,6 +11,7 @@ import torch
 from connector.config import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU, REMOTE
+from connector.engine.keys import storage_name
 from connector.engine.outcomes import MissReason, TierState
 from connector.kv_blocks import BlockCopier
 from connector.scheduler import ConnectorScheduler
@@ -138,11 +139,11 @@ def test_a_chunk_redis_evicted_or_corrupted_is_a_failed_block_not_wrong_kv(redis
         Engine(redis_server.url, remote_key_prefix="evict"),
     )
     try:
-        a.run(request("x", PROMPT), list(range(0, 5)))
+        _, stored, _ = a.run(request("x", PROMPT), list(range(0, 5)))
         client = redis_server.client()
-        keys = sorted(client.keys("evict:*"))
-        client.setrange(keys[0], client.strlen(keys[0]) - 4, b"\x00\x01\x02\x03")  # corrupt in place
-        client.delete(keys[1])  # as if Redis evicted it
+        _, second, tail = (f"evict:{storage_name(job.name, 0)}".encode() for job in stored.stores)
+        client.setrange(second, client.strlen(second) - 4, b"\x00\x01\x02\x03")  # corrupt in place
+        client.delete(tail)  # as if Redis evicted it
         before = {n: t.clone() for n, t in b.kv.items()}
         _, plan, failed = b.run(request("y", PROMPT), list(range(10, 15)))
         assert failed and plan.loads

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from connector.engine.index import PinTable, TierIndex
-from connector.engine.keys import Namespace, PrefixHasher, chunk_keys
+from connector.engine.keys import Namespace, PrefixHasher, block_aligned_keys, chain, chunk_keys
 
 PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -26,12 +26,14 @@ class IndexMachine(RuleBasedStateMachine):
 
     A request's pin belongs to the chunk it pinned: once that chunk is forgotten (a failed
     load, another engine deleted the file) and stored again, the old pin says nothing about
-    the new chunk.
+    the new chunk. Every key that leaves, however, is reported once (the tail directory
+    mirrors the index through that report).
     """
 
     @initialize(capacity=st.integers(0, 400))
     def start(self, capacity: int) -> None:
-        self.index = TierIndex("cpu", capacity)
+        self.reported: set[str] = set()  # keys held, as the drop reports tell it
+        self.index = TierIndex("cpu", capacity, on_drop=self.reported.remove)
         self.pins = PinTable()
         self.sizes: dict[str, int] = {}  # model: key -> bytes
         self.generation: dict[str, int] = {}  # model: key -> which admission of that key is held
@@ -40,6 +42,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     # ---- the model ---------------------------------------------------------------------
     def _store(self, key: str, nbytes: int) -> None:
+        self.reported.add(key)
         self.sizes[key] = nbytes
         self.next_generation += 1
         self.generation[key] = self.next_generation
@@ -122,7 +125,9 @@ class IndexMachine(RuleBasedStateMachine):
 
     @invariant()
     def accounting_matches_the_chunks_held(self) -> None:
-        assert set(self.index.keys()) == set(self.sizes) and len(self.index) == len(self.sizes)
+        assert set(self.index.keys()) == set(self.sizes) == self.reported and len(self.index) == len(
+            self.sizes
+        )
         assert self.index.used_bytes == sum(self.sizes.values())
         pinned = self._pinned()
         assert self.index.pinned_keys == len(pinned)
@@ -137,7 +142,7 @@ test_tier_index_under_random_calls = IndexMachine.TestCase
 
 
 # ---- chunk keys -----------------------------------------------------------------------
-tokens = st.lists(st.integers(0, 2**31), max_size=40)
+tokens = st.lists(st.integers(0, 2**31) | st.integers(2**32 - 2, 2**40), max_size=40)  # 4- and 8-byte ids
 chunk_sizes = st.integers(1, 8)
 names = st.text(alphabet="ab=", max_size=3)  # "=" separates a tag's name from its value
 namespaces = st.builds(
@@ -175,6 +180,16 @@ def test_incremental_hashing_gives_the_same_keys(ns, prompt, extension, size, pa
     grown = prompt + extension
     assert hasher.keys(grown, partial, upto) == chunk_keys(ns, grown[:upto], size, partial)
     assert hasher.keys(grown, partial) == chunk_keys(ns, grown, size, partial)
+
+
+@PROPERTY
+@given(tokens, st.integers(1, 4), st.integers(1, 4))
+def test_block_aligned_keys_hash_each_whole_block_prefix_on_its_own(chunk, block, blocks_per_chunk):
+    parent, size = bytes(16), block * blocks_per_chunk
+    lengths = range(min(len(chunk), size - 1) // block * block, 0, -block)
+    keys = block_aligned_keys(parent, chunk, 7, size, block)
+    assert [(k.start, k.num_tokens) for k in keys] == [(7, n) for n in lengths]
+    assert [k.digest for k in keys] == [chain(parent, chunk[:n]) for n in lengths]
 
 
 @PROPERTY

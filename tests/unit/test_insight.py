@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from connector.engine.jobs import CPU
-from connector.engine.keys import Namespace
-from connector.engine.namespaces import FirstChunkNamespaces, first_chunk_fingerprint, namespace_differences
+from connector.engine.keys import Namespace, first_chunk_fingerprint
+from connector.engine.namespaces import FirstChunkNamespaces, namespace_differences
 from connector.engine.outcomes import MissReason, WorkerReport
 from connector.engine.prefill_cost import PrefillCostMeter
 
@@ -83,6 +83,26 @@ def test_namespace_memory_is_bounded_and_names_what_differs():
     assert mem.other(bytes([9]), base.with_request(None, "s", {})) == base
     assert namespace_differences(base, Namespace("m2", "fp8", "L")) == ["model", "dtype"]
     assert first_chunk_fingerprint(list(range(100)), 256) is None
+
+
+def test_namespace_memory_knows_whether_any_other_namespace_stored():
+    """A lookup skips fingerprinting its prompt while one namespace stores everything."""
+    mem = FirstChunkNamespaces(capacity=2, per_prompt=2)
+    a, b, c = (Namespace("m", "bf16", layout) for layout in "abc")
+    assert not mem.others_than(a)
+    mem.note(bytes([0]), a)
+    mem.note(bytes([0]), a)
+    assert not mem.others_than(a) and mem.others_than(b)
+    mem.note(bytes([0]), b)
+    mem.note(bytes([0]), c)  # two per prompt: a is forgotten
+    mem.note(bytes([1]), b)
+    assert mem.other(bytes([0]), b) == c and mem.others_than(a)
+    mem.note(bytes([2]), b)  # two prompts: the one c stored is forgotten
+    assert not mem.others_than(b) and mem.others_than(a)
+    mem = FirstChunkNamespaces(per_prompt=1)
+    mem.note(bytes([0]), a)
+    mem.note(bytes([0]), b)  # replaces a
+    assert not mem.others_than(b)
 
 
 # ---- request summaries (the request log) ------------------------------------------------

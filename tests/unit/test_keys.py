@@ -1,8 +1,21 @@
+import hashlib
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
-from connector.engine.keys import Namespace, PrefixHasher, chunk_keys, parse_tags
+import pytest
+
+from connector.engine.keys import (
+    Namespace,
+    PrefixHasher,
+    block_aligned_keys,
+    chain,
+    chunk_keys,
+    first_chunk_fingerprint,
+    key_fingerprint,
+    parse_tags,
+)
 
 NS = Namespace("m", "bfloat16", "layout-a")
 
@@ -112,6 +125,73 @@ def test_tags_that_join_to_the_same_text_are_different_namespaces():
     assert chunk_keys(a, [1], 1, True) != chunk_keys(b, [1], 1, True)
 
 
-def test_untagged_keys_are_unchanged_by_the_tag_encoding():
-    """Chunks stored before tags got their own encoding stay reachable."""
-    assert chunk_keys(NS, list(range(4)), 2, False)[0].hex == "622b18267c4051312c40973f8c3a9028"
+def test_untagged_seeds_are_unchanged_by_the_tag_encoding():
+    """Tags got their own encoding without moving the namespaces that have none."""
+    assert NS.seed().hex() == "96f2cb9c4a9357a47a0bcdc3c67691fd"
+
+
+PARENT = bytes(range(16))
+
+
+def test_a_key_is_blake2b_of_its_parent_and_its_ids_as_little_endian_integers():
+    """The v2 layout, written out: 4 bytes an id when all fit in 32 bits, else 8 (signed)."""
+
+    def blake(person: bytes, data: bytes) -> bytes:
+        return hashlib.blake2b(data, digest_size=16, person=person).digest()
+
+    assert chain(PARENT, [1, 70000, 2**32 - 1]) == blake(
+        b"kvlens-chunk-v2", PARENT + struct.pack("<3I", 1, 70000, 2**32 - 1)
+    )
+    assert chain(PARENT, [1, 2**32, -1]) == blake(
+        b"kvlens-chunk-v2w", PARENT + struct.pack("<3q", 1, 2**32, -1)
+    )
+    keys = chunk_keys(NS, [3, 1, 4, 2**40], 2, False)  # the same on every machine and in every process
+    assert [k.hex for k in keys] == ["518f798ab4d020efc507b1bdd04591fc", "a4c5f8686d6b30d0ca4dbf489828622a"]
+
+
+def test_4_byte_and_8_byte_ids_never_give_the_same_key():
+    """[0, 1] in 4-byte ids and [2**32] in 8-byte ids are the same bytes: only the width's own
+    person string keeps their keys apart."""
+    assert struct.pack("<2I", 0, 1) == struct.pack("<q", 2**32)
+    assert chain(PARENT, [0, 1]) != chain(PARENT, [2**32])
+    assert chain(PARENT, [1, 1]) != chain(PARENT, [1 + 2**32])
+    assert chain(PARENT, [5]) != chain(PARENT, [5, 0])
+
+
+def test_ids_of_more_than_32_bits_hash_and_only_their_chunk_changes_width():
+    small = chunk_keys(NS, [5] * 4 + [6] * 4 + [7] * 4, 4, True)
+    big = chunk_keys(NS, [5] * 4 + [6, 2**40, 6, 6] + [7] * 4, 4, True)
+    assert big[0] == small[0] and big[1] != small[1] and big[2] != small[2]
+    hasher = PrefixHasher(NS, 4)
+    assert hasher.keys([5] * 4 + [6, 2**40, 6, 6] + [7] * 4, True) == big
+    assert chunk_keys(NS, [2**63 - 1, -(2**63)], 2, False)  # the whole signed 64-bit range
+    with pytest.raises(OverflowError):  # never wrapped onto another id
+        chunk_keys(NS, [2**63], 1, False)
+
+
+@pytest.mark.parametrize("big_at", [None, 0, 5, 12])
+def test_block_aligned_keys_are_the_keys_of_each_whole_block_prefix(big_at):
+    tokens = list(range(100, 116))
+    if big_at is not None:
+        tokens[big_at] = 2**33  # prefixes before it stay 4-byte, those after go 8-byte
+    keys = block_aligned_keys(PARENT, tokens, 32, 16, 4)
+    assert [(k.start, k.num_tokens) for k in keys] == [(32, 12), (32, 8), (32, 4)]
+    assert [k.digest for k in keys] == [chain(PARENT, tokens[:n]) for n in (12, 8, 4)]
+    assert block_aligned_keys(PARENT, tokens[:7], 32, 16, 4) == keys[-1:]
+
+
+def test_the_first_chunk_fingerprint_is_hashed_once_per_request():
+    tokens = CountingTokens(range(600))
+    hasher = PrefixHasher(NS, 256)
+    CountingTokens.read = 0
+    assert hasher.fingerprint(tokens) == first_chunk_fingerprint(list(range(600)), 256)
+    assert hasher.fingerprint(tokens) is hasher.fingerprint(tokens)
+    assert CountingTokens.read == 256
+    assert first_chunk_fingerprint(tokens, 256) not in {k.digest for k in chunk_keys(NS, tokens, 256, True)}
+
+
+def test_the_key_fingerprint_tells_v1_engines_apart():
+    """A v1 engine reported its seed's first 12 hex digits; it shares no key with a v2 engine."""
+    assert len(key_fingerprint(NS)) == 12 and key_fingerprint(NS) != NS.seed().hex()[:12]
+    assert key_fingerprint(NS) == key_fingerprint(Namespace("m", "bfloat16", "layout-a"))
+    assert key_fingerprint(NS) != key_fingerprint(Namespace("m", "bfloat16", "layout-b"))
