@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+CopyPairs = list[list[tuple[np.ndarray, np.ndarray]]]  # per layer: (destination, source) arrays
+
 
 @dataclass(frozen=True)
 class LayerView:
@@ -98,6 +100,10 @@ class BlockCopier:
         for layer in self.layers:
             if layer.tensor.dtype != self.dtype or layer.tensor.shape != first.shape:
                 raise ValueError("KVLens needs every layer's KV tensor to have one shape and dtype")
+        # numpy views of contiguous CPU layers, for copies a copy thread runs from prepared
+        # pairs (None: some layer needs torch's strided or device copies)
+        cpu_flat = self.device.type == "cpu" and all(layer.flat is not None for layer in self.layers)
+        self._flat_np = [layer.flat.numpy() for layer in self.layers] if cpu_flat else None  # type: ignore[union-attr]
 
     @property
     def num_layers(self) -> int:
@@ -138,6 +144,33 @@ class BlockCopier:
         if layer.block_dim == 1:
             blocks = blocks.transpose(0, 1)
         out[i].copy_(blocks.contiguous().view(torch.uint8).view(len(block_ids), -1))
+
+    def load_pairs(
+        self, payload: torch.Tensor, block_ids: Sequence[int], first_block: int
+    ) -> CopyPairs | None:
+        """Per layer, the (destination, source) arrays that write payload blocks ``first_block ..``
+        into ``block_ids`` (a checked payload): views made here, so that the thread that copies
+        runs only ``np.copyto``, holding the GIL for as little as possible beside the forward
+        pass. None where the layout needs torch's copies."""
+        if self._flat_np is None:
+            return None
+        src = payload[:, first_block : first_block + len(block_ids)].numpy().view(self._flat_np[0].dtype)
+        runs = _runs(block_ids)
+        return [
+            [(dst[b : b + n], src[i, pos : pos + n]) for pos, b, n in runs]
+            for i, dst in enumerate(self._flat_np)
+        ]
+
+    def gather_pairs(self, out: torch.Tensor, block_ids: Sequence[int]) -> CopyPairs | None:
+        """Per layer, the (destination, source) arrays that copy blocks ``block_ids`` into ``out``."""
+        if self._flat_np is None:
+            return None
+        dst = out.numpy().view(self._flat_np[0].dtype)
+        runs = _runs(block_ids)
+        return [
+            [(dst[i, pos : pos + n], src[b : b + n]) for pos, b, n in runs]
+            for i, src in enumerate(self._flat_np)
+        ]
 
     def check_payload(self, payload: torch.Tensor, num_blocks: int, first_block: int) -> None:
         """Raises ValueError unless ``payload`` holds blocks ``first_block ..`` + ``num_blocks``."""

@@ -21,10 +21,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .cpu_affinity import run_beside_worker
-from .kv_blocks import BlockCopier
+from .kv_blocks import BlockCopier, CopyPairs
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -36,6 +37,7 @@ class BlockLoad:
     payload: torch.Tensor
     block_ids: Sequence[int]
     first_block: int
+    pairs: CopyPairs | None = None  # prepared per-layer copies (CPU), else scatter_layer
     error: BaseException | None = None
     seconds: float = 0.0  # time spent copying, over every layer
 
@@ -46,6 +48,7 @@ class BlockGather:
 
     out: torch.Tensor
     block_ids: Sequence[int]
+    pairs: CopyPairs | None = None  # prepared per-layer copies (CPU), else gather_layer
     layers: set[int] = field(default_factory=set)  # layers submitted or done
     error: BaseException | None = None
 
@@ -115,12 +118,20 @@ class StepCopies:
             if load.error is None:
                 started = time.perf_counter()
                 try:
-                    self._copier.scatter_layer(
-                        i, load.payload, load.block_ids, load.first_block, one_thread=self._runner is not None
-                    )
+                    self._copy_load(load, i)
                 except Exception as e:  # noqa: BLE001 - becomes failed blocks, never a crash
                     load.error = e
                 load.seconds += time.perf_counter() - started
+
+    def _copy_load(self, load: BlockLoad, i: int) -> None:
+        if load.pairs is not None:
+            for dst, src in load.pairs[i]:
+                np.copyto(dst, src)
+        else:
+            one_thread = self._runner is not None
+            self._copier.scatter_layer(
+                i, load.payload, load.block_ids, load.first_block, one_thread=one_thread
+            )
 
     def wait_layer(self, name: str) -> None:
         """Return once layer ``name``'s loads are copied (every layer's for an unknown name)."""
@@ -144,9 +155,16 @@ class StepCopies:
         for g in gathers:
             if g.error is None:
                 try:
-                    self._copier.gather_layer(i, g.out, g.block_ids, one_thread=self._runner is not None)
+                    self._copy_gather(g, i)
                 except Exception as e:  # noqa: BLE001 - becomes a failed store
                     g.error = e
+
+    def _copy_gather(self, g: BlockGather, i: int) -> None:
+        if g.pairs is not None:
+            for dst, src in g.pairs[i]:
+                np.copyto(dst, src)
+        else:
+            self._copier.gather_layer(i, g.out, g.block_ids, one_thread=self._runner is not None)
 
     def wait_all(self) -> None:
         """Return once every submitted copy is done."""

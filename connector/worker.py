@@ -252,7 +252,12 @@ class ConnectorWorker:
                 result.tier = tier_name
                 self.health[tier_name].succeeded()
                 self._promote(chunk, name, read)  # type: ignore[arg-type]
-                return BlockLoad(payload, chunk.block_ids, chunk.first_block)
+                pairs = (
+                    None
+                    if self._copy_thread is None
+                    else self.copier.load_pairs(payload, chunk.block_ids, chunk.first_block)
+                )
+                return BlockLoad(payload, chunk.block_ids, chunk.first_block, pairs)
             reason, detail = classify(error)
             if isinstance(error, ConnectionAbortedError):
                 reason = FailureReason.TIER_UNHEALTHY
@@ -288,7 +293,7 @@ class ConnectorWorker:
         if step.gathers is None:  # the step's first layer: one buffer per store to make
             assert self.copier is not None
             step.gathers = {
-                id(op): BlockGather(self._new_payload(len(op.block_ids)), op.block_ids)
+                id(op): self._gather_for(op)
                 for op in plan.writes
                 if isinstance(op, StoreJob)
                 and any(t in self.tiers and self.health[t].usable() for t in op.tiers)
@@ -313,6 +318,11 @@ class ConnectorWorker:
             for tier in self._background:
                 tier.drain(DRAIN_WAIT_S)
         return failures
+
+    def _gather_for(self, job: StoreJob) -> BlockGather:
+        assert self.copier is not None
+        out = self._new_payload(len(job.block_ids))
+        return BlockGather(out, job.block_ids, self.copier.gather_pairs(out, job.block_ids))
 
     def _new_payload(self, num_blocks: int) -> torch.Tensor:
         """A buffer to gather a chunk into: one the CPU tier dropped, else new memory."""

@@ -9,7 +9,7 @@ import torch
 
 from connector.engine.jobs import CPU, ChunkLoad, LoadJob, StepPlan, StoreJob
 from connector.engine.outcomes import FailureReason
-from connector.kv_blocks import BlockCopier
+from connector.layer_copies import StepCopies
 
 from .test_worker import LAYERS, NAME, cpu_layout, worker
 
@@ -63,14 +63,14 @@ def test_layers_copy_beside_the_forward_pass(monkeypatch):
     w = worker(caches)
     store_two_chunks(w)
     release = threading.Event()
-    scatter = BlockCopier.scatter_layer
+    copy = StepCopies._copy_load
 
-    def slow_after_layer_0(self, i, *args, **kw):
+    def slow_after_layer_0(self, load, i):
         if i > 0:
             release.wait(5)
-        scatter(self, i, *args, **kw)
+        copy(self, load, i)
 
-    monkeypatch.setattr(BlockCopier, "scatter_layer", slow_after_layer_0)
+    monkeypatch.setattr(StepCopies, "_copy_load", slow_after_layer_0)
     plan = load_plan()
     w.start_load(plan)
     started = time.perf_counter()
@@ -132,14 +132,14 @@ def test_a_copy_that_raises_fails_its_chunk_and_later_ones_and_withdraws_depende
     caches = cpu_layout()
     w = worker(caches)
     store_two_chunks(w)
-    scatter = BlockCopier.scatter_layer
+    copy = StepCopies._copy_load
 
-    def fail_second_chunk(self, i, payload, block_ids, first_block, **kw):
-        if tuple(block_ids) == (10, 11) and i == 1:
+    def fail_second_chunk(self, load, i):
+        if tuple(load.block_ids) == (10, 11) and i == 1:
             raise RuntimeError("copy engine fault")
-        scatter(self, i, payload, block_ids, first_block, **kw)
+        copy(self, load, i)
 
-    monkeypatch.setattr(BlockCopier, "scatter_layer", fail_second_chunk)
+    monkeypatch.setattr(StepCopies, "_copy_load", fail_second_chunk)
     dependent = StoreJob("b", "ef" * 16, (12, 13), (CPU,), 32, after_loads=(10, 11))
     plan = load_plan(dependent)
     w.start_load(plan)
@@ -161,15 +161,15 @@ def test_a_step_vllm_abandoned_midway_finishes_its_copies_before_the_next(monkey
     caches = cpu_layout()
     w = worker(caches)
     store_two_chunks(w)
-    scatter = BlockCopier.scatter_layer
+    copy = StepCopies._copy_load
     copying = []
 
-    def slow(self, i, *args, **kw):
+    def slow(self, load, i):
         copying.append(i)
         time.sleep(0.05)
-        scatter(self, i, *args, **kw)
+        copy(self, load, i)
 
-    monkeypatch.setattr(BlockCopier, "scatter_layer", slow)
+    monkeypatch.setattr(StepCopies, "_copy_load", slow)
     w.start_load(load_plan())  # the forward pass raised: no wait_for_save for this step
     plan = StepPlan(writes=[StoreJob("c", "ef" * 16, (8, 9), (CPU,), 32)])
     w.save(plan)  # the next step's first hook
@@ -182,3 +182,26 @@ def test_shutdown_stops_the_copy_thread():
     thread = w._copy_thread._thread
     w.shutdown()
     assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("make", ["cpu_layout", "kv_first_layout", "strided_layout"])
+def test_prepared_copy_pairs_exist_only_for_contiguous_cpu_layers_and_copy_what_scatter_does(make):
+    from . import test_worker as tw
+
+    caches = getattr(tw, make)()
+    w = worker(caches)
+    store_two_chunks(w)
+    payload = w.copier.payload_view(w.tiers[CPU].get(f"{NAME}.r0"))
+    pairs = w.copier.load_pairs(payload, (8, 9), 0)
+    assert (pairs is not None) == (make == "cpu_layout")
+    block = (lambda t, b: t[:, b]) if make == "kv_first_layout" else (lambda t, b: t[b])
+    for t in caches.values():
+        for b in range(8, 12):
+            block(t, b).zero_()
+    plan = load_plan()
+    w.start_load(plan)
+    w.finish_load()
+    w.save(plan)
+    for t in caches.values():
+        assert torch.equal(block(t, 8), block(t, 2))
+        assert torch.equal(block(t, 11), block(t, 7))
