@@ -7,9 +7,10 @@ The KV cache is laid out as vLLM 0.32 lays it out on CPU (one ``[blocks, heads, 
 heads of 128, 16-token blocks, 256-token chunks, so 4 MiB per chunk). Per round, for the same
 chunks and bytes:
 
-* memcpy: one ``copy_`` of a whole chunk's bytes into a buffer that already exists (the
-  fastest a copy can be here) and into new buffers that are kept, as a tier keeps what it
-  stores (what any store must pay for new memory: page faults);
+* memcpy: one ``copy_`` per chunk of its whole bytes from distinct sources into distinct
+  buffers that already exist (the fastest a copy of these bytes can be here: no page faults,
+  and as many bytes as the tiers move, so no cache reuse either) and into new buffers that are
+  kept, as a tier keeps what it stores (what any store must pay for new memory: page faults);
 * CPU tier: the worker's store (gather every layer's blocks of a chunk and keep them) and load
   (scatter them back into the KV tensors), with layer-wise copies on and off;
 * disk: a plain sequential ``write`` of the chunk's bytes to a new file and ``readinto`` of it
@@ -99,15 +100,16 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     chunk_bytes = copier.payload_nbytes(per_chunk)
     total = chunk_bytes * args.chunks
     src = copier.gather(chunk_blocks[0])
-    warm = torch.empty_like(src)
+    sources = [copier.gather(b) for b in chunk_blocks]
+    warm = [torch.ones_like(src) for _ in chunk_blocks]  # touched: no page faults
     disk = DiskTier(os.path.join(tmp, "tier"), "layout", grace_s=0)
     plain_dir = os.path.join(tmp, "plain")
     os.makedirs(plain_dir)
     payloads = [memoryview(copier.gather(b).numpy()).cast("B") for b in chunk_blocks]
 
-    def memcpy_warm():
-        for _ in range(args.chunks):
-            warm.copy_(src)
+    def memcpy_warm():  # distinct sources into distinct, touched destinations: no cache reuse
+        for dst, s in zip(warm, sources, strict=True):
+            dst.copy_(s)
 
     def memcpy_fresh():  # kept, as a tier keeps what it stores: new pages every time
         kept = [torch.empty_like(src).copy_(src) for _ in range(args.chunks)]
