@@ -6,8 +6,10 @@ copied while layer N computes. Stores: a layer's blocks are gathered as soon as 
 KV is complete (``save_kv_layer``), while later layers compute, so the step's end waits only
 for the last layer.
 
-The copies run on one daemon thread, in submission order; torch releases the GIL while it
-copies, so the thread works on another core while the worker's thread runs the model. Every
+The copies run on one daemon thread, in submission order, off the worker's core(s)
+(``cpu_affinity``). On CPU they are prepared numpy views copied with ``np.copyto``: one thread,
+no GIL while bytes move, and little Python between copies to hold the GIL against the forward
+pass. Every
 copy of a step is waited for before the step ends (``wait_all``): vLLM may reuse a block once
 the step is over, and an eviction or a store must never race a copy.
 """
