@@ -41,17 +41,6 @@ def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, one_thread: bool) -> None:
-    """``dst.copy_(src)``; with ``one_thread`` on CPU, in this thread only: torch would split a
-    large copy over a new OpenMP team of as many threads as the worker has cores, which would
-    run on the worker's own cores beside the forward pass (numpy copies in one thread and, like
-    torch, without the GIL)."""
-    if one_thread and dst.device.type == "cpu":
-        np.copyto(dst.numpy(), src.numpy())
-    else:
-        dst.copy_(src)
-
-
 def _layer_number(name: str) -> int:
     numbers = re.findall(r"\.(\d+)(?:\.|$)", name)
     return int(numbers[0]) if numbers else -1
@@ -116,9 +105,11 @@ class BlockCopier:
         """Position of layer ``name`` in the registered KV tensors (None: not one of them)."""
         return self._index.get(name)
 
-    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """A new CPU uint8 tensor ``[layers, len(block_ids), block_bytes]``."""
-        out = self.new_payload(len(block_ids))
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """A CPU uint8 tensor ``[layers, len(block_ids), block_bytes]``: ``out`` (a ``new_payload``
+        buffer) filled, or a new one."""
+        if out is None:
+            out = self.new_payload(len(block_ids))
         for i in range(self.num_layers):
             self.gather_layer(i, out, block_ids)
         return out if self.device.type == "cpu" else out.cpu()
@@ -129,15 +120,13 @@ class BlockCopier:
             (self.num_layers, num_blocks, self.block_bytes), dtype=torch.uint8, device=self.device
         )
 
-    def gather_layer(
-        self, i: int, out: torch.Tensor, block_ids: Sequence[int], one_thread: bool = False
-    ) -> None:
-        """Copy layer ``i``'s blocks ``block_ids`` into ``out[i]`` (``one_thread``: see ``_copy``)."""
+    def gather_layer(self, i: int, out: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Copy layer ``i``'s blocks ``block_ids`` into ``out[i]``."""
         layer = self.layers[i]
         if layer.flat is not None:
             dst = _widest_view(out[i])
             for pos, first, n in _runs(block_ids):
-                _copy(dst[pos : pos + n], layer.flat[first : first + n], one_thread)
+                dst[pos : pos + n].copy_(layer.flat[first : first + n])
             return
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         blocks = layer.tensor.index_select(layer.block_dim, idx)
@@ -193,10 +182,8 @@ class BlockCopier:
         payload: torch.Tensor,
         block_ids: Sequence[int],
         first_block: int,
-        one_thread: bool = False,
     ) -> None:
-        """Write layer ``i`` of payload blocks ``first_block ..`` into ``block_ids`` (a checked
-        payload; ``one_thread``: see ``_copy``)."""
+        """Write layer ``i`` of payload blocks ``first_block ..`` into ``block_ids`` (a checked payload)."""
         n = len(block_ids)
         src = payload[i, first_block : first_block + n]
         if self.device.type != "cpu":
@@ -205,7 +192,7 @@ class BlockCopier:
         if layer.flat is not None:
             rows = src if layer.flat.dtype == torch.uint8 else src.contiguous().view(layer.flat.dtype)
             for pos, first, length in _runs(block_ids):
-                _copy(layer.flat[first : first + length], rows[pos : pos + length], one_thread)
+                layer.flat[first : first + length].copy_(rows[pos : pos + length])
             return
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         typed = src.contiguous().view(self.dtype).view(n, *self.block_shape)

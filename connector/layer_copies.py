@@ -126,14 +126,11 @@ class StepCopies:
                 load.seconds += time.perf_counter() - started
 
     def _copy_load(self, load: BlockLoad, i: int) -> None:
-        if load.pairs is not None:
-            for dst, src in load.pairs[i]:
-                np.copyto(dst, src)
-        else:
-            one_thread = self._runner is not None
-            self._copier.scatter_layer(
-                i, load.payload, load.block_ids, load.first_block, one_thread=one_thread
-            )
+        if load.pairs is None:  # a layout numpy cannot copy (strided, K/V-first, not on CPU)
+            self._copier.scatter_layer(i, load.payload, load.block_ids, load.first_block)
+            return
+        for dst, src in load.pairs[i]:
+            np.copyto(dst, src)
 
     def wait_layer(self, name: str) -> None:
         """Return once layer ``name``'s loads are copied (every layer's for an unknown name)."""
@@ -162,11 +159,11 @@ class StepCopies:
                     g.error = e
 
     def _copy_gather(self, g: BlockGather, i: int) -> None:
-        if g.pairs is not None:
-            for dst, src in g.pairs[i]:
-                np.copyto(dst, src)
-        else:
-            self._copier.gather_layer(i, g.out, g.block_ids, one_thread=self._runner is not None)
+        if g.pairs is None:
+            self._copier.gather_layer(i, g.out, g.block_ids)
+            return
+        for dst, src in g.pairs[i]:
+            np.copyto(dst, src)
 
     def wait_all(self) -> None:
         """Return once every submitted copy is done."""

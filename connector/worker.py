@@ -360,16 +360,15 @@ class ConnectorWorker:
         assert self.copier is not None
         try:
             if gathered is None:
-                gathered = BlockGather(self._new_payload(len(job.block_ids)), job.block_ids)
-                for i in range(self.copier.num_layers):
-                    self.copier.gather_layer(i, gathered.out, job.block_ids)
-            if gathered.error is not None:
+                data = self.copier.gather(job.block_ids, self._new_payload(len(job.block_ids)))
+            elif gathered.error is not None:
                 raise gathered.error
-            data = gathered.out.cpu()
+            else:
+                data = gathered.out.cpu()
         except (RuntimeError, ValueError) as e:
             return failures + self._fail(job, usable, FailureReason.IO_ERROR, str(e))
         payload = memoryview(data.numpy()).cast("B")
-        if usable == [CPU] and data is gathered.out:  # the CPU tier alone reads it: reusable once dropped
+        if usable == [CPU] and self.copier.device.type == "cpu":  # only the CPU tier reads it: reusable
             self._pool.own(payload, data)
         name = storage_name(job.name, self.rank)
         for tier_name in usable:
