@@ -33,6 +33,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.lib import fake_requests  # noqa: E402
+
 BLOCK = 16
 VOCAB = 128_256  # a Llama-3 vocabulary: ids above 2^16
 
@@ -54,19 +56,7 @@ class ConstantList:
 
 
 def request(rid: str, tokens: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(
-        request_id=rid,
-        all_token_ids=ConstantList(tokens),
-        prompt_token_ids=tokens,
-        num_tokens=len(tokens),
-        num_prompt_tokens=len(tokens),
-        kv_transfer_params=None,
-        priority=0,
-        cache_salt=None,
-        lora_request=None,
-        mm_features=None,
-        prompt_embeds=None,
-    )
+    return fake_requests.request(rid, tokens, ConstantList(tokens))
 
 
 def prefill(tokens: list[int], rid: str) -> SimpleNamespace:

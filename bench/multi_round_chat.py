@@ -136,7 +136,7 @@ async def chat(session: aiohttp.ClientSession, url: str, user: User, answer_len:
             done = await stream(session, url, prompt, answer_len, timeout=REQUEST_TIMEOUT_S)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             late = time.perf_counter() - t0
-            turns.append(Turn(False, math.nan, late, len(prompt), 0, wl.first_line(repr(e), 200)))
+            turns.append(Turn(False, math.nan, late, len(prompt), 0, report.first_line(repr(e), 200)))
             history = prompt + user.filler
             continue
         turns.append(Turn(True, done.ttft, done.latency, done.prompt_tokens, len(done.token_ids)))

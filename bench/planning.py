@@ -21,27 +21,12 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.lib.fake_requests import request  # noqa: E402
 from connector.config import load_config  # noqa: E402
 from connector.engine.facts import EngineFacts  # noqa: E402
 from connector.scheduler import ConnectorScheduler  # noqa: E402
 
 BLOCK = 16  # GPU block size: the worst case for per-block work
-
-
-def request(rid: str, tokens: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(
-        request_id=rid,
-        all_token_ids=tokens,
-        prompt_token_ids=tokens,
-        num_tokens=len(tokens),
-        num_prompt_tokens=len(tokens),
-        kv_transfer_params=None,
-        priority=0,
-        cache_salt=None,
-        lora_request=None,
-        mm_features=None,
-        prompt_embeds=None,
-    )
 
 
 def output(new=(), cached=(), scheduled=None) -> SimpleNamespace:

@@ -132,7 +132,9 @@ def run_bench_serve(bench: Run, lm: LiveMode, rep: int) -> wl.Record:
     finally:
         proc.stop(grace_s=5)
     if code != 0 or not out.exists():
-        raise wl.ModeFailed(f"vllm bench serve exited with {code}: {wl.first_line(proc.log_tail(300), 200)}")
+        raise wl.ModeFailed(
+            f"vllm bench serve exited with {code}: {report.first_line(proc.log_tail(300), 200)}"
+        )
     return record(json.loads(out.read_text()))
 
 

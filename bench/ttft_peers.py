@@ -109,7 +109,8 @@ def failing_mode(
         results.pop(lm.mode.name, None)
         stores.pop(lm.mode.name, None)
         bench.skip(
-            lm.mode, f"failed during the measurement ({_first_line(str(e), 100)}); log {lm.server.log_path}"
+            lm.mode,
+            f"failed during the measurement ({report.first_line(str(e), 100)}); log {lm.server.log_path}",
         )
 
 
@@ -287,11 +288,6 @@ def _store_timer(sc: dict[str, Any]) -> str:
     return f"{ms:.1f} ms ({sc['store_timer_share_of_cold'] * 100:.2f}%)"
 
 
-def _first_line(text: str, limit: int) -> str:
-    line = (text.strip().splitlines() or [""])[0]
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
 def verdict(value: float, target: float) -> str:
     return "met" if value <= target else "NOT met"
 
@@ -314,7 +310,7 @@ def table(bench: Run, summary: dict[str, Any]) -> str:
         s = summary.get(mode.name)
         if s is None:
             why = bench.skipped.get(mode.name, "not measured")
-            t.add_span(mode.name, f"unavailable: {_first_line(why, 140)}")
+            t.add_span(mode.name, f"unavailable: {report.first_line(why, 140)}")
             continue
         conn = s["connector"] is not None
         sc = s.get("store_cost")

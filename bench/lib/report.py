@@ -174,3 +174,9 @@ def _short(value: float) -> str:
     if value >= 10:
         return f"{value:.1f}"
     return f"{value:.3g}"
+
+
+def first_line(text: str, limit: int) -> str:
+    """The first line of ``text``, cut to ``limit`` characters (for a table cell or a log line)."""
+    line = (text.strip().splitlines() or [""])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."

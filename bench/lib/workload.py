@@ -25,6 +25,7 @@ from typing import Any
 from . import report
 from .client import Client, metric_sum
 from .models import kv_bytes_per_token
+from .report import first_line
 from .runner import LiveMode, Run, ServerShape, rotated, stop_on_signals
 
 VLLM_CPU_BLOCK = 128  # tokens per KV block in vLLM on CPU
@@ -304,8 +305,3 @@ def sources_panel(summary: dict[str, Any]) -> report.Panel:
 # ---- small helpers ----------------------------------------------------------------------------
 def args_json(args: argparse.Namespace) -> dict[str, Any]:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-
-
-def first_line(text: str, limit: int) -> str:
-    line = (text.strip().splitlines() or [""])[0]
-    return line if len(line) <= limit else line[: limit - 3] + "..."
