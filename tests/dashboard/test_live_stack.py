@@ -275,8 +275,6 @@ def wait(predicate, timeout: float, what: str):
 
 
 def test_app_in_headless_chromium(live, tmp_path):
-    from selenium.webdriver.common.by import By
-
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     port = free_port()
     proc = streamlit_server(live, port, tmp_path / "streamlit.log")
@@ -294,8 +292,8 @@ def test_app_in_headless_chromium(live, tmp_path):
             assert_no_exception(driver)
             driver.save_screenshot(str(ARTIFACTS / "dashboard.png"))
         assert traffic.error is None, traffic.error
-        tabs = driver.find_elements(By.CSS_SELECTOR, '[data-testid="stTabs"] [role="tab"]')
-        assert [t.text for t in tabs] == [
+        names = tab_names(driver)
+        assert names == [
             "Overview",
             "Hits and misses",
             "Latency and throughput",
@@ -304,16 +302,16 @@ def test_app_in_headless_chromium(live, tmp_path):
             "Requests",
             "Insights",
         ]
-        for tab in tabs[1:]:
-            tab.click()
-            if tab.text == "Requests":  # a table and a search box: the request log is off here
+        for index, name in enumerate(names[1:], start=1):
+            open_tab(driver, index)
+            if name == "Requests":  # a table and a search box: the request log is off here
                 time.sleep(1)
                 assert_no_exception(driver)
                 continue
-            wait(lambda: charts_drawn(driver) >= 1, 30, f"a chart in {tab.text}")
+            wait(lambda: charts_drawn(driver) >= 1, 30, f"a chart in {name}")
             time.sleep(1)
             assert_no_exception(driver)
-            driver.save_screenshot(str(ARTIFACTS / f"dashboard-{tab.text.lower().replace(' ', '-')}.png"))
+            driver.save_screenshot(str(ARTIFACTS / f"dashboard-{name.lower().replace(' ', '-')}.png"))
         # Failures: the event timeline and the table of the failed load.
         wait(lambda: live.failed["id"] in driver.page_source, 20, "the failed request in the events table")
     finally:
@@ -333,11 +331,28 @@ def charts_drawn(driver) -> int:
     return len(driver.find_elements(By.CSS_SELECTOR, drawn))
 
 
-def updated_stamp(driver) -> str:
-    from selenium.webdriver.common.by import By
+# The app reruns every few seconds and Streamlit replaces elements as it does, so
+# an element found by one WebDriver call can be gone by the next (stale). Text is
+# read and tabs are clicked inside the page, in one script each.
+_TABS = '[data-testid="stTabs"] [role="tab"]'
 
-    found = driver.find_elements(By.XPATH, "//*[starts-with(normalize-space(text()), 'Updated ')]")
-    return found[0].text if found else ""
+
+def updated_stamp(driver) -> str:
+    return driver.execute_script(
+        "const it = document.evaluate(\"//*[starts-with(normalize-space(text()), 'Updated ')]\","
+        " document, null, XPathResult.FIRST_ORDERED_NODE_TYPE, null).singleNodeValue;"
+        " return it ? it.innerText : '';"
+    )
+
+
+def tab_names(driver) -> list[str]:
+    return driver.execute_script(
+        f"return [...document.querySelectorAll('{_TABS}')].map(t => t.innerText.trim());"
+    )
+
+
+def open_tab(driver, index: int) -> None:
+    driver.execute_script(f"document.querySelectorAll('{_TABS}')[{index}].click();")
 
 
 def _health(port: int) -> bool:
@@ -351,7 +366,7 @@ def _health(port: int) -> bool:
 def assert_no_exception(driver) -> None:
     from selenium.webdriver.common.by import By
 
-    text = driver.find_element(By.TAG_NAME, "body").text
+    text = driver.execute_script("return document.body.innerText;")
     assert "Traceback" not in text and "could not be shown" not in text, text[:2000]
     assert not driver.find_elements(By.CSS_SELECTOR, '[data-testid="stException"]')
     assert not driver.find_elements(By.CSS_SELECTOR, '[data-testid="stAlertContentError"]'), text[:2000]
