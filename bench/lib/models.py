@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .paths import REPO, RUN_DIR
@@ -67,6 +67,9 @@ TINY = ModelSpec("tiny", layers=4, hidden=256, heads=4, kv_heads=2, intermediate
 BENCH = ModelSpec(
     "llama-h1024-l8", layers=8, hidden=1024, heads=16, kv_heads=8, intermediate=4096, max_pos=8192
 )
+# The same shape with room for 32k-token prompts (prompt_scaling.py): vLLM refuses a
+# --max-model-len beyond the checkpoint's max_position_embeddings.
+BENCH_32K = replace(BENCH, name="llama-h1024-l8-32k", max_pos=32768)
 
 
 def _stamp(spec: ModelSpec) -> str:

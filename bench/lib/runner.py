@@ -97,11 +97,20 @@ def add_common_args(p: argparse.ArgumentParser, modes: str, quick_modes: str) ->
 class Run:
     """One benchmark run: its settings, modes, servers, notes and output files."""
 
-    def __init__(self, workload: str, args: argparse.Namespace, default_modes: str, quick_modes: str) -> None:
+    def __init__(
+        self,
+        workload: str,
+        args: argparse.Namespace,
+        default_modes: str,
+        quick_modes: str,
+        full_spec: ModelSpec = BENCH,
+    ) -> None:
+        """``full_spec``: the model of a full run (--quick always runs the tiny one), for a
+        workload that needs another context length than ``BENCH``'s."""
         self.workload = workload
         self.args = args
         self.quick = bool(args.quick)
-        self.spec: ModelSpec = TINY if self.quick else BENCH
+        self.spec: ModelSpec = TINY if self.quick else full_spec
         self.model = args.model or ensure_model(self.spec)
         self.modes = parse_modes(
             args.modes or (quick_modes if self.quick else default_modes), args.kvlens_tiers
