@@ -235,26 +235,38 @@ def _progress(rec: dict[str, Any]) -> str:
     )
 
 
+def record_summary(rec: dict[str, Any], connector: str | None) -> dict[str, Any]:
+    """One mode's ``new_record()`` as medians with their spread, and whether its hits matched."""
+    s = {k: report.summary(rec[k]) for k in ("cold_s", "floor_s", "hit_s", "pair_ratio", "cold_over_hit")}
+    s["hit_cached_tokens"] = report.summary(rec["hit_cached"])
+    s["floor_cached_tokens"] = report.summary(rec["floor_cached"])
+    s["outputs_match_cold"] = all(rec["first_token_matches"])
+    s["connector"] = connector
+    if rec["kvlens_load_ms"]:
+        s["kvlens_load_ms"] = report.summary(rec["kvlens_load_ms"])
+    return s
+
+
+def note_short_hits(bench: Run, label: str, s: dict[str, Any]) -> None:
+    """Notes what makes a hit's time mean something else: a connector that served less than
+    vLLM's own hit (the rest was recomputed), or a hit whose first token differs from cold."""
+    if s["connector"] and s["hit_cached_tokens"]["median"] < s["floor_cached_tokens"]["median"]:
+        bench.note(
+            f"{label}: its hits served {s['hit_cached_tokens']['median']:.0f} cached tokens, "
+            f"vLLM's own hit {s['floor_cached_tokens']['median']:.0f}: the rest was recomputed"
+        )
+    if not s["outputs_match_cold"]:
+        bench.note(f"{label}: a connector hit produced another first token than the cold run")
+
+
 def summarize(bench: Run, results: dict, stores: dict, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in bench.modes:
         rec = results.get(mode.name)
         if rec is None:
             continue
-        s = {k: report.summary(rec[k]) for k in ("cold_s", "floor_s", "hit_s", "pair_ratio", "cold_over_hit")}
-        s["hit_cached_tokens"] = report.summary(rec["hit_cached"])
-        s["floor_cached_tokens"] = report.summary(rec["floor_cached"])
-        s["outputs_match_cold"] = all(rec["first_token_matches"])
-        s["connector"] = mode.connector
-        if rec["kvlens_load_ms"]:
-            s["kvlens_load_ms"] = report.summary(rec["kvlens_load_ms"])
-        if mode.connector and s["hit_cached_tokens"]["median"] < s["floor_cached_tokens"]["median"]:
-            bench.note(
-                f"{mode.name}: its hits served {s['hit_cached_tokens']['median']:.0f} cached tokens, "
-                f"vLLM's own hit {s['floor_cached_tokens']['median']:.0f}: the rest was recomputed"
-            )
-        if not s["outputs_match_cold"]:
-            bench.note(f"{mode.name}: a connector hit produced another first token than the cold run")
+        s = record_summary(rec, mode.connector)
+        note_short_hits(bench, mode.name, s)
         st = stores.get(mode.name)
         if st:
             cold = statistics.median(st["skip_s"])
