@@ -51,18 +51,6 @@ RATIO_TABLE = (wl.TOTAL_TPUT, wl.ttft(50), wl.ttft(90), wl.ttft(99))
 
 
 @dataclass(frozen=True, slots=True)
-class Turn:
-    """One request, as measured (``ok`` False: it failed, and the user goes on with filler)."""
-
-    ok: bool
-    ttft: float
-    latency: float
-    prompt_tokens: int
-    output_tokens: int
-    error: str = ""
-
-
-@dataclass(frozen=True, slots=True)
 class User:
     context: list[int]  # shared system prompt + the user's own history
     questions: list[list[int]]  # one per round
@@ -125,7 +113,7 @@ def make_users(args: argparse.Namespace, rep: int, vocab: int) -> list[User]:
     ]
 
 
-async def chat(session: aiohttp.ClientSession, url: str, user: User, answer_len: int) -> list[Turn]:
+async def chat(session: aiohttp.ClientSession, url: str, user: User, answer_len: int) -> list[wl.Turn]:
     """One user's rounds, each prompt the whole conversation so far plus the new question."""
     history = list(user.context)
     turns = []
@@ -136,15 +124,15 @@ async def chat(session: aiohttp.ClientSession, url: str, user: User, answer_len:
             done = await stream(session, url, prompt, answer_len, timeout=REQUEST_TIMEOUT_S)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             late = time.perf_counter() - t0
-            turns.append(Turn(False, math.nan, late, len(prompt), 0, report.first_line(repr(e), 200)))
+            turns.append(wl.Turn(False, math.nan, late, len(prompt), 0, report.first_line(repr(e), 200)))
             history = prompt + user.filler
             continue
-        turns.append(Turn(True, done.ttft, done.latency, done.prompt_tokens, len(done.token_ids)))
+        turns.append(wl.Turn(True, done.ttft, done.latency, done.prompt_tokens, len(done.token_ids)))
         history = prompt + list(done.token_ids or user.filler)
     return turns
 
 
-async def _conversations(url: str, users: list[User], answer_len: int) -> tuple[list[Turn], float]:
+async def _conversations(url: str, users: list[User], answer_len: int) -> tuple[list[wl.Turn], float]:
     connector = aiohttp.TCPConnector(limit=max(len(users), 1))
     async with aiohttp.ClientSession(connector=connector) as session:
         t0 = time.perf_counter()
@@ -153,35 +141,13 @@ async def _conversations(url: str, users: list[User], answer_len: int) -> tuple[
     return [t for turns in per_user for t in turns], wall
 
 
-def record(turns: list[Turn], wall: float) -> wl.Record:
-    """A repetition's figures, under the names vllm bench serve gives them."""
-    ok = [t for t in turns if t.ok]
-    inp = sum(t.prompt_tokens for t in ok)
-    out = sum(t.output_tokens for t in ok)
-    rec: wl.Record = {
-        "duration": wall,
-        "completed": len(ok),
-        "failed": len(turns) - len(ok),
-        "total_input_tokens": inp,
-        "total_output_tokens": out,
-        "request_throughput": len(ok) / wall,
-        "output_throughput": out / wall,
-        "total_token_throughput": (inp + out) / wall,
-        "mean_ttft_ms": 1000 * sum(t.ttft for t in ok) / len(ok) if ok else math.nan,
-    }
-    for p in (50, 90, 99):
-        rec[f"p{p}_ttft_ms"] = 1000 * report.percentile([t.ttft for t in ok], p)
-        rec[f"p{p}_e2el_ms"] = 1000 * report.percentile([t.latency for t in ok], p)
-    return rec
-
-
 def measure(bench: Run, lm: LiveMode, rep: int, vocab: int) -> wl.Record:
     args = bench.args
     turns, wall = asyncio.run(_conversations(lm.server.url, make_users(args, rep, vocab), args.answer_len))
     errors = sorted({t.error for t in turns if not t.ok})
     if errors:
         print(f"   {lm.mode.name}: {len(errors)} kind(s) of error, e.g. {errors[0]}", flush=True)
-    rec = record(turns, wall)
+    rec = wl.record(turns, wall)
     rec["errors"] = errors  # the raw JSON keeps them; summaries take numbers only
     return rec
 

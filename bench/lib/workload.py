@@ -89,15 +89,61 @@ def small_kv_shape(
     return shape, {"kv_blocks": kv_blocks, "kv_tokens": cap, "working_set_tokens": working_set}
 
 
+# ---- one request as measured ------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One request, as measured (``ok`` False: it failed; ``error`` says how)."""
+
+    ok: bool
+    ttft: float
+    latency: float
+    prompt_tokens: int
+    output_tokens: int
+    error: str = ""
+    cached_tokens: int = 0  # vLLM's prefix hit plus the connector's, as the response reports them
+
+
+def record(turns: Sequence[Turn], wall: float) -> Record:
+    """Figures of requests that took ``wall`` seconds, under the names vllm bench serve gives them."""
+    ok = [t for t in turns if t.ok]
+    inp = sum(t.prompt_tokens for t in ok)
+    out = sum(t.output_tokens for t in ok)
+    rec: Record = {
+        "duration": wall,
+        "completed": len(ok),
+        "failed": len(turns) - len(ok),
+        "total_input_tokens": inp,
+        "total_output_tokens": out,
+        "request_throughput": len(ok) / wall,
+        "output_throughput": out / wall,
+        "total_token_throughput": (inp + out) / wall,
+        "mean_ttft_ms": 1000 * sum(t.ttft for t in ok) / len(ok) if ok else math.nan,
+    }
+    for p in (50, 90, 99):
+        rec[f"p{p}_ttft_ms"] = 1000 * report.percentile([t.ttft for t in ok], p)
+        rec[f"p{p}_e2el_ms"] = 1000 * report.percentile([t.latency for t in ok], p)
+    return rec
+
+
 # ---- measuring --------------------------------------------------------------------------------
 def measure_in_turns(
-    bench: Run, shape: ServerShape, repeats: int, measure: Measure
+    bench: Run,
+    shape: ServerShape,
+    repeats: int,
+    measure: Measure,
+    warm_up: Callable[[LiveMode], None] | None = None,
 ) -> dict[str, list[Record]]:
-    """Every live mode measured ``repeats`` times, in turns. A mode whose server dies or stops
-    answering leaves the run (reported unavailable from then on) and keeps what it measured."""
+    """Every live mode measured ``repeats`` times, in turns, after ``warm_up`` (unmeasured) on
+    each. A mode whose server dies or stops answering leaves the run (reported unavailable from
+    then on) and keeps what it measured."""
     records: dict[str, list[Record]] = {}
     with stop_on_signals():
         for live in bench.batches(shape):
+            for lm in list(live) if warm_up else ():
+                try:
+                    warm_up(lm)
+                except (ModeFailed, OSError, TimeoutError) as e:
+                    drop(bench, live, lm, f"failed to warm up ({first_line(str(e), 160)})")
             for rep in range(repeats):
                 for lm in rotated(live, rep):
                     try:

@@ -1,5 +1,6 @@
-"""bench/prefix_repetition.py and bench/multi_round_chat.py keep working end to end: real vLLM
-servers (tiny model, --quick), vllm bench serve or the chat users, the tables, the JSON file.
+"""bench/prefix_repetition.py, bench/multi_round_chat.py and bench/long_doc_qa.py keep working end
+to end: real vLLM servers (tiny model, --quick), vllm bench serve, the chat users or the document
+questions, the tables, the JSON file.
 Never a timing assertion: on a shared 2-core machine only the shape of the result is stable
 (and token counts, which do not depend on timing). A missing LMCache virtualenv must show as
 "unavailable", not as a crash."""
@@ -87,3 +88,22 @@ def test_quick_multi_round_chat_reports_ratios_to_none_and_lmcache_unavailable(t
     assert set(data["ratios"]["vs_none"]["kvlens-cpu"]) >= {*FIGURES, "p90_ttft_ms"}
     for recs in data["raw"].values():
         assert all(r["errors"] == [] for r in recs)
+
+
+def test_quick_long_doc_qa_serves_every_question_from_a_cache(tmp_path):
+    _, data = run_quick("long_doc_qa.py", tmp_path)
+    check_common_shape(data, {"none"})
+    assert set(data["ratios"]["vs_none"]) == {"kvlens-cpu"}
+    assert set(data["ratios"]["vs_none"]["kvlens-cpu"]) >= {"p50_ttft_ms", "p90_ttft_ms", "warmup_duration"}
+    settings = data["settings"]
+    queries = data["workload"]["queries_per_repetition"]
+    assert queries == settings["documents"] * settings["questions"]
+    for recs in data["raw"].values():
+        assert all(r["errors"] == [] for r in recs)
+        assert all(r["completed"] == data["workload"]["requests_per_repetition"] for r in recs)
+    # vLLM keeps a third of the documents; with KVLens every question finds its document's
+    # whole blocks in a cache (vLLM's own or KVLens's), as the responses report.
+    whole_blocks = settings["doc_len"] // 128 * 128
+    kv, none = data["summary"]["kvlens-cpu"], data["summary"]["none"]
+    assert kv["query_cached_tokens"]["min"] == queries * whole_blocks
+    assert none["query_cached_tokens"]["max"] < queries * whole_blocks
