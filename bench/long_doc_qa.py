@@ -234,7 +234,7 @@ def panels(summary: dict[str, Any]) -> list[report.Panel]:
         wl.figure_panel("round wall time (median, min..max)", "s", summary, [WARMUP, QUERY_ROUND]),
     ]
     if "none" in summary:
-        out.append(wl.ratio_panel(summary, "none", RATIO_TABLE))
+        out.append(wl.ratio_panel(summary, "none", RATIO_TABLE, log=True))  # 0.05x TTFT beside 9x tok/s
     out.append(wl.sources_panel(summary))
     return out
 

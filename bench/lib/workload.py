@@ -319,7 +319,11 @@ def figure_panel(
 
 
 def ratio_panel(
-    summary: dict[str, Any], baseline: str, figures: Sequence[Figure], target: float | None = None
+    summary: dict[str, Any],
+    baseline: str,
+    figures: Sequence[Figure],
+    target: float | None = None,
+    log: bool = False,
 ) -> report.Panel:
     names = [n for n, s in summary.items() if baseline in s["vs"]]
     return report.Panel(
@@ -329,6 +333,7 @@ def ratio_panel(
         [report.Series(f.label, [summary[n]["vs"][baseline][f.key] for n in names]) for f in figures],
         target=target if target is not None else 1.0,
         target_label=f"target {target}" if target is not None else "1.0",
+        log=log,
     )
 
 
