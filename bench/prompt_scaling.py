@@ -1,6 +1,6 @@
 """Time to first token as the prompt grows from 1k to 32k tokens, per KV-cache connector.
 
-    python bench/prompt_scaling.py [--quick] [--lengths 1000,2000,4000,8000,16000,32000]
+    python bench/prompt_scaling.py [--quick] [--lengths 1000,2000,4000,8000,16100,32100]
                                    [--modes none,kvlens,example,lmcache] [--kvlens-tiers cpu]
 
 The headline (ttft_peers.py) measures one prompt length; a connector's hit can keep up with
@@ -16,8 +16,10 @@ reversed every other length):
 
 Each server is warmed up once, on a prompt of the shortest length, so that lazy set-up does not
 land in its first figure; a length's one-off costs (new kernel shapes) land in every mode's
-cold request alike. Lengths are not multiples of 128 (vLLM's CPU block), so vLLM and the
-connectors reuse the same whole blocks. The table also gives cold/hit (what a connector saves at
+cold request alike. Lengths are not multiples of 128 (vLLM's CPU block; hence 16100, not
+16000), so vLLM and the connectors reuse the same whole blocks: on a whole number of blocks
+vLLM's own hit recomputes the last block while KVLens serves all but the last token, and the
+"floor" is then partly KVLens's. The table also gives cold/hit (what a connector saves at
 that length) and KVLens's own load time from ``kv_transfer_params``.
 
 TTFT = wall time of a one-token greedy completion over HTTP (REFERENCE.md section 9).
@@ -39,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.lib import report  # noqa: E402
 from bench.lib.models import BENCH_32K, kv_bytes_per_token, vocab_size  # noqa: E402
 from bench.lib.runner import Run, ServerShape, add_common_args, rotated, stop_on_signals  # noqa: E402
+from bench.lib.workload import VLLM_CPU_BLOCK  # noqa: E402
 from bench.ttft_peers import (  # noqa: E402
     HIT_TARGET,
     failing_mode,
@@ -54,7 +57,7 @@ from bench.ttft_peers import (  # noqa: E402
 
 DEFAULT_MODES = "none,kvlens,example,lmcache"
 QUICK_MODES = "none,kvlens,lmcache"
-DEFAULT_LENGTHS = "1000,2000,4000,8000,16000,32000"
+DEFAULT_LENGTHS = "1000,2000,4000,8000,16100,32100"
 QUICK_LENGTHS = "500,1500"
 HEADROOM_TOKENS = 64  # --max-model-len above the longest prompt (the generated token)
 
@@ -96,6 +99,12 @@ def server_shape(bench: Run, lengths: list[int]) -> ServerShape:
         raise SystemExit(
             f"the longest prompt ({longest} tokens) + {HEADROOM_TOKENS} exceeds the model's "
             f"max_position_embeddings ({limit}); pass shorter --lengths or another --model"
+        )
+    aligned = [n for n in lengths if n % VLLM_CPU_BLOCK == 0]
+    if aligned:
+        bench.note(
+            f"lengths {aligned} are whole {VLLM_CPU_BLOCK}-token blocks: vLLM's own hit recomputes the "
+            "last block, a connector may serve it, so the floor there is not vLLM's alone"
         )
     per_token = kv_bytes_per_token(Path(bench.model))
     kv_gib = max(1, math.ceil(2 * longest * per_token / 2**30))
