@@ -36,6 +36,10 @@ PINNED_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # One step may prefill a whole prompt on one core: 32k tokens of the bench model take more
+    # than vLLM's default 300 s, after which the engine declares itself dead (seen in
+    # prompt_scaling.py at 32,100 tokens, in every mode).
+    "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "3600",
     "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
 }
 # For LMCache's server and its vLLM only: KVLens reads LMCACHE_<KEY> variables as its own
