@@ -40,7 +40,7 @@ from bench.lib import report  # noqa: E402
 from bench.lib import workload as wl  # noqa: E402
 from bench.lib.client import REQUEST_TIMEOUT_S, stream  # noqa: E402
 from bench.lib.models import vocab_size  # noqa: E402
-from bench.lib.runner import LiveMode, Run, add_common_args  # noqa: E402
+from bench.lib.runner import LiveMode, Run, add_common_args, fill_defaults  # noqa: E402
 
 DEFAULT_MODES = "none,kvlens,example,lmcache"
 QUICK_MODES = DEFAULT_MODES
@@ -93,9 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     full = {"documents": 8, "doc_len": 3000, "questions": 2, "question_len": 32, "answer_len": 16}
     full |= {"inflight": 2, "repeats": 3}
     quick = {**full, "documents": 4, "doc_len": 600, "answer_len": 8, "repeats": 2}
-    for key, value in (quick if args.quick else full).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_defaults(args, quick, full)
     for key in ("documents", "doc_len", "questions", "question_len", "answer_len", "inflight", "repeats"):
         if getattr(args, key) < 1:
             p.error(f"--{key.replace('_', '-')} must be at least 1")

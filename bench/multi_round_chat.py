@@ -40,7 +40,7 @@ from bench.lib import report  # noqa: E402
 from bench.lib import workload as wl  # noqa: E402
 from bench.lib.client import REQUEST_TIMEOUT_S, stream  # noqa: E402
 from bench.lib.models import vocab_size  # noqa: E402
-from bench.lib.runner import LiveMode, Run, add_common_args  # noqa: E402
+from bench.lib.runner import LiveMode, Run, add_common_args, fill_defaults  # noqa: E402
 
 DEFAULT_MODES = "none,kvlens,example,lmcache"
 QUICK_MODES = DEFAULT_MODES
@@ -80,9 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     full |= {"answer_len": 16, "repeats": 3}
     quick = {**full, "rounds": 3, "system_len": 128, "history_len": 384, "answer_len": 8}
     quick["repeats"] = 2
-    for key, value in (quick if args.quick else full).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_defaults(args, quick, full)
     return args
 
 

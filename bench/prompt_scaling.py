@@ -212,8 +212,7 @@ def table(bench: Run, summary: dict[str, Any], lengths: list[int]) -> str:
     for mode in bench.modes:
         by_length = summary.get(mode.name)
         if by_length is None:
-            why = bench.skipped.get(mode.name, "not measured")
-            t.add_span(mode.name, f"unavailable: {report.first_line(why, 140)}")
+            t.add_span(mode.name, bench.unavailable(mode))
             continue
         for n in lengths:
             s = by_length[str(n)]

@@ -35,7 +35,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib import report  # noqa: E402
-from bench.lib.runner import LiveMode, Run, ServerShape, add_common_args, rotated, stop_on_signals  # noqa: E402
+from bench.lib.runner import (
+    LiveMode,
+    Run,
+    ServerShape,
+    add_common_args,
+    fill_defaults,
+    rotated,
+    stop_on_signals,
+)  # noqa: E402
 
 DEFAULT_MODES = "none,kvlens,example,lmcache"
 QUICK_MODES = "none,kvlens,example,lmcache"
@@ -62,9 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     quick = {"tokens": 1000, "prompts": 1, "pairs": 2, "store_pairs": 2}
     full = {"tokens": 3000, "prompts": 3, "pairs": 5, "store_pairs": 6}
-    for key, value in (quick if args.quick else full).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_defaults(args, quick, full)
     return args
 
 
@@ -325,8 +331,7 @@ def table(bench: Run, summary: dict[str, Any]) -> str:
     for mode in bench.modes:
         s = summary.get(mode.name)
         if s is None:
-            why = bench.skipped.get(mode.name, "not measured")
-            t.add_span(mode.name, f"unavailable: {report.first_line(why, 140)}")
+            t.add_span(mode.name, bench.unavailable(mode))
             continue
         conn = s["connector"] is not None
         sc = s.get("store_cost")

@@ -94,6 +94,13 @@ def add_common_args(p: argparse.ArgumentParser, modes: str, quick_modes: str) ->
     )
 
 
+def fill_defaults(args: argparse.Namespace, quick: dict[str, Any], full: dict[str, Any]) -> None:
+    """Options left unset take the --quick or the full run's value."""
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 class Run:
     """One benchmark run: its settings, modes, servers, notes and output files."""
 
@@ -169,6 +176,10 @@ class Run:
             if problem:
                 self.skip(mode, f"LMCache's virtualenv is not usable: {problem}")
         return mode.name not in self.skipped
+
+    def unavailable(self, mode: Mode) -> str:
+        """A table's row text for a mode that has no figures."""
+        return f"unavailable: {report.first_line(self.skipped.get(mode.name, 'not measured'), 140)}"
 
     def skip(self, mode: Mode, why: str) -> None:
         self.skipped[mode.name] = why

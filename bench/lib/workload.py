@@ -272,8 +272,7 @@ def figures_table(bench: Run, summary: dict[str, Any], figures: Sequence[Figure]
     for mode in bench.modes:
         s = summary.get(mode.name)
         if s is None:
-            why = bench.skipped.get(mode.name, "not measured")
-            t.add_span(mode.name, f"unavailable: {first_line(why, 140)}")
+            t.add_span(mode.name, bench.unavailable(mode))
             continue
         t.add(
             mode.name,
