@@ -151,6 +151,7 @@ class KVLensConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
+        self._scheduler.step_done()
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVLensWorkerMetadata):
             report = meta.report

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .engine.index import TierIndex
 from .engine.jobs import CPU, DISK, REMOTE, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
@@ -26,16 +26,14 @@ from .engine.keys import ChunkKey
 from .engine.policy import trace_headers
 from .engine.suspects import rewritten_blocks
 from .engine.tracker import LookupResult, RequestTracker, StorePolicy, cdiv, plan_chunk_loads
-
-if TYPE_CHECKING:
-    from .scheduler import ConnectorScheduler
+from .scheduler_state import SchedulerState
 
 logger = logging.getLogger("vllm.kvlens")
 
 
 class StepPlanner:
-    def __init__(self, scheduler: ConnectorScheduler, policy: StorePolicy) -> None:
-        self._s = scheduler
+    def __init__(self, state: SchedulerState, policy: StorePolicy) -> None:
+        self._s = state
         self.policy = policy
         self._bs = policy.block_size
         self._planned: dict[tuple[str, str], int] = {}  # (tier, chunk) -> its store's index in writes

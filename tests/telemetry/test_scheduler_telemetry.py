@@ -358,8 +358,8 @@ def test_request_log_off_writes_nothing_and_keeps_no_state(tmp_path):
 
 def test_prefill_seconds_saved_are_counted_per_tier(tmp_path):
     sched, tel = make(tmp_path)
-    sched.sched.prefill_cost.step(0.0, 1000, 1000, {"x"}, loads=False)
-    sched.sched.prefill_cost.step(2.0, 0, 1, {"x"}, loads=False)  # 2 ms a token
+    sched.sched.insight.prefill_cost.step(0.0, 1000, 1000, {"x"}, loads=False)
+    sched.sched.insight.prefill_cost.step(2.0, 0, 1, {"x"}, loads=False)  # 2 ms a token
     admit(sched, tel, request("a", PROMPT), range(10, 15))
     finish(sched, tel, request("a", PROMPT))
     plan = admit(sched, tel, request("b", PROMPT), range(20, 25))

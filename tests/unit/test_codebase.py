@@ -14,6 +14,11 @@ PURE = (
     "connector",
     "connector.config",
     "connector.scheduler",
+    "connector.scheduler_state",
+    "connector.prefix_lookup",
+    "connector.insight_feed",
+    "connector.responses",
+    "connector.worker_feedback",
     "connector.step_planner",
     "connector.disk_sync",
     "connector.tiers.cpu",
@@ -71,6 +76,45 @@ def test_telemetry_depends_on_the_connector_in_one_direction_only():
         if any(m.split(".")[0] == "telemetry" for m in _runtime_imports(p))
     }
     assert users <= {"connector/kv_connector.py"}, users  # only the facade hands outcomes over
+
+
+def _connector_imports(path: Path) -> set[str]:
+    """Modules of the connector package a file imports, at run time or for type checking."""
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return {m for m in found if m.startswith("connector.")}
+
+
+def test_connector_modules_import_one_way():
+    modules = {
+        ".".join(p.relative_to(REPO).with_suffix("").parts): p
+        for p in (REPO / "connector").rglob("*.py")
+        if p.name != "__init__.py"
+    }
+    graph = {name: _connector_imports(path) & modules.keys() for name, path in modules.items()}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                if nxt == goal:
+                    return True
+                seen.add(nxt)
+                todo.append(nxt)
+        return False
+
+    cycles = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if reaches(b, a))
+    assert not cycles, cycles
 
 
 @pytest.mark.parametrize("args", [["check", "."], ["format", "--check", "."]])

@@ -122,7 +122,7 @@ def test_every_finished_request_leaves_one_summary_late_loads_included():
     s.finish(request("c", PROMPT))
     (unscheduled,) = s.take_done()
     assert unscheduled.request_id == "c" and unscheduled.loaded_tokens == {}
-    assert not s.done
+    assert not s.take_done()
 
 
 # ---- how big should the tier be ---------------------------------------------------------
@@ -175,7 +175,7 @@ def test_prefill_cost_is_measured_on_busy_cold_prefill_steps_only():
 def test_loaded_tokens_are_priced_at_the_measured_cost_per_tier():
     clock = Clock()
     s = scheduler()
-    s._clock = clock
+    s.state.clock = clock
     a = request("a", PROMPT)
     s.lookup(a, 0)
     s.after_alloc(a, 0)

@@ -1,0 +1,113 @@
+"""Feeds the answers KVLens gives beyond hits and misses: the what-if curves of hit ratio
+against tier size (and the sizing advice they imply), the engine's measured prefill cost per
+token, the prefill time loads saved, and the instance's identity for ``vllm:kvlens_info``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .engine.prefill_cost import PrefillCostMeter
+from .engine.tracker import LookupResult
+from .engine.whatif import WhatIfTracker
+from .instance_info import instance_info
+from .prefix_lookup import prompt_tokens
+from .scheduler_state import SchedulerState
+
+logger = logging.getLogger("vllm.kvlens")
+
+WHATIF_GAUGE_S = 1.0  # the what-if curves are read at most this often
+
+
+class InsightFeed:
+    def __init__(self, state: SchedulerState) -> None:
+        self._s = state
+        facts = state.facts
+        capacities = {name: t.capacity_bytes for name, t in state.tiers.items()} if facts.loads else {}
+        self.whatif = WhatIfTracker(capacities) if capacities else None
+        if self.whatif is not None:
+            self.whatif.start()
+        self._whatif_gauges: dict[str, float] = {}
+        self._whatif_at = float("-inf")
+        self._advice: dict[str, str] = {}
+        self.prefill_cost = PrefillCostMeter()
+        self._saved_seconds: dict[str, float] = {}
+        self.info = instance_info(state.config, facts)
+
+    def note_references(self, request: Any, result: LookupResult) -> None:
+        """A request's first schedule: feed the what-if curves and the namespace memory with
+        the chunks it found, the first it missed and those it will store."""
+        s = self._s
+        rid = request.request_id
+        policy, hasher = s.policies.get(rid), s.hashers.get(rid)
+        if policy is None or hasher is None or policy.namespace is None:
+            return
+        stores = policy.save_skip_reason is None and s.facts.stores
+        size = s.config.chunk_size
+        if stores:
+            fingerprint = hasher.fingerprint(request.all_token_ids)
+            if fingerprint is not None:
+                s.first_chunks.note(fingerprint, policy.namespace)
+        if self.whatif is None:
+            return
+        nbytes = s.facts.chunk_nbytes
+        for hit in result.hits:
+            self.whatif.record(None, hit.key.digest, nbytes(hit.key.num_tokens))
+        whole = [h for h in result.hits if h.key.num_tokens == size]
+        rest = hasher.full_keys(len(whole) * size, prompt_tokens(request))
+        for key in rest if stores else rest[:1]:  # the missed chunk, then those this request stores
+            self.whatif.record(None, key.digest, nbytes(size))
+
+    def measure_step(self, scheduler_output: Any, loads: bool) -> None:
+        """Time the engine's steps to estimate what a token of prefill costs."""
+        scheduled: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        prefill = 0
+        for rid, n in scheduled.items():
+            request = self._s.unfinished.get(rid)
+            if request is not None:
+                done = getattr(request, "num_computed_tokens", 0)
+                prefill += min(n, max(prompt_tokens(request) - done, 0))
+        self.prefill_cost.step(self._s.clock(), prefill, sum(scheduled.values()), scheduled.keys(), loads)
+
+    def loaded(self, tokens_by_tier: dict[str, int]) -> None:
+        """Tokens a load supplied: prefill time saved, at the measured cost per token."""
+        for tier, n in tokens_by_tier.items():
+            self._saved_seconds[tier] = self._saved_seconds.get(tier, 0.0) + self.prefill_cost.saved(n)
+
+    def take_saved_seconds(self) -> dict[str, float]:
+        """Estimated prefill seconds saved per tier since the last call."""
+        saved, self._saved_seconds = self._saved_seconds, {}
+        return saved
+
+    def gauges(self) -> dict[str, float]:
+        """The instance's identity, the what-if curves (read at most once a second) and the
+        measured prefill cost per token."""
+        out: dict[str, float] = {self.info: 1}
+        cost = self.prefill_cost.seconds_per_token
+        if cost is not None:
+            out["prefill_seconds_per_token"] = cost
+        if self.whatif is not None:
+            now = self._s.clock()
+            if now - self._whatif_at >= WHATIF_GAUGE_S:
+                self._whatif_at = now
+                self._whatif_gauges = {
+                    f"whatif_hit_ratio|{tier}|{factor:g}": round(ratio, 4)
+                    for tier, curve in self.whatif.snapshot().items()
+                    for factor, ratio in curve.items()
+                }
+                self._log_advice()
+            out.update(self._whatif_gauges)
+        return out
+
+    def _log_advice(self) -> None:
+        """One log line when a tier's sizing advice changes."""
+        assert self.whatif is not None
+        for tier in self._s.tiers:
+            advice = self.whatif.advice(tier)
+            if advice is not None and self._advice.get(tier) != advice:
+                self._advice[tier] = advice
+                logger.info("KVLens sizing: %s", advice)
+
+    def shutdown(self) -> None:
+        if self.whatif is not None:
+            self.whatif.close()

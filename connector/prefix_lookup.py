@@ -1,0 +1,295 @@
+"""Prefix lookups: which stored chunks continue a prompt beyond vLLM's own hit.
+
+Lookups answer from the scheduler's memory: the local tiers' indexes (no disk or network
+round trip per chunk) and, for the shared remote tier that no index can know, one existence
+round trip per request. Whole chunks are probed first, then the prompt's unfull tail and,
+with block-granular tails, the longest stored whole-block prefix of the next chunk. The
+chunks found are pinned until the load that uses them is reported.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .engine.index import TierIndex
+from .engine.jobs import DISK, REMOTE
+from .engine.keys import ChunkKey, PrefixHasher, block_aligned_keys, block_prefixes
+from .engine.namespaces import namespace_differences
+from .engine.outcomes import LookupOutcome, MissReason, RemoteCall
+from .engine.policy import RequestPolicy, decide_policy, miss_reason, trace_headers
+from .engine.tracker import ChunkHit, LookupResult, external_tokens, tokens_by_tier
+from .scheduler_state import SchedulerState
+
+logger = logging.getLogger("vllm.kvlens")
+
+
+class PrefixLookup:
+    def __init__(self, state: SchedulerState) -> None:
+        self._s = state
+        self._chunk_size = state.config.chunk_size
+        self._block_size = state.facts.block_size
+
+    def policy(self, request: Any) -> RequestPolicy:
+        """The request's policy (namespace, save rules), decided on its first lookup."""
+        s = self._s
+        rid = request.request_id
+        policy = s.policies.get(rid)
+        if policy is None:
+            lora = getattr(request, "lora_request", None)
+            policy = decide_policy(
+                s.base_namespace,
+                rid,
+                getattr(request, "kv_transfer_params", None),
+                getattr(lora, "lora_name", None) if lora is not None else None,
+                getattr(request, "cache_salt", None),
+                getattr(request, "priority", 0) or 0,
+                bool(getattr(request, "mm_features", None))
+                or getattr(request, "prompt_embeds", None) is not None
+                or rid.startswith("mock_req"),  # data-parallel padding requests
+                s.facts.kv_role,
+                s.config.priority_limit,
+                s.config.force_skip_save,
+            )
+            s.policies[rid] = policy
+            if policy.namespace is not None:
+                s.hashers[rid] = PrefixHasher(policy.namespace, self._chunk_size)
+        return policy
+
+    def lookup(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens KVLens will load beyond vLLM's hit (side-effect free but for pins)."""
+        s = self._s
+        s.merge_disk_scan()
+        rid = request.request_id
+        policy = self.policy(request)
+        previous = s.lookups.get(rid)
+        attempts = previous.attempts + 1 if previous is not None else 1
+        skip = policy.skip_reason
+        if skip is None and not s.facts.loads:
+            skip = MissReason.PRODUCER_ROLE
+        if skip is None and getattr(request, "skip_reading_prefix_cache", False):
+            skip = MissReason.PROMPT_LOGPROBS  # vLLM would discard the answer: no pins, no hit
+        if skip is not None:
+            s.lookups[rid] = LookupResult([], 0, num_computed_tokens, 0, skip, attempts)
+            s.pins.release(rid)
+            return 0
+        tokens = request.all_token_ids
+        upto = max(len(tokens) - s.config.skip_last_n_tokens, 0)
+        hits, first_missing, unhealthy, calls = self._find_hits(rid, tokens, upto)
+        hit_tokens = hits[-1].key.end if hits else 0
+        need = external_tokens(hit_tokens, num_computed_tokens, request.num_tokens)
+        reason = miss_reason(
+            upto, hit_tokens, num_computed_tokens, first_missing, s.recently_evicted, unhealthy
+        )
+        detail = None
+        if reason is MissReason.EVICTED and first_missing is not None:
+            detail = s.recently_evicted.detail(first_missing)
+        elif reason is MissReason.NOT_STORED and not hits:
+            reason, detail = self._other_namespace(rid, tokens, policy, reason)
+        if 0 < need < s.config.min_retrieve_tokens:
+            need, reason, detail = 0, MissReason.BELOW_MIN_RETRIEVE, None
+        s.lookups[rid] = LookupResult(
+            hits, hit_tokens, num_computed_tokens, need, reason, attempts, calls, miss_detail=detail
+        )
+        if need:
+            s.pins.pin(rid, ((s.tiers[h.tier], h.key.hex) for h in hits if h.tier in s.tiers))
+            if s.disk_view is not None:
+                s.disk_view.pinned_for_load(h.key.hex for h in hits if h.tier == DISK)
+        else:
+            s.pins.release(rid)
+        return need
+
+    def _other_namespace(
+        self, rid: str, tokens: Any, policy: RequestPolicy, reason: MissReason
+    ) -> tuple[MissReason, dict[str, Any] | None]:
+        """A first chunk never stored here may have been stored under another namespace."""
+        s = self._s
+        namespace = policy.namespace
+        if namespace is None or not s.first_chunks.others_than(namespace):
+            return reason, None
+        fingerprint = s.hashers[rid].fingerprint(tokens)
+        other = s.first_chunks.other(fingerprint, namespace) if fingerprint else None
+        if other is None:
+            return reason, None
+        return MissReason.OTHER_NAMESPACE, {"differs_in": namespace_differences(namespace, other)}
+
+    def _find_hits(
+        self, rid: str, tokens: Any, upto: int
+    ) -> tuple[list[ChunkHit], str | None, bool, list[RemoteCall]]:
+        """The stored chunks of the prompt's prefix (local tiers, then the remote); the first
+        missing whole chunk; whether it sits only in a skipped tier; the remote round trips."""
+        s = self._s
+        hits: list[ChunkHit] = []
+        local = s.usable_tiers()
+        hasher = s.hashers[rid]
+        keys = hasher.keys(tokens, include_partial=False, upto=upto)
+        first_missing, unhealthy = self._probe_local(keys, local, hits)
+        if (len(hits) == len(keys) or s.remote is not None) and self._tail_may_be_stored(hasher, upto):
+            tail = hasher.tail_key(tokens, upto)
+            if tail is not None:
+                keys.append(tail)
+                if len(hits) == len(keys) - 1:
+                    first_missing, unhealthy = self._probe_local([tail], local, hits)
+        calls: list[RemoteCall] = []
+        if s.config.extra_config.block_granular_tails:
+            self._extend_by_blocks(hasher, tokens, upto, hits, local)
+        if (
+            s.remote is not None
+            and len(hits) < len(keys)
+            and not (hits and hits[-1].key.num_tokens < self._chunk_size)
+        ):
+            first_missing = self._extend_from_remote(
+                hasher, rid, tokens, upto, keys, hits, calls, first_missing
+            )
+            unhealthy = unhealthy or (len(hits) < len(keys) and not s.usable(REMOTE))
+        return hits, first_missing, unhealthy, calls
+
+    def _tail_may_be_stored(self, hasher: PrefixHasher, upto: int) -> bool:
+        """The prompt's unfull last chunk is worth hashing: the directory (if exact) lists it."""
+        tails = self._s.tails
+        full_end = upto - upto % self._chunk_size
+        return tails is None or tails.holds(hasher.parent_at(full_end), upto - full_end)
+
+    def _probe_local(
+        self, keys: list[ChunkKey], local: list[TierIndex], hits: list[ChunkHit]
+    ) -> tuple[str | None, bool]:
+        """Add the chunks of ``keys`` that ``local`` holds, up to the first missing one; that
+        one's name if it is a whole chunk, and whether it sits only in a skipped tier."""
+        for key in keys:
+            name = key.hex
+            tier = holder(local, name)
+            if tier is None:
+                whole = key.num_tokens == self._chunk_size
+                return (name if whole else None), any(name in t for t in self._s.tiers.values())
+            hits.append(ChunkHit(key, tier.name))
+        return None, False
+
+    def _extend_from_remote(
+        self,
+        hasher: PrefixHasher,
+        rid: str,
+        tokens: Any,
+        upto: int,
+        keys: list[ChunkKey],
+        hits: list[ChunkHit],
+        calls: list[RemoteCall],
+        first_missing: str | None,
+    ) -> str | None:
+        """Continue the prefix with chunks the remote holds: one round trip for all of them."""
+        s = self._s
+        if s.remote is None or not s.usable(REMOTE):
+            return first_missing
+        size = self._chunk_size
+        rest = keys[len(hits) :]
+        full = [k for k in rest if k.num_tokens == size]
+        tail_start = full[-1].end if full else (hits[-1].key.end if hits else 0)
+        parent = hasher.parent_of(full[-1] if full else (hits[-1].key if hits else None))
+        tails = [k for k in rest if k.num_tokens < size]
+        if s.config.extra_config.block_granular_tails:
+            chunk = tokens[tail_start : min(upto, tail_start + size)]
+            cut = block_aligned_keys(parent, chunk, tail_start, size, self._block_size)
+            tails += [k for k in cut if all(k.num_tokens < t.num_tokens for t in tails)]
+        candidates = full + tails
+        present, call = s.remote.present(rid, [k.hex for k in candidates])
+        if call is not None:
+            calls.append(call)
+        for key, there in zip(full, present, strict=False):
+            if not there:
+                return key.hex
+            hits.append(ChunkHit(key, REMOTE))
+        for key, there in zip(tails, present[len(full) :], strict=True):  # longest first
+            if there:
+                hits.append(ChunkHit(key, REMOTE))
+                break
+        return None
+
+    def _extend_by_blocks(
+        self, hasher: PrefixHasher, tokens: Any, upto: int, hits: list[ChunkHit], local: list[TierIndex]
+    ) -> None:
+        """After the last whole-chunk hit, take the longest stored whole-block prefix of the next chunk."""
+        last = hits[-1].key if hits else None
+        if last is not None and last.num_tokens < self._chunk_size:
+            return  # the hit already ends in an unfull chunk
+        start = last.end if last is not None else 0
+        parent = hasher.parent_of(last)
+        chunk = tokens[start : min(upto, start + self._chunk_size)]
+        size, block = self._chunk_size, self._block_size
+        tails = self._s.tails
+        if tails is not None:
+            prefixes = tails.prefixes(parent, chunk, size, block)
+        else:
+            prefixes = block_prefixes(parent, chunk, size, block)
+        for length, digest in prefixes:
+            tier = holder(local, digest.hex())
+            if tier is not None:
+                hits.append(ChunkHit(ChunkKey(digest, start, length), tier.name))
+                return
+
+    # ---- the lookup made final ----------------------------------------------------------
+    def after_alloc(self, request: Any, num_external_tokens: int) -> LookupResult | None:
+        """vLLM allocated blocks for the request: its lookup is final (None: nothing to track)."""
+        s = self._s
+        rid = request.request_id
+        s.unfinished[rid] = request
+        result = s.lookups.get(rid)
+        if result is None:
+            if num_external_tokens <= 0:
+                return None
+            result = s.lookups[rid] = LookupResult([], 0, 0, 0)
+        if num_external_tokens > result.num_external_tokens:
+            logger.error(
+                "KVLens: vLLM allocated %d external tokens for %s but only %d can be loaded; "
+                "the rest are reported as failed blocks",
+                num_external_tokens,
+                rid,
+                result.num_external_tokens,
+            )
+            result.unloadable_tokens = num_external_tokens - result.num_external_tokens
+        result.num_external_tokens = min(num_external_tokens, result.num_external_tokens)
+        result.can_load = result.num_external_tokens > 0
+        if not result.can_load:
+            s.pins.release(rid)
+        return result
+
+    def outcome(self, request: Any, result: LookupResult, scheduled: bool) -> LookupOutcome:
+        policy = self._s.policies.get(request.request_id)
+        return LookupOutcome(
+            request_id=request.request_id,
+            prompt_tokens=prompt_tokens(request),
+            vllm_cached_tokens=result.vllm_cached_tokens,
+            hit_tokens=result.hit_tokens,
+            hit_tokens_by_tier=tokens_by_tier(result.hits, 0, result.hit_tokens),
+            external_tokens=result.num_external_tokens if scheduled and result.can_load else 0,
+            chunks=len(result.hits),
+            miss_reason=result.miss_reason,
+            save_skip_reason=policy.save_skip_reason if policy is not None else None,
+            scheduled=scheduled,
+            resumed=request.request_id in self._s.trackers,
+            trace_context=trace_headers(request),
+            attempts=result.attempts,
+            remote_calls=tuple(result.remote_calls),
+            ignored_params=policy.ignored_params if policy is not None else 0,
+        )
+
+    def external_tokens_by_tier(self, request_id: str, num_external_tokens: int) -> dict[str, int]:
+        """How the tokens about to be loaded split across tiers (for vLLM's hit-source metric)."""
+        result = self._s.lookups.get(request_id)
+        if result is None or num_external_tokens <= 0:
+            return {}
+        start = result.vllm_cached_tokens
+        return tokens_by_tier(result.hits, start, start + num_external_tokens)
+
+
+def holder(tiers: list[TierIndex], name: str) -> TierIndex | None:
+    """The first of ``tiers`` that holds the chunk (a plain loop: it runs per chunk of a lookup)."""
+    for tier in tiers:
+        if name in tier:
+            return tier
+    return None
+
+
+def prompt_tokens(request: Any) -> int:
+    n = getattr(request, "num_prompt_tokens", None)
+    if n is None:
+        n = len(getattr(request, "prompt_token_ids", None) or ())
+    return int(n)

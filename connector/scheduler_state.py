@@ -1,0 +1,145 @@
+"""The scheduler half's shared tables, and the few rules every part of it applies to them.
+
+The lookup, the step planner, the worker feedback and the responses each read and change the
+same state: the index of every tier, pins, per-request policies, hashers, lookups and
+trackers, suspect blocks and the tiers' health. It lives here, owned by no one part, so that
+those parts import this module and never each other.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .config import ConfigError, KVLensConfig
+from .disk_sync import DiskWatcher, SharedDiskView
+from .engine.block_events import BlockEvents
+from .engine.facts import EngineFacts
+from .engine.index import PinTable, TierIndex
+from .engine.jobs import CPU, DISK, REMOTE, Eviction
+from .engine.keys import PrefixHasher
+from .engine.namespaces import FirstChunkNamespaces
+from .engine.outcomes import FailureReason, TierState
+from .engine.policy import RecentlyEvicted, RequestPolicy
+from .engine.suspects import SuspectBlocks
+from .engine.tails import TailDirectory
+from .engine.tracker import LookupResult, RequestTracker
+from .remote_lookup import RemoteLookup
+from .tiers.disk import DiskTier
+from .tiers.redis_tier import RedisTier
+
+logger = logging.getLogger("vllm.kvlens")
+
+
+class SchedulerState:
+    def __init__(
+        self, config: KVLensConfig, facts: EngineFacts, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        config.check_block_size(facts.block_size)
+        self.config = config
+        self.facts = facts
+        self.clock = clock
+        self.tiers: dict[str, TierIndex] = {}
+        # Exact only while no other engine's chunks can reach the index (see tails.py).
+        only_cpu = config.local_cpu and not config.local_disk and not config.remote_url
+        self.tails = TailDirectory() if only_cpu else None
+        if config.local_cpu:
+            on_drop = self.tails.discard if self.tails is not None else None
+            self.tiers[CPU] = TierIndex(CPU, config.cpu_budget_bytes, on_drop)
+        self.disk_view: SharedDiskView | None = None
+        if config.local_disk:
+            self.tiers[DISK] = TierIndex(DISK, config.disk_budget_bytes)
+            extra = config.extra_config
+            disk = DiskTier(config.local_disk, facts.kv_layout, extra.disk_shared_grace_s)
+            watcher = DiskWatcher(disk, facts.world_size, extra.disk_scan_interval_s)
+            self.disk_view = SharedDiskView(
+                self.tiers[DISK], watcher, facts.stores, extra.disk_shared_grace_s
+            )
+        self._check_budgets()
+        self.remote: RemoteLookup | None = None
+        if config.remote is not None and facts.loads:
+            extra = config.extra_config
+            timeout = extra.remote_lookup_timeout_ms / 1000
+            client = RedisTier(
+                config.remote, facts.kv_layout, extra.remote_key_prefix, None, timeout, timeout
+            )
+            self.remote = RemoteLookup(client, facts.world_size, clock)
+        self.tier_states: dict[str, TierState] = {name: TierState.HEALTHY for name in config.tier_names()}
+        self.stores_remote = config.remote is not None and facts.stores
+        self.base_namespace = facts.namespace()
+        self.pins = PinTable()
+        self.policies: dict[str, RequestPolicy] = {}
+        self.hashers: dict[str, PrefixHasher] = {}
+        self.lookups: dict[str, LookupResult] = {}
+        self.trackers: dict[str, RequestTracker] = {}
+        self.unfinished: dict[str, Any] = {}  # request id -> vLLM Request
+        self.recently_evicted = RecentlyEvicted()
+        self.suspects = SuspectBlocks()
+        self.first_chunks = FirstChunkNamespaces()
+        self.block_events = BlockEvents(facts.block_size, facts.kv_events and facts.stores)
+        self._pending_evictions: list[Eviction] = []
+
+    def _check_budgets(self) -> None:
+        if not self.facts.stores:
+            return
+        chunk = self.facts.chunk_nbytes(self.config.chunk_size)
+        for name, tier in self.tiers.items():
+            if chunk > tier.capacity_bytes:
+                key = "max_local_cpu_size" if name == CPU else "max_local_disk_size"
+                raise ConfigError(
+                    f"KVLens config key '{key}' holds no chunk: one chunk of {self.config.chunk_size} "
+                    f"tokens is {chunk} bytes"
+                )
+
+    def usable(self, tier: str) -> bool:
+        """The workers did not report the tier skipped (remote: nor did this lookup client)."""
+        if tier == REMOTE and self.remote is not None and not self.remote.usable():
+            return False
+        return self.tier_states.get(tier) is not TierState.SKIPPED
+
+    def usable_tiers(self) -> list[TierIndex]:
+        """The local tiers a lookup may answer from, fastest first."""
+        return [t for t in self.tiers.values() if self.usable(t.name)]
+
+    def evict_later(self, tier: str, names: Iterable[str]) -> None:
+        """Every rank deletes these chunks from ``tier`` at the start of the next plan's writes."""
+        names = list(names)
+        if not names:
+            return
+        if self.facts.stores:  # a consumer never deletes
+            self._pending_evictions.extend(Eviction(tier, n) for n in names)
+        if tier == DISK and self.disk_view is not None:
+            self.disk_view.note_changed(names)
+
+    def take_pending_evictions(self) -> list[Eviction]:
+        taken, self._pending_evictions = self._pending_evictions, []
+        return taken
+
+    def merge_disk_scan(self) -> None:
+        """Fold in what other engines changed in a shared disk directory."""
+        if self.disk_view is not None:
+            victims = self.disk_view.merge()
+            self.recently_evicted.add(victims, DISK)
+            self.evict_later(DISK, victims)
+
+    def forget(self, tier: str, name: str, reason: FailureReason) -> None:
+        """A chunk the tier does not (correctly) hold leaves the index and is deleted everywhere."""
+        index = self.tiers.get(tier)
+        if index is not None and index.remove(name):
+            logger.info("KVLens: dropped chunk %s from the %s tier (%s)", name[:12], tier, reason.value)
+            self.evict_later(tier, [name])
+
+    def reset(self) -> None:
+        """Forget every unpinned chunk (vLLM's reset_prefix_cache with reset_connector)."""
+        for tier in self.tiers.values():
+            names = tier.clear()
+            self.recently_evicted.add(names, tier.name)
+            self.evict_later(tier.name, names)
+
+    def shutdown(self) -> None:
+        if self.disk_view is not None:
+            self.disk_view.stop()
+        if self.remote is not None:
+            self.remote.close()

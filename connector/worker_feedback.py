@@ -1,0 +1,57 @@
+"""Applies the workers' reports to the scheduler's state, so the index keeps agreeing with
+the tiers: a chunk that failed to load (and every later chunk of that prefix in the same
+tier) or failed to store leaves the index and is deleted; blocks whose KV may be wrong become
+suspect; pins of reported loads are released; an eviction a tier declined is indexed again.
+"""
+
+from __future__ import annotations
+
+from .engine.outcomes import FailureReason, LoadOutcome, WorkerReport
+from .insight_feed import InsightFeed
+from .responses import Responses
+from .scheduler_state import SchedulerState
+
+
+class WorkerFeedback:
+    def __init__(self, state: SchedulerState, responses: Responses, insight: InsightFeed) -> None:
+        self._s = state
+        self._responses = responses
+        self._insight = insight
+        self.pending_writes = 0  # queued background writes on the busiest rank, as last reported
+
+    def apply(self, report: WorkerReport) -> dict[str, int]:
+        """Apply one report; returns, per failed load, the tokens vLLM recomputes."""
+        s = self._s
+        for tier, state in report.tier_states.items():
+            s.tier_states[tier] = state
+        recomputed: dict[str, int] = {}
+        for rid, outcome in report.loads.items():
+            s.pins.release(rid)
+            self._forget_failed_load(outcome)
+            s.suspects.add(outcome.failed_block_ids)
+            tracker = s.trackers.get(rid) or self._responses.late_tracker(rid)
+            self._insight.loaded(outcome.tokens_by_tier())
+            if tracker is not None:
+                affected = tracker.record_load(outcome)
+                self._responses.load_reported(rid)
+                if affected:
+                    recomputed[rid] = affected
+        for failure in report.store_failures:
+            s.forget(failure.tier, failure.name, failure.reason)
+        for kept in report.kept:
+            index = s.tiers.get(kept.tier)
+            if index is not None:
+                index.add_known(kept.name, kept.nbytes, most_recent=True)
+        self.pending_writes = report.pending_writes
+        return recomputed
+
+    def _forget_failed_load(self, outcome: LoadOutcome) -> None:
+        """A failed chunk and every later chunk of that prefix in the same tier leave the index."""
+        failed_tiers: set[str] = set()
+        for chunk in outcome.chunks:
+            if chunk.reason is FailureReason.PREFIX_FAILED:
+                if chunk.planned_tier in failed_tiers:
+                    self._s.forget(chunk.planned_tier, chunk.name, chunk.reason)
+            elif chunk.reason is not None and chunk.reason is not FailureReason.TIER_UNHEALTHY:
+                failed_tiers.add(chunk.planned_tier)
+                self._s.forget(chunk.planned_tier, chunk.name, chunk.reason)
