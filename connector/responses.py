@@ -61,6 +61,9 @@ class Responses:
         late = self._late.get(request_id)
         return late[0] if late is not None else None
 
+    def late_trackers(self) -> list[RequestTracker]:
+        return [late[0] for late in self._late.values()]
+
     def load_reported(self, request_id: str) -> None:
         """The load of a request that finished before it is reported: its summary is complete."""
         late = self._late.pop(request_id, None)

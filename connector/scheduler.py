@@ -61,6 +61,7 @@ class ConnectorScheduler:
             ),
         )
         self.whatif, self.info = self.insight.whatif, self.insight.info
+        self._step = 0
         self._draining_since: float | None = None
         self._evictions_seen: dict[str, int] = {}
 
@@ -90,7 +91,12 @@ class ConnectorScheduler:
     # ---- per-step plan ------------------------------------------------------------------
     def build_plan(self, scheduler_output: Any) -> StepPlan:
         self.state.merge_disk_scan()
-        plan = StepPlan(writes=self.state.take_pending_evictions())
+        self._step += 1
+        plan = StepPlan(
+            writes=self.state.take_pending_evictions(),
+            step=self._step,
+            reported_through=self.state.reported_through,
+        )
         self.planner.plan(plan, scheduler_output)
         self.block_events.planned(plan)
         plan.drain = not self.unfinished and self.has_pending_work()

@@ -23,7 +23,7 @@ from .engine.keys import PrefixHasher
 from .engine.namespaces import FirstChunkNamespaces
 from .engine.outcomes import FailureReason, TierState
 from .engine.policy import RecentlyEvicted, RequestPolicy
-from .engine.suspects import SuspectBlocks
+from .engine.suspects import SuspectBlocks, downstream
 from .engine.tails import TailDirectory
 from .engine.tracker import LookupResult, RequestTracker
 from .remote_lookup import RemoteLookup
@@ -80,6 +80,9 @@ class SchedulerState:
         self.first_chunks = FirstChunkNamespaces()
         self.block_events = BlockEvents(facts.block_size, facts.kv_events and facts.stores)
         self._pending_evictions: list[Eviction] = []
+        # Blocks loaded (or failed as unloadable) per step whose report has not arrived yet.
+        self._unreported_loads: dict[int, frozenset[int]] = {}
+        self.reported_through = -1  # the newest step whose report was processed
 
     def _check_budgets(self) -> None:
         if not self.facts.stores:
@@ -116,6 +119,32 @@ class SchedulerState:
     def take_pending_evictions(self) -> list[Eviction]:
         taken, self._pending_evictions = self._pending_evictions, []
         return taken
+
+    def loads_planned(self, step: int, blocks: set[int]) -> None:
+        """Step ``step`` loads into ``blocks``; until its report arrives, stores computed over
+        them depend on those loads."""
+        if blocks:
+            self._unreported_loads[step] = frozenset(blocks)
+
+    def loads_reported(self, step: int) -> None:
+        """Reports arrive in step order: every step up to ``step`` is settled."""
+        self.reported_through = max(self.reported_through, step)
+        for done in [n for n in self._unreported_loads if n <= step]:
+            del self._unreported_loads[done]
+
+    def unreported_loaded_blocks(self) -> set[int]:
+        """Blocks loaded in steps whose report has not arrived (asynchronous scheduling)."""
+        return set().union(*self._unreported_loads.values()) if self._unreported_loads else set()
+
+    def taint(self, bad: set[int], trackers: Iterable[RequestTracker] = ()) -> None:
+        """Blocks that hold wrong KV, and every block computed over them by the running
+        requests (and ``trackers``), are suspect until a step rewrites them."""
+        if not bad:
+            return
+        self.suspects.add(bad)
+        bs = self.facts.block_size
+        for tracker in (*self.trackers.values(), *trackers):
+            self.suspects.add(downstream(tracker.block_ids, bad, -(-tracker.computed // bs)))
 
     def merge_disk_scan(self) -> None:
         """Fold in what other engines changed in a shared disk directory."""

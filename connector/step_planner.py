@@ -69,8 +69,14 @@ class StepPlanner:
             s.suspects.written(loaded.difference(plan.fail_blocks))
             for tracker, _request, start in step:
                 s.suspects.written(rewritten_blocks(tracker.block_ids, start, tracker.computed, self._bs))
+        s.taint(set(plan.fail_blocks))  # vLLM recomputes them; until then they are wrong
+        if s.suspects:  # what a request computes in this step over a block still wrong is wrong
+            for tracker, _request, _start in step:
+                s.suspects.spread(tracker.block_ids, cdiv(tracker.computed, self._bs))
+        s.loads_planned(plan.step, loaded)
+        depends_on = loaded | s.unreported_loaded_blocks()
         for tracker, request, _start in step:
-            self._plan_stores(plan, tracker, request, loaded)
+            self._plan_stores(plan, tracker, request, depends_on)
         plan.writes = [w for w in plan.writes if w is not None]  # stores cancelled by later admissions
 
     # ---- trackers and loads ---------------------------------------------------------------
@@ -160,6 +166,8 @@ class StepPlanner:
 
     # ---- stores -------------------------------------------------------------------------
     def _plan_stores(self, plan: StepPlan, tracker: RequestTracker, request: Any, loaded: set[int]) -> None:
+        """``loaded``: blocks whose loads are not known to have succeeded (this step's, and
+        those of steps not reported yet)."""
         candidates = tracker.store_candidates(request.all_token_ids, self.policy)
         if not candidates:
             return

@@ -95,6 +95,9 @@ class ConnectorWorker:
         self.copier: BlockCopier | None = None
         self._failed_blocks: set[int] = set()  # to hand to vLLM this step
         self._step_failed: set[int] = set()  # blocks that failed to load in the current step
+        # Failed blocks of recent steps, kept until the scheduler has their report: a store
+        # planned before it did may depend on them (asynchronous scheduling).
+        self._failed_by_step: dict[int, set[int]] = {}
         self._report = WorkerReport()
         self._suffix = storage_name("", rank)
         self._copy_thread: CopyThread | None = None  # with use_layerwise, on CPU: copies beside the forward
@@ -126,6 +129,11 @@ class ConnectorWorker:
         """
         self._step_failed = set(plan.fail_blocks)
         self._failed_blocks.update(plan.fail_blocks)
+        for settled in [n for n in self._failed_by_step if n <= plan.reported_through]:
+            del self._failed_by_step[settled]
+        if plan.awaits_report:  # only steps with loads can fail one; their report always comes
+            self._failed_by_step[plan.step] = self._step_failed
+            self._report.step = plan.step
         self._loading = [self._read_job(job) for job in plan.loads]
         for job, outcome, _ in self._loading:
             self._report.loads[job.request_id] = outcome
@@ -351,7 +359,7 @@ class ConnectorWorker:
             logger.debug("KVLens: evicting %s from %s failed: %s", op.name[:12], op.tier, e)
 
     def _store(self, job: StoreJob, gathered: BlockGather | None) -> list[StoreFailure]:
-        if job.after_loads and not self._step_failed.isdisjoint(job.after_loads):
+        if job.after_loads and any(not f.isdisjoint(job.after_loads) for f in self._failed_by_step.values()):
             return self._fail(job, job.tiers, FailureReason.DEPENDENCY_FAILED, "computed over a failed load")
         usable = [t for t in job.tiers if t in self.tiers and self.health[t].usable()]
         failures = self._fail(job, [t for t in job.tiers if t not in usable], FailureReason.TIER_UNHEALTHY)

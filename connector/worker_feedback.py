@@ -25,10 +25,15 @@ class WorkerFeedback:
         for tier, state in report.tier_states.items():
             s.tier_states[tier] = state
         recomputed: dict[str, int] = {}
+        failed: set[int] = set()
+        for outcome in report.loads.values():
+            failed.update(outcome.failed_block_ids)
+        s.taint(failed, self._responses.late_trackers())
+        if report.step is not None:
+            s.loads_reported(report.step)
         for rid, outcome in report.loads.items():
             s.pins.release(rid)
             self._forget_failed_load(outcome)
-            s.suspects.add(outcome.failed_block_ids)
             tracker = s.trackers.get(rid) or self._responses.late_tracker(rid)
             self._insight.loaded(outcome.tokens_by_tier())
             if tracker is not None:

@@ -35,8 +35,10 @@ class StoreJob:
     block_ids: tuple[int, ...]  # every block of the chunk, in order
     tiers: tuple[str, ...]
     num_tokens: int
-    # Blocks loaded in this same step that this chunk's KV was computed over: if any of them
-    # fails to load, the chunk's KV is wrong and the store is withdrawn.
+    # Blocks this chunk's KV was computed over that were loaded in this step or in an earlier
+    # one whose report the scheduler had not processed when it planned this store (vLLM's
+    # asynchronous scheduling plans a step before the last one's output arrives): if any of
+    # them failed to load, the chunk's KV is wrong and the store is withdrawn.
     after_loads: tuple[int, ...] = ()
     trace_context: Mapping[str, str] | None = None
 
@@ -61,6 +63,15 @@ class StepPlan:
     writes: list[StoreJob | Eviction] = field(default_factory=list)
     fail_blocks: list[int] = field(default_factory=list)
     drain: bool = False  # no request is running: let background writes finish and report
+    step: int = 0  # the scheduler's step number (plans are numbered in the order built)
+    # The newest step whose report the scheduler had processed when it built this plan: no
+    # later store depends on loads of that step or before (workers forget their failures).
+    reported_through: int = -1
+
+    @property
+    def awaits_report(self) -> bool:
+        """The scheduler needs this step's report to know what its loads left behind."""
+        return bool(self.loads or self.fail_blocks)
 
     @property
     def stores(self) -> list[StoreJob]:

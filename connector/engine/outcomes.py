@@ -185,9 +185,17 @@ class WorkerReport:
     kept: list[KeptChunk] = field(default_factory=list)
     tier_states: dict[str, TierState] = field(default_factory=dict)  # changes (worst rank wins)
     pending_writes: int = 0  # queued background writes on the busiest rank
+    step: int | None = None  # the step whose loads this report settles (None: it had none)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.store_failures or self.kept or self.tier_states or self.pending_writes)
+        return not (
+            self.loads
+            or self.store_failures
+            or self.kept
+            or self.tier_states
+            or self.pending_writes
+            or self.step is not None
+        )
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         for rid, outcome in other.loads.items():
@@ -202,6 +210,8 @@ class WorkerReport:
             if mine is None or state.level < mine.level:
                 self.tier_states[tier] = state
         self.pending_writes = max(self.pending_writes, other.pending_writes)
+        if other.step is not None:
+            self.step = other.step if self.step is None else min(self.step, other.step)
         return self
 
 

@@ -65,8 +65,24 @@ def rss_megabytes() -> float:
     return 0.0
 
 
+def force_async_scheduling() -> None:
+    """vLLM's CPU platform turns asynchronous scheduling off; keep it on, as on a GPU, so the
+    scheduler plans step N+1 before step N's output (and KVLens's report in it) arrives."""
+    from vllm.platforms import cpu
+
+    check = cpu.CpuPlatform.check_and_update_config.__func__
+
+    def keep_async(cls, vllm_config):
+        check(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(keep_async)
+
+
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
+    if spec.get("async_scheduling"):
+        force_async_scheduling()
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -90,6 +106,8 @@ def main() -> None:
         )
     llm = LLM(**kwargs)
     core = llm.llm_engine.engine_core.engine_core
+    if spec.get("async_scheduling"):
+        assert core.batch_queue is not None, "asynchronous scheduling did not take effect"
     connector = core.scheduler.connector
     failed_blocks: list[int] = []
     failed_by_round: list[list[int]] = []

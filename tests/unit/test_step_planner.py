@@ -50,20 +50,28 @@ def test_a_failed_load_makes_its_blocks_suspect_until_a_step_rewrites_them():
     b = request("b", PROMPT)
     _, plan = admit_fully(s, b, blocks(10, 5))
     s.on_worker_report(WorkerReport(loads={"b": loaded(plan.loads[0], fail_at=0)}))
-    assert s.sizes()["suspect_blocks"] == 4
+    # the 4 failed blocks and b's tail block, computed over them in the same step
+    assert s.sizes()["suspect_blocks"] == 5
     # Another request got a prefix-cache hit in vLLM on b's (garbage) blocks before b recomputed.
     c = request("c", PROMPT[:512] + list(range(9000, 9400)))
     s.lookup(c, 512)
     s.after_alloc(c, 0)
     plan = s.build_plan(step(new=[(c, blocks(10, 4) + blocks(40, 4), 512)], num_scheduled={"c": 400}))
     assert not plan.stores  # its KV was computed over suspect blocks
-    # b recomputes its blocks: they are sound again, and c's chunks are stored on its next step.
+    assert s.sizes()["suspect_blocks"] == 9  # and so are the blocks it computed
+    # b recomputes its blocks: they are sound again; c's own blocks stay wrong.
     plan = s.build_plan(step(cached=[("b", None, 0, False)], num_scheduled={"b": 600}))
-    assert s.sizes()["suspect_blocks"] == 0
+    assert s.sizes()["suspect_blocks"] == 4
     c.all_token_ids += [5]
     c.num_tokens += 1
     plan = s.build_plan(step(cached=[("c", None, 912, False)], num_scheduled={"c": 1}))
-    assert [j.block_ids for j in plan.stores][:1] == [(40, 41)]
+    assert not plan.stores
+    # A request that reads b's rewritten blocks stores what it computes over them.
+    d = request("d", PROMPT[:512] + list(range(7000, 7400)))
+    s.lookup(d, 512)
+    s.after_alloc(d, 0)
+    plan = s.build_plan(step(new=[(d, blocks(10, 4) + blocks(50, 4), 512)], num_scheduled={"d": 400}))
+    assert [j.block_ids for j in plan.stores][:1] == [(50, 51)]
 
 
 def test_a_withdrawn_store_leaves_the_index_and_is_stored_again_after_the_rollback():

@@ -1,0 +1,63 @@
+"""Failed loads under vLLM's asynchronous scheduling, on a real engine.
+
+On a GPU, vLLM runs with asynchronous scheduling (its default with a KV connector): the
+scheduler plans step N+1 before the output of step N, and KVLens's worker report in it, has
+been processed. vLLM's CPU platform turns it off, so these runs force it back on. The prompt
+is long and the step budget small, so the step after the one whose load fails computes (and
+would store) more of the prompt over the failed blocks before anyone knows they failed.
+"""
+
+import pytest
+
+from . import workloads as w
+from .conftest import disk_kv, lmcache_tokens, outputs, run_engine
+
+pytestmark = pytest.mark.integration
+
+EVERYTHING = 10**6
+LONG_A = w.A + w.tokens(20, 1300)  # 2,000 tokens: the first 640 are stored by round 0
+ENGINE = {"async_scheduling": True, "max_num_batched_tokens": 256, "max_num_seqs": 4}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory):
+    disk = str(tmp_path_factory.mktemp("kv-async"))
+    rounds = [
+        {"prompts": [w.A]},
+        # Every stored chunk turns corrupt: the load of LONG_A's first 640 tokens fails while
+        # the next steps go on computing the rest of the prompt over the unfilled blocks.
+        {"prompts": [LONG_A], "damage": {"dir": disk, "corrupt": EVERYTHING}},
+        {"prompts": [LONG_A]},  # served from what round 1 stored
+        {"prompts": [LONG_A]},
+    ]
+    common = {"model": tiny_model, "async_scheduling": True, "engine": ENGINE}
+    kvlens = run_engine({**common, "kv": disk_kv(disk), "rounds": rounds}, tmp_path_factory.mktemp("a"))
+    alone = run_engine(
+        {**common, "kv": None, "rounds": [{"prompts": [w.A]}, {"prompts": [LONG_A]}]},
+        tmp_path_factory.mktemp("b"),
+    )
+    return kvlens, alone
+
+
+def test_the_failed_load_is_reported_and_recomputed(runs):
+    kvlens, _ = runs
+    by_round = kvlens["state"]["failed_blocks_by_round"]
+    assert by_round[1], "the corrupt chunks must be reported as failed blocks"
+    assert by_round[0] == [] and by_round[2] == [] and by_round[3] == []
+
+
+def test_what_was_stored_around_the_failed_load_serves_vllms_own_output(runs):
+    kvlens, alone = runs
+    want_a, want_long = outputs(alone["rounds"][0]), outputs(alone["rounds"][1])
+    assert outputs(kvlens["rounds"][0]) == want_a
+    for rnd in kvlens["rounds"][1:]:  # round 1 recomputed the failed blocks
+        assert outputs(rnd) == want_long
+    # Rounds 2 and 3 load nearly the whole prompt from KVLens: seven whole chunks and the
+    # tail cut to whole blocks, so a chunk stored over the failed blocks would have been used.
+    assert lmcache_tokens(kvlens["rounds"][2]) == [1920]
+
+
+def test_nothing_is_left_pinned_or_tracked(runs):
+    state = runs[0]["state"]
+    assert state["pinned_chunks"] == 0 and state["pinned_requests"] == 0
+    assert state["request_trackers"] == 0 and state["unfinished_requests"] == 0
