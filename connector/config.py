@@ -101,6 +101,10 @@ class ExtraConfig(BaseModel):
     remote_ttl_s: int | None = Field(None, gt=0)
     remote_timeout_s: float = Field(2.0, gt=0)
     remote_lookup_timeout_ms: float = Field(50.0, gt=0)
+    # The operator's name for the model's weights (e.g. "llama-3.1-8b-instruct@0e9e39f"), used in
+    # keys instead of a fingerprint of the checkpoint's content: instances that set the same
+    # name share KV, whatever their files. Quantization and dtypes still count.
+    model_identity: str | None = Field(None, min_length=1, max_length=256)
 
 
 class KVLensConfig(BaseModel):

@@ -19,7 +19,17 @@ from .engine.facts import EngineFacts
 from .engine.jobs import DISK, REMOTE
 from .engine.keys import key_fingerprint
 
-LABELS = ("version", "chunk_size", "key_fingerprint", "tiers", "role", "storage")
+LABELS = (
+    "version",
+    "chunk_size",
+    "key_fingerprint",
+    "tiers",
+    "role",
+    "storage",
+    "model_identity",
+    "quantization",
+    "kv_cache_dtype",
+)
 
 
 def _version() -> str:
@@ -42,6 +52,7 @@ def storage_identity(config: KVLensConfig) -> str:
 
 def instance_info(config: KVLensConfig, facts: EngineFacts) -> str:
     """The wire key of the info gauge (``info|version|chunk_size|...``, value 1)."""
+    identity = facts.identity
     values = (
         _version(),
         str(config.chunk_size),
@@ -49,5 +60,8 @@ def instance_info(config: KVLensConfig, facts: EngineFacts) -> str:
         "+".join(config.tier_names()),
         facts.kv_role,
         storage_identity(config),
+        identity.weights if identity is not None else "",
+        identity.quantization if identity is not None else "",
+        identity.kv_cache_dtype if identity is not None else "",
     )
     return "|".join(["info", *(v.replace("|", "/") for v in values)])

@@ -22,7 +22,7 @@ from .config import load_config
 from .engine.jobs import CPU, DISK, REMOTE, StepPlan
 from .metadata import KVLensMetadata, KVLensWorkerMetadata
 from .scheduler import ConnectorScheduler
-from .vllm_compat import engine_facts, kv_cache_events, worker_rank
+from .vllm_compat import engine_facts, kv_cache_events, model_identity, worker_rank
 from .worker import ConnectorWorker
 
 if TYPE_CHECKING:
@@ -51,7 +51,10 @@ class KVLensConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         config = load_config(self._kv_transfer_config.kv_connector_extra_config or {})
-        facts = engine_facts(vllm_config, kv_cache_config)
+        identity = None
+        if role == KVConnectorRole.SCHEDULER:  # only the scheduler keys chunks
+            identity = model_identity(vllm_config, config.extra_config.model_identity)
+        facts = engine_facts(vllm_config, kv_cache_config, identity)
         self._num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from .checkpoint_identity import AdapterFingerprints
 from .engine.index import TierIndex
 from .engine.jobs import DISK, REMOTE
 from .engine.keys import ChunkKey, PrefixHasher, block_aligned_keys, block_prefixes
@@ -29,6 +30,7 @@ class PrefixLookup:
         self._s = state
         self._chunk_size = state.config.chunk_size
         self._block_size = state.facts.block_size
+        self._adapters = AdapterFingerprints()
 
     def policy(self, request: Any) -> RequestPolicy:
         """The request's policy (namespace, save rules), decided on its first lookup."""
@@ -36,12 +38,11 @@ class PrefixLookup:
         rid = request.request_id
         policy = s.policies.get(rid)
         if policy is None:
-            lora = getattr(request, "lora_request", None)
             policy = decide_policy(
                 s.base_namespace,
                 rid,
                 getattr(request, "kv_transfer_params", None),
-                getattr(lora, "lora_name", None) if lora is not None else None,
+                self._adapter(getattr(request, "lora_request", None)),
                 getattr(request, "cache_salt", None),
                 getattr(request, "priority", 0) or 0,
                 bool(getattr(request, "mm_features", None))
@@ -55,6 +56,15 @@ class PrefixLookup:
             if policy.namespace is not None:
                 s.hashers[rid] = PrefixHasher(policy.namespace, self._chunk_size)
         return policy
+
+    def _adapter(self, lora: Any) -> str | None:
+        """A LoRA request's identity: its adapter's content (a name can be re-pointed)."""
+        if lora is None:
+            return None
+        path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
+        if not path:
+            return f"lora-name:{lora.lora_name}"
+        return self._adapters.identity(str(path))
 
     def lookup(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens KVLens will load beyond vLLM's hit (side-effect free but for pins)."""

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import time
 from typing import Any
 
+from . import checkpoint_identity
 from .config import ConfigError
-from .engine.facts import EngineFacts
+from .engine.facts import EngineFacts, ModelIdentity
+
+logger = logging.getLogger("vllm.kvlens")
 
 
 def _attention_packing(vllm_config: Any, spec: Any) -> str:
@@ -42,45 +47,74 @@ def _check_full_attention(spec: Any) -> None:
         )
 
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".h5", ".msgpack")
+def model_identity(vllm_config: Any, named: str | None = None) -> ModelIdentity:
+    """What about the model changes its KV's values, from content and settings, not places.
 
-
-def weights_fingerprint(model_dir: str | None, config_text: str, extra: str = "") -> str:
-    """A short hash of what identifies the weights: each weight file's name, size and
-    modification time (no file is read), the model config and any overrides.
-
-    The model path alone is not enough: a persistent disk tier would serve KV of the old
-    weights after the checkpoint at that path is replaced.
+    ``named``: the operator's name for the weights (``extra_config.model_identity``), used
+    instead of reading the checkpoint.
     """
-    h = hashlib.blake2b(digest_size=8, person=b"kvlens-weights")
-    h.update(config_text.encode())
-    h.update(extra.encode())
-    if model_dir and os.path.isdir(model_dir):
-        for root, dirs, files in os.walk(model_dir):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            for name in sorted(files):
-                if name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json"):
-                    path = os.path.join(root, name)
-                    st = os.stat(path)
-                    h.update(f"{os.path.relpath(path, model_dir)}:{st.st_size}:{st.st_mtime_ns};".encode())
-    return h.hexdigest()
+    model_config = vllm_config.model_config
+    cache_config = getattr(vllm_config, "cache_config", None)
+    return ModelIdentity(
+        weights=f"named:{named}" if named else _weights_identity(model_config),
+        config=_config_digest(getattr(model_config, "hf_config", None)),
+        dtype=str(getattr(model_config, "dtype", "")).removeprefix("torch."),
+        quantization=str(getattr(model_config, "quantization", None) or "none"),
+        kv_cache_dtype=str(getattr(cache_config, "cache_dtype", None) or "auto"),
+    )
 
 
-def _model_identity(model_config: Any) -> str:
+def _weights_identity(model_config: Any) -> str:
     model = str(model_config.model)
-    directory = (
-        model if os.path.isdir(model) else _cached_snapshot(model, getattr(model_config, "revision", None))
+    where = (
+        model if os.path.exists(model) else _cached_snapshot(model, getattr(model_config, "revision", None))
     )
-    hf_config = getattr(model_config, "hf_config", None)
+    started = time.perf_counter()
     try:
-        config_text = hf_config.to_json_string() if hf_config is not None else ""
-    except Exception:  # a config that cannot serialise itself still has a repr
-        config_text = repr(hf_config)
-    overrides = getattr(model_config, "hf_overrides", None)
-    extra = json.dumps(
-        {"revision": getattr(model_config, "revision", None), "overrides": repr(overrides)}, sort_keys=True
+        found = checkpoint_identity.fingerprint(where) if where else None
+    except OSError as e:
+        logger.warning("KVLens: cannot read the checkpoint at %s (%s)", where, e)
+        found = None
+    if found is None:
+        logger.warning(
+            "KVLens: no weight files found for %s: its KV is keyed by the model's name, so instances "
+            "share only when they name it alike; set extra_config.model_identity to name the weights",
+            model,
+        )
+        return f"path:{model}"
+    logger.info(
+        "KVLens model identity ckpt:%s from %d files (%.1f GB): read %.1f KB in %.0f ms",
+        found.digest,
+        found.files,
+        found.total_bytes / 1e9,
+        found.read_bytes / 1e3,
+        (time.perf_counter() - started) * 1000,
     )
-    return f"{model}@{weights_fingerprint(directory, config_text, extra)}"
+    return f"ckpt:{found.digest}"
+
+
+# Configuration entries that say where or by which library version a model was loaded, not
+# what it computes.
+_CONFIG_NOT_IDENTITY = ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash")
+
+
+def _config_digest(hf_config: Any) -> str:
+    if hf_config is None:
+        return "none"
+    try:
+        data = hf_config.to_dict()
+    except Exception:  # noqa: BLE001 - a config that cannot serialise itself still has a repr
+        return hashlib.blake2b(repr(hf_config).encode(), digest_size=6).hexdigest()
+    text = json.dumps(_without_places(data), sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
+
+
+def _without_places(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_places(v) for k, v in value.items() if k not in _CONFIG_NOT_IDENTITY}
+    if isinstance(value, list):
+        return [_without_places(v) for v in value]
+    return value
 
 
 def _cached_snapshot(repo_id: str, revision: str | None) -> str | None:
@@ -93,7 +127,11 @@ def _cached_snapshot(repo_id: str, revision: str | None) -> str | None:
         return None
 
 
-def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
+def engine_facts(
+    vllm_config: Any, kv_cache_config: Any, identity: ModelIdentity | None = None
+) -> EngineFacts:
+    """What KVLens needs to know about the engine. ``identity``: the model's (the scheduler
+    half computes it; the workers do not key anything and pass None)."""
     if kv_cache_config is None:
         raise ConfigError("KVLens needs vLLM's kv_cache_config (vLLM >= 0.11)")
     groups = kv_cache_config.kv_cache_groups
@@ -110,7 +148,7 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
         f":L{len(groups[0].layer_names)}:{layout}:{kernel}"
     )
     return EngineFacts(
-        model=_model_identity(vllm_config.model_config),
+        model=identity.key() if identity is not None else "",
         dtype=str(spec.dtype),
         block_size=spec.block_size,
         num_layers=len(groups[0].layer_names),
@@ -122,6 +160,7 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
         kv_events=bool(
             getattr(getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events", False)
         ),
+        identity=identity,
     )
 
 

@@ -10,7 +10,17 @@ from __future__ import annotations
 from telemetry.metrics import COUNTER, HISTOGRAM, METRICS
 
 # The labels of vllm:kvlens_info: what an instance is and where its shared tiers live.
-INFO_LABELS = ("version", "chunk_size", "key_fingerprint", "tiers", "role", "storage")
+INFO_LABELS = (
+    "version",
+    "chunk_size",
+    "key_fingerprint",
+    "tiers",
+    "role",
+    "storage",
+    "model_identity",
+    "quantization",
+    "kv_cache_dtype",
+)
 
 # Labels a dashboard groups by; every other label (job, ...) is summed away.
 LABELS = (

@@ -96,6 +96,9 @@ INFO_COLUMNS = {
     "tiers": "tiers",
     "role": "role",
     "storage": "storage",
+    "model_identity": "model identity",
+    "quantization": "quantization",
+    "kv_cache_dtype": "KV cache dtype",
 }
 
 

@@ -13,7 +13,9 @@ _AT_CONFIGURED_SIZE = (
     "'tier', '$1 (configured size)', 'tier', '(.*)')"
 )
 _INFO = "vllm:kvlens_info"
-_IDENTITY = "version, chunk_size, key_fingerprint, tiers, role, storage"
+_IDENTITY = (
+    "version, chunk_size, key_fingerprint, tiers, role, storage, model_identity, quantization, kv_cache_dtype"
+)
 
 
 def _sharing(kind: str) -> str:
@@ -91,6 +93,8 @@ INSIGHT_PANELS: tuple[Panel, ...] = (
                     "renameByName": {
                         "chunk_size": "chunk size",
                         "key_fingerprint": "key fingerprint",
+                        "model_identity": "model identity",
+                        "kv_cache_dtype": "KV cache dtype",
                         "Value #B": _SHARE_COLUMN,
                     },
                 },

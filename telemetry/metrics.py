@@ -168,7 +168,17 @@ _DEFINITIONS = (
         "info",
         GAUGE,
         "1, labelled with what decides whether instances can share KV (key fingerprint, chunk size, store).",
-        ("version", "chunk_size", "key_fingerprint", "tiers", "role", "storage"),
+        (
+            "version",
+            "chunk_size",
+            "key_fingerprint",
+            "tiers",
+            "role",
+            "storage",
+            "model_identity",
+            "quantization",
+            "kv_cache_dtype",
+        ),
     ),
     Metric(
         "whatif_hit_ratio",

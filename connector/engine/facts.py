@@ -8,8 +8,22 @@ from .keys import Namespace
 
 
 @dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    """Everything about the model that changes the values of its KV (never where it lives)."""
+
+    weights: str  # "ckpt:<content digest>", "named:<operator's name>" or, failing both, "path:<model>"
+    config: str  # digest of the model's configuration (as vLLM uses it: overrides applied), paths removed
+    dtype: str  # the dtype the model computes in
+    quantization: str  # vLLM's quantization method, "none" without
+    kv_cache_dtype: str  # vLLM's --kv-cache-dtype ("auto": the model's dtype)
+
+    def key(self) -> str:
+        return "|".join((self.weights, self.config, self.dtype, self.quantization, self.kv_cache_dtype))
+
+
+@dataclass(frozen=True, slots=True)
 class EngineFacts:
-    model: str  # the served model (path or name) that produced the weights
+    model: str  # the model's identity as it enters every key (ModelIdentity.key())
     dtype: str  # KV cache dtype
     block_size: int  # tokens per vLLM block
     num_layers: int  # attention layers holding KV
@@ -19,6 +33,7 @@ class EngineFacts:
     kv_role: str  # kv_producer / kv_consumer / kv_both
     engine_id: str = "0"
     kv_events: bool = False  # vLLM publishes KV cache events (--kv-events-config)
+    identity: ModelIdentity | None = None  # the parts of ``model``, for the info gauge
 
     def namespace(self) -> Namespace:
         return Namespace(self.model, self.dtype, self.kv_layout, self.world_size)

@@ -22,7 +22,17 @@ from telemetry.metrics import (
 
 ALLOWED_LABELS = {"tier", "operation", "reason", "kind", "budget_factor"}
 # The info metric's labels are fixed for the life of the engine: one series per instance.
-INFO_LABELS = {"version", "chunk_size", "key_fingerprint", "tiers", "role", "storage"}
+INFO_LABELS = {
+    "version",
+    "chunk_size",
+    "key_fingerprint",
+    "tiers",
+    "role",
+    "storage",
+    "model_identity",
+    "quantization",
+    "kv_cache_dtype",
+}
 
 
 def recorder(tiers=("cpu",)) -> tuple[PromRecorder, CollectorRegistry]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from connector.config import load_config
-from connector.engine.facts import EngineFacts
+from connector.engine.facts import EngineFacts, ModelIdentity
 from connector.scheduler import ConnectorScheduler
 
 BLOCK = 128
@@ -17,8 +17,13 @@ def gb(nbytes: int) -> float:
     return nbytes / 1024**3
 
 
+IDENTITY = ModelIdentity("ckpt:0123456789abcdef", "c0ffee", "bfloat16", "none", "auto")
+
+
 def facts(role: str = "kv_both") -> EngineFacts:
-    return EngineFacts("tiny", "bfloat16", BLOCK, LAYERS, BLOCK_BYTES, "test-layout", 1, role)
+    return EngineFacts(
+        IDENTITY.key(), "bfloat16", BLOCK, LAYERS, BLOCK_BYTES, "test-layout", 1, role, identity=IDENTITY
+    )
 
 
 def scheduler(role: str = "kv_both", **extra) -> ConnectorScheduler:

@@ -150,9 +150,10 @@ def test_lookups_and_stores_feed_the_whatif_curve_and_its_gauges():
 def test_the_info_gauge_names_what_decides_sharing(tmp_path):
     s = scheduler(local_disk=str(tmp_path), max_local_disk_size=1)
     (info,) = [k for k in s.insight_gauges() if k.startswith("info|")]
-    _, version, chunk, fingerprint, tiers, role, storage = info.split("|")
+    _, version, chunk, fingerprint, tiers, role, storage, model, quantization, kv_dtype = info.split("|")
     assert chunk == "256" and len(fingerprint) == 12 and tiers == "cpu+disk" and role == "kv_both"
     assert storage.startswith("disk:") and str(tmp_path) not in storage
+    assert (model, quantization, kv_dtype) == ("ckpt:0123456789abcdef", "none", "auto")
     other = scheduler(local_disk=str(tmp_path), max_local_disk_size=1)
     assert [k for k in other.insight_gauges() if k.startswith("info|")] == [info]
 

@@ -1,0 +1,71 @@
+"""Two hosts share KV through one Redis as users deploy them: each `vllm serve` loads its own copy
+of the same checkpoint, at another path with other file times (a hub snapshot on one host, a
+copy on the other). A fine-tune with the same names, shapes and sizes never gets a hit."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..telemetry.serve import prompt_tokens
+from .test_serve_remote import loaded, remote_only, serve, text, writes_landed
+
+pytestmark = pytest.mark.integration
+
+
+def copy_checkpoint(source: str, dest: str, mtime_s: int) -> str:
+    shutil.copytree(source, dest)
+    for name in os.listdir(dest):
+        os.utime(os.path.join(dest, name), (mtime_s, mtime_s))
+    return dest
+
+
+def fine_tune(source: str, dest: str) -> str:
+    """The same files, tensor names, dtypes and shapes; every weight nudged."""
+    shutil.copytree(source, dest)
+    path = os.path.join(dest, "model.safetensors")
+    torch.manual_seed(7)
+    tuned = {n: (t.float() + 0.02 * torch.randn(t.shape)).to(t.dtype) for n, t in load_file(path).items()}
+    save_file(tuned, path)
+    return dest
+
+
+def test_copies_of_a_checkpoint_on_two_hosts_share_through_redis_and_a_fine_tune_does_not(
+    redis_server, tiny_model, tmp_path
+):
+    host_a = copy_checkpoint(
+        tiny_model, str(tmp_path / "host-a" / "models--tiny" / "snapshots" / "1f2e"), 10**9
+    )
+    host_b = copy_checkpoint(tiny_model, str(tmp_path / "host-b" / "opt" / "tiny-copy"), 2 * 10**9)
+    tuned = fine_tune(tiny_model, str(tmp_path / "host-c" / "tiny-tuned"))
+    kv = remote_only(redis_server.url, remote_key_prefix="two-hosts")
+    prompt = prompt_tokens(700, 31)
+
+    first = serve(host_a, tmp_path, "host-a", kv)
+    try:
+        cold = first.complete(prompt, max_tokens=8)
+        assert loaded(cold) == {}
+        writes_landed(first)
+    finally:
+        first.stop()
+
+    second = serve(host_b, tmp_path, "host-b", kv)
+    try:
+        hit = second.complete(prompt, max_tokens=8)
+        assert loaded(hit) == {"remote": 640}
+        assert text(hit) == text(cold)  # what vLLM computed for the whole prompt on the first host
+    finally:
+        second.stop()
+
+    third = serve(tuned, tmp_path, "host-c", kv)
+    try:
+        other = third.complete(prompt, max_tokens=8)
+        assert loaded(other) == {}
+        assert other["kv_transfer_params"]["kvlens"]["miss_reason"] == "not_stored"
+        assert text(other) != text(cold)  # it is another model
+    finally:
+        third.stop()
