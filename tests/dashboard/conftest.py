@@ -16,18 +16,23 @@ DATA = Path(__file__).resolve().parent / "data"
 
 
 class TextServer:
-    """Serves ``self.text`` at every path on 127.0.0.1 (status ``self.status``)."""
+    """Serves ``self.text`` at every path on 127.0.0.1 (status ``self.status`` with reason
+    phrase ``self.reason``, extra ``self.headers``)."""
 
     def __init__(self, text: str = "") -> None:
         self.text, self.status = text, 200
+        self.headers: dict[str, str] = {}
+        self.reason: str | None = None
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
                 body = outer.text.encode()
-                self.send_response(outer.status)
+                self.send_response(outer.status, outer.reason)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(body)))
+                for name, value in outer.headers.items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(body)
 
@@ -65,6 +70,40 @@ def write_events(path: Path, *events: tuple[str, str, int, str]) -> None:
     for request_id, tier, blocks, reason in events:
         ids = list(range(blocks))
         log.append(load_failed_event(request_id, [tier], ids, blocks * 128, reason, True, "0", "tiny"))
+
+
+class RawServer:
+    """A TCP listener on 127.0.0.1 that answers every connection with ``reply`` (not HTTP) and
+    counts the connections it accepted."""
+
+    def __init__(self, reply: bytes = b"") -> None:
+        import socket
+
+        self.reply, self.accepted = reply, 0
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            with conn:
+                conn.sendall(self.reply)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+@pytest.fixture
+def raw_server():
+    server = RawServer()
+    yield server
+    server.close()
 
 
 @pytest.fixture
