@@ -131,8 +131,8 @@ def overview(frame: pd.DataFrame, fleet: pd.DataFrame, window: float) -> None:
         "Prefill time saved (estimated)",
         text.seconds(s.seconds_saved),
         help="The connector's estimate (vllm:kvlens_prefill_seconds_saved_total) when it exports one; "
-        "else tokens KVLens loaded times vLLM's prefill seconds per computed prompt token "
-        "(vllm:request_prefill_time_seconds_sum / vllm:prompt_tokens_by_source_total{source=local_compute}). "
+        "else tokens KVLens loaded times the engine's measured prefill seconds per token "
+        "(vllm:kvlens_prefill_seconds_per_token). Unknown until the engine has measured a prefill. "
         "An estimate: per-token prefill cost grows with context length.",
     )
     d.metric("Requests with failed loads", text.number(s.failed_loads), help="Since the servers started.")
@@ -206,7 +206,12 @@ def latency_and_throughput(frame: pd.DataFrame, window: float) -> None:
     st.subheader("Background write queue")
     queue = views.gauge(frame, views.kvlens("pending_writes"), ("instance",))
     chart(queue, charts.COUNT, "No background writer reported.")
-    st.caption("Disk writes and deletes queued (at most 64); sampled while the engine steps.")
+    st.caption(
+        "Chunk writes and deletes queued for the disk and remote tiers' background writers. Each "
+        "tier holds at most extra_config.max_pending_write_bytes of queued writes (default 512 MiB); "
+        "a store that does not fit is dropped and counted as failed (queue_full). Sampled while "
+        "the engine steps."
+    )
 
 
 def tiers_and_leaks(frame: pd.DataFrame, fleet: pd.DataFrame, window: float, idle_for_s: float) -> None:

@@ -1,6 +1,6 @@
 """Fixtures for the dashboard tests: a local HTTP server that serves canned /metrics text
 (captured from a real vllm serve with KVLens) and failed-load event logs written by KVLens's
-own writer."""
+own writer, and the app under Streamlit's AppTest."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ import threading
 from pathlib import Path
 
 import pytest
+import streamlit as st
+from streamlit.testing.v1 import AppTest
 
 from telemetry.events import EventLog, load_failed_event
 
 DATA = Path(__file__).resolve().parent / "data"
+APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
 
 
 class TextServer:
@@ -137,3 +140,21 @@ def write_requests(path: Path, *requests: tuple[str, str | None, float], max_byt
                 now=ts,
             )
         )
+
+
+@pytest.fixture
+def app(monkeypatch, tmp_path):
+    """A fresh AppTest with the dashboard's environment cleared (set it, then ``.run()``)."""
+    for var in (
+        "KVLENS_DASHBOARD_METRICS",
+        "KVLENS_DASHBOARD_PROMETHEUS",
+        "KVLENS_DASHBOARD_EVENTS",
+        "KVLENS_EVENT_LOG",
+        "KVLENS_DASHBOARD_REQUESTS",
+        "KVLENS_REQUEST_LOG",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KVLENS_DASHBOARD_EVENTS", str(tmp_path / "events.jsonl"))
+    st.cache_resource.clear()
+    yield AppTest.from_file(APP, default_timeout=60)
+    st.cache_resource.clear()
