@@ -23,9 +23,8 @@ import pandas as pd
 from prometheus_client.parser import text_string_to_metric_families
 
 from .catalog import APP_SAMPLE_NAMES, LABELS
-from .urls import OPENER, NotHttpURL, http_url, metrics_url
-
-__all__ = ["metrics_url"]  # re-exported: callers build endpoint URLs here
+from .urls import OPENER, NotHttpURL, http_url
+from .urls import metrics_url as metrics_url  # re-exported: callers build endpoint URLs here
 
 COLUMNS = ("time", "instance", "name", *LABELS, "value")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import urllib.error
 import urllib.request
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 SCHEMES = ("http", "https")
 
@@ -24,13 +24,18 @@ def http_url(raw: str) -> str:
     if "://" not in url:
         url = "http://" + url
     parts = urlsplit(url)
-    try:
-        parts.port  # noqa: B018 - raises on a port that is not a number ("data:text/plain,x")
-    except ValueError:
-        parts = parts._replace(scheme="")
-    if parts.scheme.lower() not in SCHEMES or not parts.hostname:
+    if parts.scheme.lower() not in SCHEMES or not parts.hostname or not _numeric_port(parts):
         raise NotHttpURL(f"{raw.strip()}: only http:// and https:// URLs are read")
     return url
+
+
+def _numeric_port(parts: SplitResult) -> bool:
+    """False for "data:text/plain,x", which gains "http://" above and reads as port "text"."""
+    try:
+        parts.port  # noqa: B018 - the property raises on a port that is not a number
+    except ValueError:
+        return False
+    return True
 
 
 def metrics_url(endpoint: str) -> str:
