@@ -4,15 +4,18 @@ request_records`` compute.
 
     streamlit run dashboard/app.py                                   # the demo server, 127.0.0.1:8000
     streamlit run dashboard/app.py -- --metrics HOST:PORT [--metrics HOST2:PORT] [--events LOG]
-                                      [--requests REQUEST_LOG]
+                                      [--requests REQUEST_LOG] [--allow-source-edits]
     streamlit run dashboard/app.py -- --prometheus http://127.0.0.1:9090
 
-Flags and environment variables: see ``dashboard/settings.py``.
+Run from the repository root: its ``.streamlit/config.toml`` binds the app to 127.0.0.1.
+What the app reads is fixed when it starts; flags and environment variables: see
+``dashboard/settings.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import time
@@ -26,6 +29,7 @@ if str(ROOT) not in sys.path:
 
 import pandas as pd  # noqa: E402
 import streamlit as st  # noqa: E402
+from streamlit import config as st_config  # noqa: E402
 
 from dashboard import (  # noqa: E402
     charts,
@@ -34,12 +38,14 @@ from dashboard import (  # noqa: E402
     logfiles,
     request_records,
     settings,
+    sidebar,
     sources,
     text,
     views,
 )
 from dashboard.catalog import MISS_REASONS  # noqa: E402
 from dashboard.layout import NO_TRAFFIC, chart  # noqa: E402
+from dashboard.urls import NotHttpURL  # noqa: E402
 
 ALL = "All instances (sum)"
 ROWS = (
@@ -53,19 +59,28 @@ ROWS = (
 )
 
 
+logger = logging.getLogger("kvlens.dashboard")
+
+
+def _served() -> bool:
+    """True when this file is what ``streamlit run`` runs (not a test's AppTest)."""
+    return Path(sys.argv[0]).resolve() == Path(__file__).resolve() if sys.argv else False
+
+
 def _argv() -> list[str]:
-    """The flags after ``--`` when this file is what ``streamlit run`` runs (not under a test)."""
-    ours = Path(sys.argv[0]).resolve() == Path(__file__).resolve() if sys.argv else False
-    return sys.argv[1:] if ours else []
+    """The flags after ``--`` when this file is what ``streamlit run`` runs."""
+    return sys.argv[1:] if _served() else []
 
 
 @contextlib.contextmanager
 def guarded(what: str):
-    """A failure in one part of the page is one line of text, never a stack trace."""
+    """A failure in one part of the page is one line of text naming the error's class (its
+    message may quote what a source sent); the details go to the server's log."""
     try:
         yield
     except Exception as e:  # noqa: BLE001
-        st.error(f"{what} could not be shown: {type(e).__name__}: {e}")
+        logger.exception("%s could not be shown", what)
+        st.error(f"{what} could not be shown: {type(e).__name__}")
 
 
 @st.cache_resource(show_spinner=False)
@@ -82,39 +97,6 @@ def request_log(paths: tuple[str, ...], stamp: tuple) -> tuple[pd.DataFrame, lis
 @st.cache_resource(show_spinner=False)
 def prometheus(url: str) -> sources.PrometheusSource:
     return sources.PrometheusSource(url)
-
-
-def sidebar(defaults: settings.Settings) -> settings.Settings:
-    sb = st.sidebar
-    sb.header("Data sources")
-    kinds = {settings.METRICS: "vLLM /metrics (direct)", settings.PROMETHEUS: "Prometheus"}
-    source = sb.radio(
-        "Read from", list(kinds), format_func=kinds.get, index=list(kinds).index(defaults.source)
-    )
-    endpoints = sb.text_area(
-        "vLLM endpoints (one per line)",
-        "\n".join(defaults.endpoints),
-        help="host:port or a /metrics URL; history is kept in memory while the app runs.",
-        disabled=source != settings.METRICS,
-    )
-    prom = sb.text_input("Prometheus URL", defaults.prometheus, disabled=source != settings.PROMETHEUS)
-    events = sb.text_area("Failed-load event logs (one per line)", "\n".join(defaults.events))
-    requests = sb.text_area(
-        "Request logs (one per line)",
-        "\n".join(defaults.requests),
-        help="KVLENS_REQUEST_LOG of the vLLM servers: one line per finished request.",
-    )
-    minutes = sb.number_input("Time range (minutes)", 1.0, 24 * 60.0, defaults.minutes, step=5.0)
-    refresh = sb.number_input("Refresh every (seconds)", 1.0, 600.0, defaults.refresh_s, step=1.0)
-    return settings.Settings(
-        source=source,
-        endpoints=settings.split_list(endpoints) or defaults.endpoints,
-        prometheus=prom.strip(),
-        events=settings.split_list(events),
-        refresh_s=float(refresh),
-        minutes=float(minutes),
-        requests=settings.split_list(requests),
-    )
 
 
 def load(cfg: settings.Settings) -> tuple[pd.DataFrame, list[sources.Status], float]:
@@ -149,8 +131,8 @@ def overview(frame: pd.DataFrame, fleet: pd.DataFrame, window: float) -> None:
         "Prefill time saved (estimated)",
         text.seconds(s.seconds_saved),
         help="The connector's estimate (vllm:kvlens_prefill_seconds_saved_total) when it exports one; "
-        "else tokens KVLens loaded times vLLM's prefill seconds per computed prompt token "
-        "(vllm:request_prefill_time_seconds_sum / vllm:prompt_tokens_by_source_total{source=local_compute}). "
+        "else tokens KVLens loaded times the engine's measured prefill seconds per token "
+        "(vllm:kvlens_prefill_seconds_per_token). Unknown until the engine has measured a prefill. "
         "An estimate: per-token prefill cost grows with context length.",
     )
     d.metric("Requests with failed loads", text.number(s.failed_loads), help="Since the servers started.")
@@ -224,7 +206,12 @@ def latency_and_throughput(frame: pd.DataFrame, window: float) -> None:
     st.subheader("Background write queue")
     queue = views.gauge(frame, views.kvlens("pending_writes"), ("instance",))
     chart(queue, charts.COUNT, "No background writer reported.")
-    st.caption("Disk writes and deletes queued (at most 64); sampled while the engine steps.")
+    st.caption(
+        "Chunk writes and deletes queued for the disk and remote tiers' background writers. Each "
+        "tier holds at most extra_config.max_pending_write_bytes of queued writes (default 512 MiB); "
+        "a store that does not fit is dropped and counted as failed (queue_full). Sampled while "
+        "the engine steps."
+    )
 
 
 def tiers_and_leaks(frame: pd.DataFrame, fleet: pd.DataFrame, window: float, idle_for_s: float) -> None:
@@ -391,8 +378,19 @@ def main() -> None:
     st.set_page_config(page_title="KVLens", layout="wide")
     st.set_option("client.showErrorDetails", "none")
     st.title("KVLens")
+    address = st_config.get_option("server.address")
+    if _served() and settings.listens_everywhere_by_default(
+        address, st_config.get_where_defined("server.address")
+    ):
+        st.error(text.EXPOSED)
+        st.stop()
+    try:
+        started = settings.parse(_argv(), os.environ)
+    except NotHttpURL as e:  # the operator's flag or variable, named in the message
+        st.error(f"Not started: {e}.")
+        st.stop()
     with guarded("The settings"):
-        cfg = sidebar(settings.parse(_argv(), os.environ))
+        cfg = sidebar.sidebar(started)
         st.fragment(run_every=cfg.refresh_s)(live)(cfg)
 
 

@@ -12,7 +12,17 @@ import pandas as pd
 
 from . import catalog as c
 from .catalog import INFO_LABELS, kvlens
-from .views import DEFAULT_WINDOW_S, gauge, increase, join, rate, scalar, select, total
+from .views import (
+    DEFAULT_WINDOW_S,
+    gauge,
+    increase,
+    join,
+    prefill_cost_per_token,
+    rate,
+    scalar,
+    select,
+    total,
+)
 
 CURRENT = 1.0  # the budget factor of a tier's configured size
 
@@ -158,12 +168,10 @@ class TimeBalance:
 def balance(frame: pd.DataFrame) -> TimeBalance:
     saved_name, spent_name = kvlens("prefill_seconds_saved"), kvlens("operation_seconds", "_sum")
     exported = not select(frame, saved_name).empty
-    latest = select(frame, kvlens("prefill_seconds_per_token")).sort_values("time")
-    per_token = latest.groupby(["instance", "engine"]).tail(1)["value"].astype(float)
     return TimeBalance(
         saved_s=scalar(total(frame, saved_name)) if exported else None,
         saved_s_window=scalar(increase(frame, saved_name)) if exported else None,
         spent_s=scalar(total(frame, spent_name)),
         spent_s_window=scalar(increase(frame, spent_name)),
-        per_token_s=float(per_token.mean()) if not per_token.empty else None,
+        per_token_s=prefill_cost_per_token(frame),
     )

@@ -9,11 +9,11 @@ Both give the same long frame, one row per sample: ``time`` (epoch seconds), ``i
 from __future__ import annotations
 
 import datetime as dt
+import http
 import re
 import threading
 import time
 import urllib.error
-import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -23,6 +23,8 @@ import pandas as pd
 from prometheus_client.parser import text_string_to_metric_families
 
 from .catalog import APP_SAMPLE_NAMES, LABELS
+from .urls import OPENER, NotHttpURL, http_url
+from .urls import metrics_url as metrics_url  # re-exported: callers build endpoint URLs here
 
 COLUMNS = ("time", "instance", "name", *LABELS, "value")
 
@@ -47,25 +49,37 @@ class Status:
         return self.state == OK
 
 
-def metrics_url(endpoint: str) -> str:
-    """``host:port``, ``http://host:port`` or a full URL -> the URL of its ``/metrics``."""
-    endpoint = endpoint.strip()
-    if "://" not in endpoint:
-        endpoint = "http://" + endpoint
-    parts = urlsplit(endpoint)
-    if parts.path in ("", "/"):
-        endpoint = endpoint.rstrip("/") + "/metrics"
-    return endpoint
-
-
 def instance_of(url: str) -> str:
     """The ``instance`` label Prometheus would give this target: ``host:port``."""
     return urlsplit(url).netloc
 
 
 def fetch_text(url: str, timeout: float = 5.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
+    """The body at an http(s) URL; any other scheme raises ``NotHttpURL`` unread."""
+    with OPENER.open(http_url(url), timeout=timeout) as response:
         return response.read().decode("utf-8", errors="replace")
+
+
+def http_status(code: int) -> str:
+    """``HTTP 404 Not Found``: the standard phrase, not the one the server sent."""
+    try:
+        return f"HTTP {code} {http.HTTPStatus(code).phrase}"
+    except ValueError:
+        return f"HTTP {code}"
+
+
+def failure(e: BaseException) -> str:
+    """Why a read failed, in words that never quote what the other end sent: an HTTP status,
+    the operating system's reason, or the exception's class."""
+    if isinstance(e, urllib.error.HTTPError):
+        return http_status(e.code)
+    if isinstance(e, NotHttpURL):
+        return str(e)
+    if isinstance(e, urllib.error.URLError) and isinstance(e.reason, BaseException):
+        e = e.reason
+    if isinstance(e, OSError) and isinstance(e.strerror, str) and not isinstance(e, urllib.error.URLError):
+        return f"{type(e).__name__}: {e.strerror}"
+    return type(e).__name__
 
 
 def parse_samples(text: str, keep: frozenset[str] = APP_SAMPLE_NAMES) -> list[Sample]:
@@ -83,18 +97,16 @@ def has_kvlens(samples: Iterable[Sample]) -> bool:
 
 
 def scrape(url: str, fetch: Callable[[str], str] = fetch_text) -> tuple[list[Sample], Status]:
-    """One read of an endpoint, never raising: the samples and what went wrong, if anything."""
+    """One read of an endpoint, never raising: the samples and what went wrong, if anything
+    (never a quote of what the endpoint sent)."""
     try:
         text = fetch(url)
-    except urllib.error.HTTPError as e:
-        return [], Status(url, UNREACHABLE, f"HTTP {e.code} {e.reason}")
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
-        return [], Status(url, UNREACHABLE, str(reason))
+    except Exception as e:  # noqa: BLE001 - any failure to read is "unreachable"
+        return [], Status(url, UNREACHABLE, failure(e))
     try:
         samples = parse_samples(text)
-    except (ValueError, TypeError, IndexError) as e:
-        return [], Status(url, BAD_RESPONSE, f"not Prometheus text exposition: {e}")
+    except Exception as e:  # noqa: BLE001 - the parser's messages quote the offending line
+        return [], Status(url, BAD_RESPONSE, f"not Prometheus text exposition ({type(e).__name__})")
     if not has_kvlens(samples):
         return samples, Status(url, NO_KVLENS, "no vllm:kvlens_* series")
     return samples, Status(url, OK)
@@ -115,8 +127,8 @@ class MetricsHistory:
         fetch: Callable[[str], str] = fetch_text,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.url = url
-        self.instance = instance_of(url)
+        self.url = http_url(url)
+        self.instance = instance_of(self.url)
         self._points: deque[tuple[float, list[Sample]]] = deque(maxlen=max_points)
         self._min_interval_s = min_interval_s
         self._fetch = fetch
@@ -176,7 +188,7 @@ class PrometheusSource:
         from prometheus_api_client import PrometheusConnect
         from urllib3.util.retry import Retry
 
-        self.url = url.rstrip("/")
+        self.url = http_url(url).rstrip("/")
         factory = connect or PrometheusConnect
         self._client = factory(
             url=self.url, disable_ssl=True, retry=Retry(total=0), timeout=timeout, method="POST"
@@ -192,7 +204,7 @@ class PrometheusSource:
             # A number of seconds: Prometheus parses "7.5" but not "7.5s" as a step.
             result = self._client.custom_query_range(query, start, end, f"{range_step(minutes):g}")
         except Exception as e:  # noqa: BLE001 - requests, HTTP and JSON errors all mean "query failed"
-            self.status = Status(self.url, QUERY_FAILED, f"{type(e).__name__}: {e}"[:500])
+            self.status = Status(self.url, QUERY_FAILED, query_failure(e))
             return empty_frame()
         frame = frame_from_matrix(result)
         if frame.empty:
@@ -202,6 +214,15 @@ class PrometheusSource:
         else:
             self.status = Status(self.url, OK)
         return frame
+
+
+_API_STATUS = re.compile(r"^HTTP Status Code (\d{3}) ")
+
+
+def query_failure(e: BaseException) -> str:
+    """prometheus_api_client puts the response body in its exceptions: keep only the status."""
+    status = _API_STATUS.match(str(e))
+    return http_status(int(status.group(1))) if status else failure(e)
 
 
 def frame_from_matrix(result: list[dict]) -> pd.DataFrame:

@@ -37,10 +37,17 @@ def log_message(status: failures.LogStatus) -> str | None:
     return None
 
 
+EXPOSED = (
+    "This app is listening on every network interface (Streamlit's default), so it shows "
+    "nothing. Start it from the repository root, whose .streamlit/config.toml binds it to "
+    "127.0.0.1, or choose on purpose: --server.address 127.0.0.1 (this machine only) or "
+    "--server.address 0.0.0.0 (every interface)."
+)
+
 REQUEST_LOG_OFF = (
     "Request log not enabled: set KVLENS_REQUEST_LOG=/path/to/kvlens-requests.jsonl for vLLM "
     "(KVLENS_REQUEST_LOG_SAMPLE=0.1 keeps one request in ten), then start the dashboard with the "
-    "same variable or --requests PATH, or enter the path in the sidebar."
+    "same variable or --requests PATH."
 )
 
 

@@ -261,7 +261,7 @@ class Savings:
     hit_tokens: float
     loaded_tokens: float
     loaded_tokens_window: float
-    prefill_s_per_token: float | None  # vLLM's prefill seconds per computed prompt token
+    prefill_s_per_token: float | None  # the engines' measured prefill seconds per token
     failed_loads: float
     recomputed_tokens: float
     connector_seconds_saved: float | None = None  # vllm:kvlens_prefill_seconds_saved, when exported
@@ -273,8 +273,8 @@ class Savings:
 
     @property
     def seconds_saved(self) -> float | None:
-        """The connector's estimate when it exports one, else tokens KVLens loaded times what
-        vLLM spent per token it computed."""
+        """The connector's estimate when it exports one, else tokens KVLens loaded times the
+        engines' measured cost of computing a token."""
         if self.connector_seconds_saved is not None:
             return self.connector_seconds_saved
         per = self.prefill_s_per_token
@@ -288,9 +288,16 @@ class Savings:
         return None if per is None else self.loaded_tokens_window * per
 
 
+def prefill_cost_per_token(frame: pd.DataFrame) -> float | None:
+    """The mean of the engines' latest measured prefill seconds per token (KVLens times whole
+    engine steps). Not vLLM's per-request prefill times over computed tokens: requests batched
+    into one step each count that step's whole time, which overstates the cost."""
+    latest = select(frame, kvlens("prefill_seconds_per_token")).sort_values("time")
+    per_token = latest.groupby(["instance", "engine"]).tail(1)["value"].astype(float)
+    return float(per_token.mean()) if not per_token.empty else None
+
+
 def savings(frame: pd.DataFrame) -> Savings:
-    computed = scalar(total(frame, c.VLLM_PROMPT_BY_SOURCE, source="local_compute"))
-    prefill_s = scalar(total(frame, c.VLLM_PREFILL_SECONDS_SUM))
     saved = kvlens("prefill_seconds_saved")
     exported = not select(frame, saved).empty
     return Savings(
@@ -298,7 +305,7 @@ def savings(frame: pd.DataFrame) -> Savings:
         hit_tokens=scalar(total(frame, kvlens("hit_tokens"))),
         loaded_tokens=scalar(total(frame, kvlens("load_tokens"))),
         loaded_tokens_window=scalar(increase(frame, kvlens("load_tokens"))),
-        prefill_s_per_token=prefill_s / computed if computed > 0 and prefill_s > 0 else None,
+        prefill_s_per_token=prefill_cost_per_token(frame),
         failed_loads=scalar(total(frame, kvlens("failed_load_requests"))),
         recomputed_tokens=scalar(total(frame, kvlens("recomputed_tokens"))),
         connector_seconds_saved=scalar(total(frame, saved)) if exported else None,

@@ -52,10 +52,11 @@ _IDLE = (
     " == bool 0)"
 )
 
-_PREFILL_S_PER_COMPUTED_TOKEN = ratio(
-    increase_sum("vllm:request_prefill_time_seconds_sum"),
-    increase_sum("vllm:prompt_tokens_by_source_total", 'source="local_compute"'),
-)
+# The engine's own measure of a computed prompt token's cost (KVLens times whole prefill steps,
+# connector/engine/prefill_cost.py). vLLM's per-request prefill times are no substitute: requests
+# batched into one step each count that step's time, so their sum over the computed tokens
+# overstates the cost by about the batch size.
+_PREFILL_S_PER_TOKEN = "avg by (instance) (vllm:kvlens_prefill_seconds_per_token)"
 
 PANELS: tuple[Panel, ...] = (
     # ---- Overview ------------------------------------------------------------------------------
@@ -91,15 +92,15 @@ PANELS: tuple[Panel, ...] = (
         "s",
         (
             Target(
-                f"{increase_sum('vllm:kvlens_prefill_seconds_saved_total')}\nor\n("
-                f"{increase_sum('vllm:kvlens_load_tokens_total')}\n* on ()\n"
-                f"({_PREFILL_S_PER_COMPUTED_TOKEN}))"
+                f"{increase_sum('vllm:kvlens_prefill_seconds_saved_total')}\nor\nsum (\n"
+                f"{increase_sum('vllm:kvlens_load_tokens_total', by='instance')}\n* on (instance)\n"
+                f"{_PREFILL_S_PER_TOKEN}\n)"
             ),
         ),
-        "The connector's estimate (vllm:kvlens_prefill_seconds_saved_total) over the range; from a "
-        "connector without it, tokens KVLens loaded times vLLM's observed prefill seconds per computed "
-        "token (vllm:request_prefill_time_seconds / prompt tokens computed). An estimate: per-token "
-        "prefill cost grows with context length.",
+        "The connector's estimate (vllm:kvlens_prefill_seconds_saved_total) over the range; where it "
+        "exports none, tokens KVLens loaded times the engine's measured prefill seconds per token "
+        "(vllm:kvlens_prefill_seconds_per_token), per instance. No value until the engine has measured "
+        "a prefill. An estimate: per-token prefill cost grows with context length.",
         kind=STAT,
         width=6,
     ),
@@ -285,8 +286,11 @@ PANELS: tuple[Panel, ...] = (
         "Background write queue",
         "short",
         (Target("sum by (instance) (vllm:kvlens_pending_writes)", "{{instance}}"),),
-        "Chunk writes and deletes queued for the disk tier's writer (at most 64). Sampled while the "
-        "engine steps: it keeps its last value when the engine goes idle.",
+        "Chunk writes and deletes queued for the background writers of the disk and remote tiers "
+        "(summed). Each tier holds at most extra_config.max_pending_write_bytes of queued writes "
+        "(default 512 MiB); a store that does not fit is dropped and counted as a failed chunk "
+        "(reason queue_full). Sampled while the engine steps: it keeps its last value when the "
+        "engine goes idle.",
         width=8,
     ),
     Panel(
@@ -338,19 +342,15 @@ PANELS: tuple[Panel, ...] = (
     ),
     Panel(
         "Latency and throughput",
-        "Prefill seconds per computed token (vLLM)",
+        "Prefill seconds per computed token (engine)",
         "s",
-        (
-            Target(
-                ratio(
-                    rate_sum("vllm:request_prefill_time_seconds_sum"),
-                    rate_sum("vllm:prompt_tokens_by_source_total", matchers='source="local_compute"'),
-                ),
-                "prefill s / computed token",
-            ),
-        ),
-        "The cost per computed prompt token that the 'prefill time saved' estimate multiplies by the tokens "
-        "KVLens loaded.",
+        (Target(_PREFILL_S_PER_TOKEN, "{{instance}}"),),
+        "What computing one prompt token costs this engine: the seconds of whole engine steps that "
+        "computed prefill over the tokens they computed (vllm:kvlens_prefill_seconds_per_token, a "
+        "decayed average over measured prefill steps). The 'prefill time saved' estimate multiplies it by "
+        "the tokens KVLens loaded. Not vLLM's per-request prefill time over computed tokens: requests "
+        "batched into one step each count that step's whole time, which overstates the cost by about "
+        "the batch size. No value until the engine has measured a prefill step.",
     ),
     # ---- Tiers and leaks -----------------------------------------------------------------------
     Panel(

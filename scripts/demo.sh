@@ -100,7 +100,8 @@ if [ "$rc" -ne 0 ]; then
     echo "[demo] workload failed (exit $rc); server log: $LOG" >&2
 fi
 
-DASHBOARD=("$PY" -m streamlit run dashboard/app.py -- --metrics "127.0.0.1:$PORT")
+# From the repository root: its .streamlit/config.toml binds the dashboard to 127.0.0.1.
+DASHBOARD=(cd "$ROOT" "&&" "$PY" -m streamlit run dashboard/app.py -- --metrics "127.0.0.1:$PORT")
 if [ "${KVLENS_DEMO_KEEP:-0}" = 1 ]; then
     echo "[demo] vLLM keeps running on $BASE (Ctrl-C stops it). Watch it in the dashboard:"
     echo "         ${DASHBOARD[*]}"

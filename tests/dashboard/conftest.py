@@ -1,6 +1,6 @@
 """Fixtures for the dashboard tests: a local HTTP server that serves canned /metrics text
 (captured from a real vllm serve with KVLens) and failed-load event logs written by KVLens's
-own writer."""
+own writer, and the app under Streamlit's AppTest."""
 
 from __future__ import annotations
 
@@ -9,25 +9,33 @@ import threading
 from pathlib import Path
 
 import pytest
+import streamlit as st
+from streamlit.testing.v1 import AppTest
 
 from telemetry.events import EventLog, load_failed_event
 
 DATA = Path(__file__).resolve().parent / "data"
+APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
 
 
 class TextServer:
-    """Serves ``self.text`` at every path on 127.0.0.1 (status ``self.status``)."""
+    """Serves ``self.text`` at every path on 127.0.0.1 (status ``self.status`` with reason
+    phrase ``self.reason``, extra ``self.headers``)."""
 
     def __init__(self, text: str = "") -> None:
         self.text, self.status = text, 200
+        self.headers: dict[str, str] = {}
+        self.reason: str | None = None
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
                 body = outer.text.encode()
-                self.send_response(outer.status)
+                self.send_response(outer.status, outer.reason)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(body)))
+                for name, value in outer.headers.items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(body)
 
@@ -67,6 +75,40 @@ def write_events(path: Path, *events: tuple[str, str, int, str]) -> None:
         log.append(load_failed_event(request_id, [tier], ids, blocks * 128, reason, True, "0", "tiny"))
 
 
+class RawServer:
+    """A TCP listener on 127.0.0.1 that answers every connection with ``reply`` (not HTTP) and
+    counts the connections it accepted."""
+
+    def __init__(self, reply: bytes = b"") -> None:
+        import socket
+
+        self.reply, self.accepted = reply, 0
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            with conn:
+                conn.sendall(self.reply)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+@pytest.fixture
+def raw_server():
+    server = RawServer()
+    yield server
+    server.close()
+
+
 @pytest.fixture
 def closed_port() -> int:
     import socket
@@ -98,3 +140,21 @@ def write_requests(path: Path, *requests: tuple[str, str | None, float], max_byt
                 now=ts,
             )
         )
+
+
+@pytest.fixture
+def app(monkeypatch, tmp_path):
+    """A fresh AppTest with the dashboard's environment cleared (set it, then ``.run()``)."""
+    for var in (
+        "KVLENS_DASHBOARD_METRICS",
+        "KVLENS_DASHBOARD_PROMETHEUS",
+        "KVLENS_DASHBOARD_EVENTS",
+        "KVLENS_EVENT_LOG",
+        "KVLENS_DASHBOARD_REQUESTS",
+        "KVLENS_REQUEST_LOG",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KVLENS_DASHBOARD_EVENTS", str(tmp_path / "events.jsonl"))
+    st.cache_resource.clear()
+    yield AppTest.from_file(APP, default_timeout=60)
+    st.cache_resource.clear()

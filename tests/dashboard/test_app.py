@@ -8,31 +8,9 @@ import time
 import types
 
 import pytest
-import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from .conftest import DATA, write_events, write_requests
-from .promql import REPO
-
-APP = str(REPO / "dashboard" / "app.py")
-
-
-@pytest.fixture
-def app(monkeypatch, tmp_path):
-    """A fresh AppTest with the dashboard's environment cleared (set it, then ``.run()``)."""
-    for var in (
-        "KVLENS_DASHBOARD_METRICS",
-        "KVLENS_DASHBOARD_PROMETHEUS",
-        "KVLENS_DASHBOARD_EVENTS",
-        "KVLENS_EVENT_LOG",
-        "KVLENS_DASHBOARD_REQUESTS",
-        "KVLENS_REQUEST_LOG",
-    ):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("KVLENS_DASHBOARD_EVENTS", str(tmp_path / "events.jsonl"))
-    st.cache_resource.clear()
-    yield AppTest.from_file(APP, default_timeout=60)
-    st.cache_resource.clear()
+from .conftest import APP, DATA, write_events, write_requests
 
 
 def texts(elements) -> list[str]:
@@ -41,6 +19,22 @@ def texts(elements) -> list[str]:
 
 def charts(at: AppTest) -> list:
     return at.get("vega_lite_chart")
+
+
+def page_text(at: AppTest) -> str:
+    """Everything the page holds: every element's message to the browser, and every table."""
+    from streamlit.testing.v1.element_tree import Block, Dataframe
+
+    parts, stack = [], [at._tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Block):
+            stack.extend(node.children.values())
+        if getattr(node, "proto", None) is not None:
+            parts.append(str(node.proto))
+        if isinstance(node, Dataframe):
+            parts.append(node.value.to_string())
+    return "\n".join(parts)
 
 
 def assert_clean(at: AppTest) -> None:
@@ -80,7 +74,9 @@ def test_live_endpoint_charts_and_an_unreachable_one(
         metrics["Prompt tokens KVLens held"].endswith("%")
         and metrics["Prompt tokens loaded by KVLens"] != "–"
     )
-    assert metrics["Prefill time saved (estimated)"] != "–"
+    # This capture has no engine-measured prefill cost: unknown, not a guess from vLLM's
+    # per-request prefill times (test_prefill_cost.py; with the measure: the insights test).
+    assert metrics["Prefill time saved (estimated)"] == "–"
     assert len(charts(app)) >= 8
     events_table = [d for d in app.dataframe if "request_id" in d.value.columns][0]
     assert sorted(events_table.value["request_id"]) == ["cmpl-a-0", "cmpl-b-0"]
@@ -201,3 +197,102 @@ def test_the_insights_view_without_the_new_series_or_the_advice_module(
     assert any(t.startswith("No what-if estimate yet") for t in texts(app.info))
     assert any(t.startswith("No instance reports vllm:kvlens_info") for t in texts(app.info))
     assert {m.label: m.value for m in app.metric}["Prefill time saved"] == "–"
+
+
+SECRET = "kvlens-canary root:x:0:0:root:/root:/bin/bash"
+
+
+def test_without_the_flag_the_sidebar_shows_the_sources_but_cannot_change_them(
+    app, monkeypatch, closed_port, tmp_path
+):
+    monkeypatch.setenv("KVLENS_DASHBOARD_METRICS", f"127.0.0.1:{closed_port}")
+    monkeypatch.setenv("KVLENS_DASHBOARD_REQUESTS", str(tmp_path / "requests.jsonl"))
+    app.run()
+    assert_clean(app)
+    assert not app.sidebar.text_area and not app.sidebar.text_input
+    sidebar = page_text(app)
+    assert f"127.0.0.1:{closed_port}" in sidebar and "--allow-source-edits" in sidebar
+
+
+@pytest.fixture
+def file_reads(monkeypatch) -> list[str]:
+    """Every URL urllib's file handler is asked to open (it opens nothing here)."""
+    import urllib.error
+    import urllib.request
+
+    opened: list[str] = []
+
+    def refuse(handler, request):
+        opened.append(request.full_url)
+        raise urllib.error.URLError("file reads are off in this test")
+
+    monkeypatch.setattr(urllib.request.FileHandler, "file_open", refuse)
+    return opened
+
+
+def test_with_the_flag_an_edited_file_url_is_refused_and_never_read(
+    app, monkeypatch, text_server, metrics_text, tmp_path, file_reads
+):
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET + "\n")
+    text_server.text = metrics_text
+    monkeypatch.setattr(sys, "argv", [APP, "--allow-source-edits"])
+    monkeypatch.setenv("KVLENS_DASHBOARD_METRICS", text_server.endpoint)
+    app.run()
+    assert_clean(app)
+    for url in (f"file://{secret}", "file:///etc/passwd"):
+        app.sidebar.text_area[0].input(url).run()
+        assert not app.exception
+        assert any(t.startswith(f"Refused {url}") and "http" in t for t in texts(app.sidebar.error))
+        page = page_text(app)
+        assert "canary" not in page and "root:x:0:0" not in page
+    assert not file_reads
+    app.sidebar.text_area[0].input(f"http://{text_server.endpoint}/metrics").run()
+    assert_clean(app)
+    assert not app.sidebar.error and app.get("vega_lite_chart") is not None
+
+
+def test_a_file_url_given_at_start_up_stops_the_app_with_the_variable_named(app, monkeypatch, file_reads):
+    monkeypatch.setenv("KVLENS_DASHBOARD_METRICS", "file:///etc/passwd")
+    app.run()
+    assert not app.exception and not file_reads
+    assert texts(app.error) == [
+        "Not started: KVLENS_DASHBOARD_METRICS file:///etc/passwd: only http:// and https:// URLs are read."
+    ]
+    assert "root:x:0:0" not in page_text(app)
+
+
+def test_a_part_of_the_page_that_fails_names_the_error_class_only(
+    app, monkeypatch, text_server, metrics_text
+):
+    from dashboard import views
+
+    def fails(frame):
+        raise ValueError(SECRET)
+
+    text_server.text = metrics_text
+    monkeypatch.setenv("KVLENS_DASHBOARD_METRICS", text_server.endpoint)
+    monkeypatch.setattr(views, "savings", fails)
+    app.run()
+    assert not app.exception
+    assert "Overview could not be shown: ValueError" in texts(app.error)
+    assert "canary" not in page_text(app)
+
+
+def test_served_on_every_interface_by_default_it_shows_nothing_but_how_to_fix_it(
+    app, monkeypatch, text_server, metrics_text
+):
+    from streamlit import config
+
+    text_server.text = metrics_text
+    monkeypatch.setenv("KVLENS_DASHBOARD_METRICS", text_server.endpoint)
+    monkeypatch.setattr(sys, "argv", [APP])  # what `streamlit run dashboard/app.py` leaves
+    real = config.get_option
+    monkeypatch.setattr(config, "get_option", lambda k: None if k == "server.address" else real(k))
+    monkeypatch.setattr(config, "get_where_defined", lambda k: "<default>")
+    app.run()
+    assert not app.exception
+    (error,) = texts(app.error)
+    assert error.startswith("This app is listening on every network interface")
+    assert "--server.address 127.0.0.1" in error and ".streamlit/config.toml" in error
+    assert not app.tabs and not app.sidebar.radio and not app.metric

@@ -27,6 +27,7 @@ from tests.telemetry.serve import REPO, VllmServer, base_env, build_tiny_model, 
 
 from .prom import PrometheusServer, finite_values, scale_durations
 from .promql import RULES, concrete, dashboard_exprs, metric_names, rule_exprs
+from .serving import listening_addresses
 from .workload import Background, Traffic
 
 pytestmark = pytest.mark.integration
@@ -236,8 +237,7 @@ def streamlit_server(live, port: int, log: Path) -> subprocess.Popen:
         "run",
         "dashboard/app.py",
         "--server.headless=true",
-        f"--server.port={port}",
-        "--server.address=127.0.0.1",
+        f"--server.port={port}",  # no --server.address: the repository's config binds 127.0.0.1
         "--browser.gatherUsageStats=false",
         "--",
         "--metrics",
@@ -281,6 +281,7 @@ def test_app_in_headless_chromium(live, tmp_path):
     driver = None
     try:
         wait(lambda: _health(port), 60, "streamlit health")
+        assert listening_addresses(port) == {"127.0.0.1"}
         driver = chromium()
         with Background(Traffic(live.server, seed=9000)) as traffic:
             driver.get(f"http://127.0.0.1:{port}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 from dashboard import charts, settings, sources, text
 from telemetry.settings import default_event_log
@@ -93,3 +94,45 @@ def test_request_logs_come_from_flags_then_the_servers_variable_and_are_off_by_d
     env = {"KVLENS_DASHBOARD_REQUESTS": "/a,/b", "KVLENS_REQUEST_LOG": "/r.jsonl"}
     assert settings.parse([], env).requests == ("/a", "/b")
     assert settings.parse(["--requests", "/c"], env).requests == ("/c",)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "named"),
+    [
+        (["--metrics", "file:///etc/passwd"], {}, "--metrics"),
+        (["--metrics", "127.0.0.1:8000,ftp://h/metrics"], {}, "--metrics"),
+        ([], {"KVLENS_DASHBOARD_METRICS": "file:///etc/passwd"}, "KVLENS_DASHBOARD_METRICS"),
+        (["--prometheus", "file:///etc/passwd"], {}, "--prometheus"),
+        ([], {"KVLENS_DASHBOARD_PROMETHEUS": "data:text/plain,x"}, "KVLENS_DASHBOARD_PROMETHEUS"),
+    ],
+)
+def test_a_source_that_is_not_an_http_url_is_refused_at_start_up(argv, env, named):
+    with pytest.raises(ValueError, match=named):
+        settings.parse(argv, env)
+
+
+def test_source_edits_are_off_unless_the_app_is_started_with_the_flag():
+    assert not settings.parse([], {}).allow_source_edits
+    assert not settings.parse([], {"KVLENS_DASHBOARD_ALLOW_SOURCE_EDITS": "1"}).allow_source_edits
+    assert settings.parse(["--allow-source-edits"], {}).allow_source_edits
+
+
+def test_edited_endpoints_keep_the_http_ones_and_name_the_refused():
+    kept, refused = settings.checked_endpoints(
+        ["127.0.0.1:1", "file:///etc/passwd", "https://h/m", "ftp://x/"]
+    )
+    assert kept == ("127.0.0.1:1", "https://h/m") and refused == ("file:///etc/passwd", "ftp://x/")
+
+
+@pytest.mark.parametrize(
+    ("address", "where", "exposed"),
+    [
+        (None, "<default>", True),  # Streamlit's default: every interface
+        ("", "<default>", True),
+        ("127.0.0.1", "/repo/.streamlit/config.toml", False),
+        ("0.0.0.0", "command-line argument or environment variable", False),  # told otherwise
+        ("", "command-line argument or environment variable", False),
+    ],
+)
+def test_the_app_refuses_to_serve_every_interface_unless_told_to(address, where, exposed):
+    assert settings.listens_everywhere_by_default(address, where) is exposed

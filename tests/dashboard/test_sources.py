@@ -114,3 +114,66 @@ def test_prometheus_that_does_not_answer_is_a_failed_query(closed_port, text_ser
     text_server.status = 404  # a server, but no Prometheus API
     src = sources.PrometheusSource(f"http://{text_server.endpoint}", timeout=2)
     assert src.frame(5).empty and src.status.state == sources.QUERY_FAILED
+
+
+SECRET = "kvlens-canary root:x:0:0:root:/root:/bin/bash"
+
+
+@pytest.mark.parametrize(
+    "url", ["file:///etc/passwd", "FILE:///etc/passwd", "ftp://h/x", "data:text/plain,hi", "gopher://h:70/"]
+)
+def test_only_http_and_https_urls_are_accepted(url):
+    with pytest.raises(ValueError, match="http"):
+        sources.metrics_url(url)
+    with pytest.raises(ValueError, match="http"):
+        sources.fetch_text(url)
+    with pytest.raises(ValueError, match="http"):
+        sources.PrometheusSource(url)
+    with pytest.raises(ValueError, match="http"):
+        sources.MetricsHistory(url)
+
+
+def test_a_file_url_is_never_read_and_its_content_never_shown(tmp_path, monkeypatch):
+    import urllib.request
+
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET + "\n")
+    opened = []
+    monkeypatch.setattr(urllib.request.FileHandler, "file_open", lambda self, req: opened.append(req))
+    samples, status = sources.scrape(f"file://{secret}")
+    assert not samples and not status.ok and not opened
+    assert "root:" not in status.detail and "canary" not in status.detail
+
+
+def test_a_failed_scrape_names_the_status_not_the_body(text_server):
+    text_server.status, text_server.reason, text_server.text = 500, SECRET, SECRET
+    _, status = sources.scrape(sources.metrics_url(text_server.endpoint))
+    assert status.state == sources.UNREACHABLE and status.detail == "HTTP 500 Internal Server Error"
+
+
+def test_a_page_that_is_not_metrics_is_not_quoted(text_server):
+    text_server.text = SECRET + "\n"
+    _, status = sources.scrape(sources.metrics_url(text_server.endpoint))
+    assert status.state == sources.BAD_RESPONSE
+    assert "root:" not in status.detail and "canary" not in status.detail
+
+
+def test_a_server_that_does_not_speak_http_is_named_by_the_error_class_only(raw_server):
+    raw_server.reply = (SECRET + "\r\n").encode()
+    _, status = sources.scrape(f"http://127.0.0.1:{raw_server.port}/metrics")
+    assert status.state == sources.UNREACHABLE and status.detail == "BadStatusLine"
+
+
+def test_a_redirect_to_another_scheme_is_not_followed(text_server, raw_server):
+    text_server.status = 302
+    text_server.headers = {"Location": f"ftp://127.0.0.1:{raw_server.port}/metrics"}
+    _, status = sources.scrape(sources.metrics_url(text_server.endpoint))
+    assert status.state == sources.UNREACHABLE and raw_server.accepted == 0
+
+
+def test_a_failed_prometheus_query_names_the_status_not_the_body(text_server):
+    text_server.status, text_server.text = 500, SECRET
+    src = sources.PrometheusSource(f"http://{text_server.endpoint}", timeout=2)
+    assert src.frame(5).empty and src.status.state == sources.QUERY_FAILED
+    assert "root:" not in src.status.detail and "canary" not in src.status.detail
+    assert "500" in src.status.detail

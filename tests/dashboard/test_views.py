@@ -98,14 +98,16 @@ def test_latency_quantiles_from_bucket_counters():
     assert q.loc[20, "p95"] == pytest.approx(0.001 + 0.009 * (19 - 10) / 10)
 
 
-def test_savings_estimate_prefill_seconds_from_vllm_own_series():
+def test_savings_estimate_prefill_seconds_from_the_engines_measured_cost():
     f = frame(
         row(0, "vllm:kvlens_load_tokens_total", 0, tier="cpu"),
         row(10, "vllm:kvlens_load_tokens_total", 1000, tier="cpu"),
         row(0, "vllm:kvlens_load_tokens_total", 200, tier="disk"),
         row(10, "vllm:kvlens_load_tokens_total", 500, tier="disk"),
         row(10, VLLM_PROMPT_BY_SOURCE, 3000, source="local_compute"),
-        row(10, VLLM_PREFILL_SECONDS_SUM, 1.5),
+        row(10, VLLM_PREFILL_SECONDS_SUM, 3.0),  # batched requests' overlapping prefill times: unused
+        row(0, "vllm:kvlens_prefill_seconds_per_token", 0.002),
+        row(10, "vllm:kvlens_prefill_seconds_per_token", 0.0005),  # the latest measure counts
         row(10, LOOKUPS, 6000),
         row(10, HITS, 1500, tier="cpu"),
     )
@@ -117,8 +119,14 @@ def test_savings_estimate_prefill_seconds_from_vllm_own_series():
     assert s.hit_rate == pytest.approx(0.25)
 
 
-def test_savings_has_no_estimate_before_vllm_computed_anything():
-    s = views.savings(frame(row(0, "vllm:kvlens_load_tokens_total", 0, tier="cpu")))
+def test_savings_has_no_estimate_before_the_engine_measured_a_prefill():
+    s = views.savings(
+        frame(
+            row(0, "vllm:kvlens_load_tokens_total", 0, tier="cpu"),
+            row(0, VLLM_PROMPT_BY_SOURCE, 3000, source="local_compute"),
+            row(0, VLLM_PREFILL_SECONDS_SUM, 1.5),
+        )
+    )
     assert s.seconds_saved is None and s.hit_rate is None
 
 
