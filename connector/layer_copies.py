@@ -12,6 +12,10 @@ no GIL while bytes move, and little Python between copies to hold the GIL agains
 pass. Every
 copy of a step is waited for before the step ends (``wait_all``): vLLM may reuse a block once
 the step is over, and an eviction or a store must never race a copy.
+
+Every wait is bounded: a copy thread that died, or has not finished a step's copies within
+``COPY_TIMEOUT_S``, cancels the step's copies (those not done fail: their blocks are
+recomputed, their stores dropped) and the worker copies in the step from then on.
 """
 
 from __future__ import annotations
@@ -30,6 +34,12 @@ from .cpu_affinity import run_beside_worker
 from .kv_blocks import BlockCopier, CopyPairs
 
 logger = logging.getLogger("vllm.kvlens")
+
+COPY_TIMEOUT_S = 30.0  # far beyond any copy (GBs at memory speed); a stall, not a slow copy
+
+
+class CopyStalled(RuntimeError):
+    """The copy thread died or did not finish a step's copies in time."""
 
 
 @dataclass(eq=False)
@@ -84,6 +94,10 @@ class CopyThread:
             finally:
                 done.set()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def close(self, timeout_s: float = 5.0) -> None:
         self._tasks.put(None)
         self._thread.join(timeout_s)
@@ -92,10 +106,14 @@ class CopyThread:
 class StepCopies:
     """The copies of one step. Without a thread (``runner=None``) every copy runs inline."""
 
-    def __init__(self, plan: object, copier: BlockCopier, runner: CopyThread | None) -> None:
+    def __init__(
+        self, plan: object, copier: BlockCopier, runner: CopyThread | None, timeout_s: float | None = None
+    ) -> None:
         self.plan = plan  # the step these copies belong to
         self._copier = copier
         self._runner = runner
+        self._timeout_s = COPY_TIMEOUT_S if timeout_s is None else timeout_s
+        self.stalled: CopyStalled | None = None  # set when a wait gave up on the copy thread
         self.loads: list[BlockLoad] = []
         self.gathers: dict[int, BlockGather] | None = None  # by id of the store job; None: none planned
         self._loaded: list[threading.Event | None] = [None] * copier.num_layers
@@ -117,7 +135,7 @@ class StepCopies:
 
     def _load_layer(self, i: int) -> None:
         for load in self.loads:
-            if load.error is None:
+            if load.error is None and self.stalled is None:
                 started = time.perf_counter()
                 try:
                     self._copy_load(load, i)
@@ -130,14 +148,14 @@ class StepCopies:
             self._copier.scatter_layer(i, load.payload, load.block_ids, load.first_block)
             return
         for dst, src in load.pairs[i]:
+            if self.stalled is not None:
+                return
             np.copyto(dst, src)
 
     def wait_layer(self, name: str) -> None:
         """Return once layer ``name``'s loads are copied (every layer's for an unknown name)."""
         i = self._copier.layer_index(name)
-        done = self._loaded[i] if i is not None else self._last
-        if done is not None:
-            done.wait()
+        self._wait(self._loaded[i] if i is not None else self._last)
 
     def gather_layer(self, name: str) -> None:
         """Start copying layer ``name``'s blocks of every gather (its KV is complete)."""
@@ -152,7 +170,7 @@ class StepCopies:
 
     def _gather_layer(self, i: int, gathers: list[BlockGather]) -> None:
         for g in gathers:
-            if g.error is None:
+            if g.error is None and self.stalled is None:
                 try:
                     self._copy_gather(g, i)
                 except Exception as e:  # noqa: BLE001 - becomes a failed store
@@ -166,9 +184,31 @@ class StepCopies:
             np.copyto(dst, src)
 
     def wait_all(self) -> None:
-        """Return once every submitted copy is done."""
-        if self._last is not None:
-            self._last.wait()
+        """Return once every submitted copy is done (or the copy thread was given up on)."""
+        self._wait(self._last)
+
+    def _wait(self, done: threading.Event | None) -> None:
+        if done is None or done.is_set() or self.stalled is not None:
+            return
+        assert self._runner is not None
+        deadline = time.monotonic() + self._timeout_s
+        while not done.wait(0.05):
+            if not self._runner.alive:
+                self._give_up("the copy thread died")
+                return
+            if time.monotonic() > deadline:
+                self._give_up(f"the copy thread did not finish in {self._timeout_s:g} s")
+                return
+
+    def _give_up(self, why: str) -> None:
+        """Cancel what is not done: unfinished loads fail (recomputed), unfinished stores drop."""
+        self.stalled = CopyStalled(why)
+        for load in self.loads:
+            if load.error is None:
+                load.error = self.stalled
+        for g in (self.gathers or {}).values():
+            if g.error is None:
+                g.error = self.stalled
 
     def finish_gathers(self) -> None:
         """Gather inline the layers no ``save_kv_layer`` call asked for (then every gather is whole)."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from .config import ConfigError, KVLensConfig
 from .disk_sync import DiskWatcher, SharedDiskView
+from .engine import cpu_budget
 from .engine.block_events import BlockEvents
 from .engine.facts import EngineFacts
 from .engine.index import PinTable, TierIndex
@@ -47,7 +48,7 @@ class SchedulerState:
         self.tails = TailDirectory() if only_cpu else None
         if config.local_cpu:
             on_drop = self.tails.discard if self.tails is not None else None
-            self.tiers[CPU] = TierIndex(CPU, config.cpu_budget_bytes, on_drop)
+            self.tiers[CPU] = TierIndex(CPU, cpu_budget.chunk_bytes(config.cpu_budget_bytes), on_drop)
         self.disk_view: SharedDiskView | None = None
         if config.local_disk:
             self.tiers[DISK] = TierIndex(DISK, config.disk_budget_bytes)

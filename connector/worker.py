@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from .config import ConfigError, KVLensConfig
+from .engine import cpu_budget
 from .engine.facts import EngineFacts
 from .engine.health import TierHealth
 from .engine.jobs import CPU, DISK, REMOTE, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
@@ -46,7 +47,6 @@ _Staged = tuple[ChunkLoadResult, BlockLoad, ChunkLoad]  # a chunk read and check
 _ReadJob = tuple[LoadJob, LoadOutcome, list[_Staged]]
 
 DRAIN_WAIT_S = 0.05  # an idle engine's empty step waits this long for background writes
-POOL_BYTES = 256 * 1024**2  # buffers the CPU tier dropped, kept for the next stores' gathers
 
 
 class ConnectorWorker:
@@ -59,7 +59,8 @@ class ConnectorWorker:
         self.health: dict[str, TierHealth] = {}
         self._background: list[BackgroundTier] = []
         extra = config.extra_config
-        self._pool = PayloadPool(POOL_BYTES)
+        # buffers the CPU tier dropped, kept for the next stores' gathers (within its budget)
+        self._pool = PayloadPool(cpu_budget.reusable_bytes(config.cpu_budget_bytes))
         if config.local_cpu:
             self.tiers[CPU] = CpuTier(self._pool.dropped)
             self.health[CPU] = TierHealth(CPU)
@@ -99,6 +100,7 @@ class ConnectorWorker:
         # planned before it did may depend on them (asynchronous scheduling).
         self._failed_by_step: dict[int, set[int]] = {}
         self._report = WorkerReport()
+        self._reported_pending = 0  # the pending-write count the scheduler last heard
         self._suffix = storage_name("", rank)
         self._copy_thread: CopyThread | None = None  # with use_layerwise, on CPU: copies beside the forward
         self._step: StepCopies | None = None  # this step's copies, from its first hook to save()
@@ -315,6 +317,7 @@ class ConnectorWorker:
         step.finish_gathers()
         gathers = step.gathers or {}
         self._step = None
+        self._retire_if_stalled(step)
         failures: list[StoreFailure] = []
         for op in plan.writes:
             if isinstance(op, Eviction):
@@ -345,9 +348,22 @@ class ConnectorWorker:
         if self._step is None or self._step.plan is not plan:
             if self._step is not None:
                 self._step.wait_all()
+                self._retire_if_stalled(self._step)
             assert self.copier is not None
             self._step = StepCopies(plan, self.copier, self._copy_thread)
         return self._step
+
+    def _retire_if_stalled(self, step: StepCopies) -> None:
+        """After the copy thread died or stalled, later steps copy in the step, on this thread."""
+        if step.stalled is None or self._copy_thread is None:
+            return
+        logger.error(
+            "KVLens: %s; this step's unfinished loads are recomputed and its stores dropped, "
+            "and copies run in the step from now on",
+            step.stalled,
+        )
+        self._copy_thread.close(0.0)
+        self._copy_thread = None
 
     def _evict(self, op: Eviction) -> None:
         tier = self.tiers.get(op.tier)
@@ -409,7 +425,9 @@ class ConnectorWorker:
             change = health.take_change()
             if change is not None:
                 report.tier_states[name] = change
-        report.pending_writes = sum(t.pending for t in self._background if t.health.usable())
+        pending = sum(t.pending for t in self._background if t.health.usable())
+        if pending or pending != self._reported_pending:  # while any, and the drop to 0: draining stops
+            report.pending_writes = self._reported_pending = pending
         if report.is_empty():
             return None
         self._report = WorkerReport()
@@ -458,10 +476,22 @@ class ConnectorWorker:
         return all(tier.drain(timeout_s) for tier in self._background)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the threads and free the memory: the CPU tier, reusable buffers, and the
+        references to vLLM's KV tensors (an in-process engine may be gone, its process not)."""
+        if self._step is not None:
+            self._step.wait_all()
+            self._step = None
         if self._copy_thread is not None:
             self._copy_thread.close(timeout_s)
+            self._copy_thread = None
         for tier in self._background:
             tier.close(timeout_s)
+        cpu = self.tiers.get(CPU)
+        if isinstance(cpu, CpuTier):
+            cpu.clear()
+        self._pool.clear()
+        self._loading = []
+        self.copier = None
 
 
 def _get(tier: Tier | BackgroundTier, name: str) -> memoryview | BaseException:

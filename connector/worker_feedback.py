@@ -47,7 +47,8 @@ class WorkerFeedback:
             index = s.tiers.get(kept.tier)
             if index is not None:
                 index.add_known(kept.name, kept.nbytes, most_recent=True)
-        self.pending_writes = report.pending_writes
+        if report.pending_writes is not None:
+            self.pending_writes = report.pending_writes
         return recomputed
 
     def _forget_failed_load(self, outcome: LoadOutcome) -> None:

@@ -244,7 +244,8 @@ class WorkerRecorder:
         if self._background_calls is not None:
             remote_calls.count(self._buffer, self._background_calls())
         now = time.monotonic()
-        if self._sizes is not None and now - self._gauges_at >= GAUGE_INTERVAL_S:
+        draining = bool(self._last_gauges.get("pending_writes"))  # its drop to 0 may be the last step
+        if self._sizes is not None and (now - self._gauges_at >= GAUGE_INTERVAL_S or draining):
             self._gauges_at = now
             for key, value in self._sizes().items():
                 if self._last_gauges.get(key) != value:

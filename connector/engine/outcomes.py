@@ -184,7 +184,8 @@ class WorkerReport:
     store_failures: list[StoreFailure] = field(default_factory=list)
     kept: list[KeptChunk] = field(default_factory=list)
     tier_states: dict[str, TierState] = field(default_factory=dict)  # changes (worst rank wins)
-    pending_writes: int = 0  # queued background writes on the busiest rank
+    # queued background writes on the busiest rank; None: unchanged since the last report
+    pending_writes: int | None = None
     step: int | None = None  # the step whose loads this report settles (None: it had none)
 
     def is_empty(self) -> bool:
@@ -193,7 +194,7 @@ class WorkerReport:
             or self.store_failures
             or self.kept
             or self.tier_states
-            or self.pending_writes
+            or self.pending_writes is not None
             or self.step is not None
         )
 
@@ -209,7 +210,8 @@ class WorkerReport:
             mine = self.tier_states.get(tier)
             if mine is None or state.level < mine.level:
                 self.tier_states[tier] = state
-        self.pending_writes = max(self.pending_writes, other.pending_writes)
+        if other.pending_writes is not None:
+            self.pending_writes = max(self.pending_writes or 0, other.pending_writes)
         if other.step is not None:
             self.step = other.step if self.step is None else min(self.step, other.step)
         return self

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from .base import ChunkMissing
 
 
@@ -23,6 +25,9 @@ class CpuTier:
         return len(self._chunks)
 
     def put(self, name: str, payload: memoryview) -> int:
+        old = self._chunks.get(name)
+        if old is not None and _same_memory(old, payload):
+            return payload.nbytes  # already held: dropping it would hand a buffer in use to reuse
         self.delete(name)
         self._chunks[name] = payload
         self.used_bytes += payload.nbytes
@@ -44,3 +49,16 @@ class CpuTier:
     def clear(self) -> None:
         for name in list(self._chunks):
             self.delete(name)
+
+
+def _same_memory(a: memoryview, b: memoryview) -> bool:
+    """Two views of the same bytes (the same object, or views of one buffer's memory)."""
+    if a is b:
+        return True
+    if a.nbytes != b.nbytes or a.nbytes == 0:
+        return False
+    return _address(a) == _address(b)
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]

@@ -17,6 +17,11 @@ def gb(nbytes: int) -> float:
     return nbytes / 1024**3
 
 
+def cpu_gb(nbytes: int) -> float:
+    """``max_local_cpu_size`` whose share for chunks (``engine.cpu_budget``) is ``nbytes``."""
+    return gb(-(-nbytes * 16 // 15) + 16)
+
+
 IDENTITY = ModelIdentity("ckpt:0123456789abcdef", "c0ffee", "bfloat16", "none", "auto")
 
 

@@ -11,7 +11,7 @@ from connector.engine.namespaces import FirstChunkNamespaces, namespace_differen
 from connector.engine.outcomes import MissReason, WorkerReport
 from connector.engine.prefill_cost import PrefillCostMeter
 
-from .fakes import BLOCK_BYTES, LAYERS, admit_fully, blocks, gb, request, scheduler, step
+from .fakes import BLOCK_BYTES, LAYERS, admit_fully, blocks, cpu_gb, request, scheduler, step
 from .test_scheduler import PROMPT, loaded
 
 
@@ -25,7 +25,7 @@ class Clock:
 
 # ---- why did it miss --------------------------------------------------------------------
 def test_an_evicted_miss_says_from_which_tier_and_how_long_ago(monkeypatch):
-    s = scheduler(max_local_cpu_size=gb(2 * BLOCK_BYTES * LAYERS))  # one chunk
+    s = scheduler(max_local_cpu_size=cpu_gb(2 * BLOCK_BYTES * LAYERS))  # one chunk
     clock = Clock()
     s.recently_evicted._clock = clock
     admit_fully(s, request("a", PROMPT[:256] + [1]), blocks(0, 3))
@@ -128,7 +128,7 @@ def test_every_finished_request_leaves_one_summary_late_loads_included():
 # ---- how big should the tier be ---------------------------------------------------------
 def test_lookups_and_stores_feed_the_whatif_curve_and_its_gauges():
     chunk = 2 * BLOCK_BYTES * LAYERS
-    s = scheduler(max_local_cpu_size=gb(4 * chunk))  # four chunks
+    s = scheduler(max_local_cpu_size=cpu_gb(4 * chunk))  # four chunks
     assert s.whatif is not None and set(s.whatif.curves) == {CPU}
     prompts = [[p * 1000 + t for t in range(512)] for p in range(6)]  # 2 chunks each, 12 in all
     for round_ in range(3):
@@ -217,7 +217,9 @@ def test_stores_and_evictions_are_block_events_with_vllms_block_hashes(tmp_path)
     from connector.engine.block_events import BlocksRemoved, BlocksStored
 
     chunk = 2 * BLOCK_BYTES * LAYERS
-    s = _events_scheduler(max_local_cpu_size=gb(2 * chunk), local_disk=str(tmp_path), max_local_disk_size=1)
+    s = _events_scheduler(
+        max_local_cpu_size=cpu_gb(2 * chunk), local_disk=str(tmp_path), max_local_disk_size=1
+    )
     a = _hashed("a", PROMPT)
     admit_fully(s, a, blocks(0, 5))
     events = s.block_events.take()

@@ -205,3 +205,39 @@ def test_prepared_copy_pairs_exist_only_for_contiguous_cpu_layers_and_copy_what_
     for t in caches.values():
         assert torch.equal(block(t, 8), block(t, 2))
         assert torch.equal(block(t, 11), block(t, 7))
+
+
+@pytest.mark.parametrize("fault", ["dead", "stalled"])
+def test_a_dead_or_stalled_copy_thread_fails_the_loads_instead_of_hanging_the_engine(monkeypatch, fault):
+    import connector.layer_copies as layer_copies
+
+    caches = cpu_layout()
+    w = worker(caches)
+    store_two_chunks(w)
+    release = threading.Event()
+    if fault == "dead":
+        w._copy_thread.close()  # the thread is gone; tasks queue up and never run
+    else:
+        monkeypatch.setattr(layer_copies, "COPY_TIMEOUT_S", 0.5)
+        copy = StepCopies._copy_load
+        monkeypatch.setattr(
+            StepCopies, "_copy_load", lambda self, load, i: (release.wait(5), copy(self, load, i))
+        )
+    dependent = StoreJob("b", "ef" * 16, (12, 13), (CPU,), 32, after_loads=(8, 9, 10, 11))
+    plan = load_plan(dependent)
+    started = time.monotonic()
+    w.start_load(plan)
+    for name in LAYER_NAMES:
+        w.wait_layer(name)
+        w.save_layer(plan, name)
+    (outcome,) = w.finish_load()
+    failures = w.save(plan)
+    release.set()
+    assert time.monotonic() - started < 3
+    assert w.take_failed_blocks() == {8, 9, 10, 11}  # recomputed by vLLM
+    assert [f.reason for f in failures] == [FailureReason.DEPENDENCY_FAILED]
+    assert w._copy_thread is None  # later steps copy in the step
+    w.load(load_plan())
+    assert w.take_failed_blocks() == set()
+    for t in caches.values():
+        assert torch.equal(t[[8, 9, 10, 11]], t[[2, 5, 6, 7]])

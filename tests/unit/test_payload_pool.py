@@ -86,3 +86,37 @@ def test_stores_to_the_cpu_tier_alone_take_pool_buffers_of_the_same_shape_only()
     assert w._pool.bytes == 3 * LAYERS * w.copier.block_bytes
     w.save(StepPlan(writes=[StoreJob("b", OTHER, (7, 9), (CPU,), 32)]))  # 2 blocks: a new buffer
     assert w._pool.bytes == 3 * LAYERS * w.copier.block_bytes
+
+
+def test_putting_a_chunk_the_cpu_tier_already_holds_never_hands_its_buffer_to_reuse():
+    caches = cpu_layout()
+    w = worker(caches)
+    w.save(StepPlan(writes=[StoreJob("a", NAME, (2, 5), (CPU,), 32)]))
+    held = cpu_view(w, NAME)
+    expected = bytes(held)
+    w.tiers[CPU].put(f"{NAME}.r0", held)  # e.g. a load that fell back to the CPU tier promotes there
+    w.tiers[CPU].put(f"{NAME}.r0", memoryview(held.obj).cast("B"))  # another view of the same bytes
+    plan = StepPlan(writes=[StoreJob("b", OTHER, (7, 9), (CPU,), 32)])
+    w.save(plan)  # would gather into the held buffer if it had been handed to the pool
+    assert address(cpu_view(w, OTHER)) != address(cpu_view(w, NAME))
+    assert bytes(cpu_view(w, NAME)) == expected
+
+
+def test_reusable_buffers_and_chunks_stay_within_the_cpu_budget():
+    caches = cpu_layout()
+    w = worker(caches)
+    chunk = w.copier.payload_nbytes(2)
+    budget = 40 * chunk  # a sixteenth (2.5 chunks) for reusable buffers, 37.5 chunks for chunks
+    w = worker(caches, max_local_cpu_size=budget / 1024**3)
+
+    def held() -> int:
+        return w.tiers[CPU].used_bytes + w.sizes()["reusable_buffer_bytes"]
+
+    whole = [f"{i:032x}" for i in range(37)]
+    for i, name in enumerate(whole):
+        w.save(StepPlan(writes=[StoreJob("a", name, (2 * (i % 6), 2 * (i % 6) + 1), (CPU,), 32)]))
+    w.save(StepPlan(writes=[Eviction(CPU, name) for name in whole]))  # e.g. a reset
+    assert 0 < held() <= budget  # some dropped buffers are kept for reuse, within the budget
+    for i in range(75):  # then the tier fills with chunks of another shape (one-block tails)
+        w.save(StepPlan(writes=[StoreJob("b", f"{1000 + i:032x}", (i % 12,), (CPU,), 16)]))
+        assert held() <= budget, (i, held(), budget)

@@ -1,7 +1,7 @@
 from connector.engine.jobs import CPU, DISK
 from connector.engine.outcomes import ChunkLoadResult, FailureReason, LoadOutcome, MissReason, WorkerReport
 
-from .fakes import BLOCK_BYTES, LAYERS, admit_fully, blocks, gb, request, scheduler, step
+from .fakes import BLOCK_BYTES, LAYERS, admit_fully, blocks, cpu_gb, request, scheduler, step
 
 PROMPT = list(range(1000, 1600))  # 600 tokens: two full chunks and an 88-token tail
 
@@ -158,7 +158,7 @@ def test_cache_salt_and_tags_isolate_tenants():
 
 
 def test_pins_hold_from_lookup_until_the_load_is_reported():
-    s = scheduler(max_local_cpu_size=gb(2 * 2 * BLOCK_BYTES * LAYERS))  # room for 2 chunks
+    s = scheduler(max_local_cpu_size=cpu_gb(2 * 2 * BLOCK_BYTES * LAYERS))  # room for 2 chunks
     admit_fully(s, request("a", PROMPT), blocks(0, 5))
     b = request("b", PROMPT)
     assert s.lookup(b, 0) == 512
@@ -217,7 +217,7 @@ def test_preempted_request_resumes_with_new_blocks_and_reloads():
 
 
 def test_miss_reasons_tell_evicted_from_never_stored():
-    s = scheduler(max_local_cpu_size=gb(2 * BLOCK_BYTES * LAYERS))  # one chunk
+    s = scheduler(max_local_cpu_size=cpu_gb(2 * BLOCK_BYTES * LAYERS))  # one chunk
     admit_fully(s, request("a", PROMPT[:256] + [1]), blocks(0, 3))
     admit_fully(s, request("b", list(range(7000, 7257))), blocks(10, 3))  # evicts a's chunk
     s.lookup(request("c", PROMPT), 0)

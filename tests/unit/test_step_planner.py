@@ -3,7 +3,7 @@
 from connector.engine.jobs import CPU, Eviction, StoreJob
 from connector.engine.outcomes import FailureReason, MissReason, StoreFailure, TierState, WorkerReport
 
-from .fakes import BLOCK_BYTES, LAYERS, admit_fully, blocks, gb, request, scheduler, step
+from .fakes import BLOCK_BYTES, LAYERS, admit_fully, blocks, cpu_gb, request, scheduler, step
 from .test_scheduler import PROMPT, loaded
 
 CHUNK = 2 * BLOCK_BYTES * LAYERS
@@ -11,7 +11,7 @@ LONG = list(range(3000, 4280))  # 1280 tokens: five chunks
 
 
 def test_a_prompt_larger_than_the_tier_keeps_its_first_chunks_and_the_tier_matches_the_index():
-    s = scheduler(max_local_cpu_size=gb(2 * CHUNK))
+    s = scheduler(max_local_cpu_size=cpu_gb(2 * CHUNK))
     _, plan = admit_fully(s, request("a", LONG), blocks(0, 10))
     assert [j.block_ids for j in plan.stores] == [(0, 1), (2, 3)]
     assert not plan.evictions
@@ -20,7 +20,7 @@ def test_a_prompt_larger_than_the_tier_keeps_its_first_chunks_and_the_tier_match
 
 
 def test_a_store_evicted_later_in_the_same_plan_is_cancelled_not_deleted_then_written():
-    s = scheduler(max_local_cpu_size=gb(2 * CHUNK))
+    s = scheduler(max_local_cpu_size=cpu_gb(2 * CHUNK))
     a, b = request("a", PROMPT[:512]), request("b", list(range(8000, 8512)))
     for r in (a, b):
         s.lookup(r, 0)
@@ -167,7 +167,7 @@ def test_decode_steps_read_no_prompt_tokens():
 
 
 def test_plans_are_ordered_lists_of_evictions_and_stores():
-    s = scheduler(max_local_cpu_size=gb(2 * CHUNK))
+    s = scheduler(max_local_cpu_size=cpu_gb(2 * CHUNK))
     admit_fully(s, request("a", PROMPT[:512]), blocks(0, 4))
     _, plan = admit_fully(s, request("b", list(range(8000, 8512))), blocks(10, 4))
     kinds = [type(w).__name__ for w in plan.writes]

@@ -240,3 +240,24 @@ def test_a_chunk_read_from_disk_is_kept_in_the_cpu_tier_it_was_promoted_to(tmp_p
     w.load(StepPlan(loads=[LoadJob("c", (ChunkLoad(missing, DISK, (10, 11), 0, 32, promote_to=(CPU,)),))]))
     report = w.take_report()
     assert [(f.name, f.tier) for f in report.store_failures] == [(missing, CPU)]  # the index lets it go
+
+
+def test_the_drop_of_pending_writes_to_zero_is_reported(tmp_path, monkeypatch):
+    import threading
+
+    from connector.tiers.disk import DiskTier
+
+    release = threading.Event()
+    put = DiskTier.put
+    monkeypatch.setattr(
+        DiskTier, "put", lambda self, name, payload: (release.wait(10), put(self, name, payload))[1]
+    )
+    caches = cpu_layout()
+    w = worker(caches, tmp_path)
+    w.save(StepPlan(writes=[StoreJob("a", NAME, (2, 5), (CPU, DISK), 32)]))
+    assert w.take_report().pending_writes == 1
+    assert w.take_report().pending_writes == 1  # still queued: said again every step
+    release.set()
+    assert w.flush(10)
+    assert w.take_report().pending_writes == 0  # or the scheduler keeps the engine stepping for 30 s
+    assert w.take_report() is None  # nothing changed since
