@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +35,17 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm.kvlens")
+
+# Connectors not shut down yet, shut down at interpreter exit. Weak: a registry that held them
+# would keep an in-process engine's CPU tier alive after the engine is gone.
+_OPEN: weakref.WeakSet[KVLensConnector] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_open_connectors() -> None:
+    for connector in list(_OPEN):
+        connector.shutdown()
+
 
 _HIT_SOURCE = {
     CPU: CacheHitSource.HOST,
@@ -77,7 +89,7 @@ class KVLensConnector(KVConnectorBase_V1):
         self._cache_hit_source = _HIT_SOURCE[config.tier_names()[0]]
         self._load_started = 0.0
         self._closed = False
-        atexit.register(self.shutdown)  # threads stop (bounded) even if vLLM never calls shutdown
+        _OPEN.add(self)  # threads stop (bounded) at exit even if vLLM never calls shutdown
         logger.info("KVLens %s ready: %s", role.name.lower(), config.summary())
 
     @property
@@ -189,6 +201,7 @@ class KVLensConnector(KVConnectorBase_V1):
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         if self._scheduler is not None:
             self._scheduler.shutdown()
         if self._worker is not None:
