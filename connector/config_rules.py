@@ -33,7 +33,7 @@ from .config_keys import (
 )
 from .config_model import ConfigError, ExtraConfig, KVLensConfig
 from .config_sentences import describe, short
-from .tiers.remote_url import SCHEMES, parse_remote_url, with_credentials, with_database
+from .tiers.remote_url import parse_remote_url, with_credentials, with_database
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -104,9 +104,9 @@ class _Verdict:
         self.invalid: list[str] = []
         self.has_remote = False  # remote_url is set (remote_serde matters only then)
 
-    def refuse(self, label: str, source: str, feature: Feature) -> None:
+    def refuse(self, label: str, source: str, feature: Feature, verb: str = "turns on") -> None:
         self.refused.append(
-            f"{label} (from {source}) turns on {feature.name}, which is not supported by KVLens; "
+            f"{label} (from {source}) {verb} {feature.name}, which is not supported by KVLens; "
             f"instead: {feature.instead}"
         )
 
@@ -187,7 +187,7 @@ def _check_top(key: str, s: Setting, v: _Verdict) -> None:
             v.sources[key] = s.source
     elif name in FEATURES:
         feature = FEATURES[name]
-        value = s.raw if s.raw is not None else s.value  # LMCache reads the environment's text
+        value = _lmcache_text(s)
         on = _is_on(feature, value)
         if on is None:
             v.invalid.append(f"{key} (from {s.source}) must be true or false, not {short(value)}")
@@ -238,17 +238,21 @@ def _field_value(key: str, s: Setting, v: _Verdict) -> Any:
     if key == "remote_url" and isinstance(value, str) and "://" in value:
         scheme = value.split("://", 1)[0].strip().lower()
         if scheme in REMOTE_BACKENDS:
-            instead = "a Redis-protocol store: " + ", ".join(f"{s}://" for s in SCHEMES)
+            instead = (
+                "a Redis-protocol store (redis://, rediss://, unix://, valkey://, redis-cluster:// or "
+                "redis-sentinel://)"
+            )
             if scheme == "fs":
                 instead = "local_disk: <path> (KVLens's disk tier is shared by engines on one filesystem)"
-            v.refuse(f"remote_url {scheme}://...", s.source, Feature(REMOTE_BACKENDS[scheme], instead, bool))
+            feature = Feature(REMOTE_BACKENDS[scheme], instead, bool)
+            v.refuse(f"remote_url {scheme}://...", s.source, feature, verb="points at")
             return _REFUSED
     return value
 
 
 def _lmcache_bool_field(key: str, s: Setting, v: _Verdict) -> Any:
     """LMCache's reading: only true and 1 (any case) are true; other text is false, and said so."""
-    value = s.raw if s.raw is not None else s.value
+    value = _lmcache_text(s)
     if isinstance(value, bool) or value is None or not isinstance(value, str | int | float):
         return value
     try:
@@ -258,6 +262,17 @@ def _lmcache_bool_field(key: str, s: Setting, v: _Verdict) -> Any:
     if text not in ("true", "1", "false", "0"):
         v.unused.append(f"{key} = {short(value)} (from {s.source}) read as false: only true and 1 are true")
     return text in ("true", "1")
+
+
+def _lmcache_text(s: Setting) -> Any:
+    """An environment value as LMCache reads it: the text, without one pair of enclosing quotes
+    (its ``_parse_quoted_string``); other sources' values as they are."""
+    if s.raw is None:
+        return s.value
+    text = s.raw.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
 
 
 def _is_on(feature: Feature, value: Any) -> bool | None:
