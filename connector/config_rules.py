@@ -67,6 +67,10 @@ def reads_env_key(key: str) -> bool:
 
 
 def near_env_key(key: str) -> str | None:
+    """The key whose variable ``LMCACHE_<KEY>`` resembles; LMCache's own LMCACHE_EC_* overrides
+    (the encoder cache's copy of the config) are not typos."""
+    if key.startswith("ec_"):
+        return None
     return nearest(key, KNOWN, cutoff=0.85)
 
 

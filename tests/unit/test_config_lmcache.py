@@ -6,7 +6,9 @@ import logging
 
 import pytest
 
-from connector.config import ConfigError, load_config
+from connector.config import ConfigError, KVLensConfig, load_config
+from connector.config_keys import ALIASES, EXTRA_FEATURES, EXTRA_LMCACHE, FEATURES, UNUSED
+from connector.config_model import ExtraConfig
 
 SECRET = "Sup3r-s3cret-pw"
 PYDANTIC_WORDS = ("Input should", "Extra inputs", "pydantic", "errors.pydantic.dev", "validation error")
@@ -374,3 +376,17 @@ def test_extra_config_in_lmcache_docs_python_literal_style_parses():
     load_config({}, env=env)
     env = {"LMCACHE_EXTRA_CONFIG": '{"lookup_backoff_time": 0.01, "use_odirect": True}'}  # its CI config
     load_config({}, env=env)
+
+
+def test_the_catalogue_gives_each_key_one_meaning():
+    fields = set(KVLensConfig.model_fields)
+    assert not fields & set(UNUSED) and not fields & set(FEATURES) and not set(UNUSED) & set(FEATURES)
+    assert all(name in UNUSED or name in FEATURES for name in ALIASES.values())
+    extra_fields = set(ExtraConfig.model_fields)
+    assert not extra_fields & set(EXTRA_LMCACHE) and not extra_fields & set(EXTRA_FEATURES)
+
+
+def test_lmcache_ec_overrides_are_not_taken_for_typos(caplog):
+    with caplog.at_level(logging.WARNING, logger="vllm.kvlens"):
+        load_config({}, env={"LMCACHE_EC_CHUNK_SIZE": "128", "LMCACHE_EC_LOCAL_CPU": "true"})
+    assert caplog.text == ""
