@@ -131,11 +131,14 @@ def build(layers: list[list[Setting]], env: Mapping[str, str]) -> KVLensConfig:
     for key in list(v.extra):
         _check_extra(key, v)
     config = None
-    if not v.refused and not v.unknown:
-        try:
-            config = KVLensConfig.model_validate({**v.values, "extra_config": v.extra})
-        except ValidationError as e:
-            v.invalid += describe(e, v.sources, v.extra_sources)
+    try:
+        config = KVLensConfig.model_validate({**v.values, "extra_config": v.extra})
+    except ValidationError as e:
+        # Without a refused or unknown key the whole may be fine ("no storage tier" while the
+        # refused remote_url is the tier): say only what is wrong with the values themselves.
+        v.invalid += describe(e, v.sources, v.extra_sources, whole=not (v.refused or v.unknown))
+    if config is not None and (v.refused or v.unknown):
+        config = None
     if config is not None:
         config = _with_remote(config, v, env)
     if config is not None and config.enable_async_loading:

@@ -25,14 +25,19 @@ def short(value: Any, limit: int = 40) -> str:
 
 
 def describe(
-    error: ValidationError, sources: Mapping[str, str], extra_sources: Mapping[str, str]
+    error: ValidationError,
+    sources: Mapping[str, str],
+    extra_sources: Mapping[str, str],
+    whole: bool = True,
 ) -> list[str]:
-    """One sentence per problem the validator found, naming the key and its source."""
+    """One sentence per problem the validator found, naming the key and its source; ``whole``:
+    also problems of the configuration as a whole (no storage tier, a budget of 0)."""
     out = []
     for item in error.errors(include_url=False):
         loc = [str(p) for p in item["loc"]]
         if not loc:
-            out.append(_model_problem(item))
+            if whole:
+                out.append(_model_problem(item))
             continue
         if loc[0] == "extra_config" and len(loc) > 1:
             key, source = "extra_config." + loc[1], extra_sources.get(loc[1], "")

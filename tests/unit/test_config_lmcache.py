@@ -101,8 +101,19 @@ def test_a_serializer_without_a_remote_url_has_no_effect_and_is_accepted_unused(
 
 
 def test_every_problem_is_named_in_one_error():
-    message = refused({"lmcache.enable_pd": True, "lmcache.chunk_sise": 1, "lmcache.enable_p2p": True})
-    assert message.count("not supported by KVLens") == 2 and "chunk_sise" in message
+    message = refused(
+        {
+            "lmcache.enable_pd": True,
+            "lmcache.chunk_sise": 1,
+            "lmcache.enable_p2p": True,
+            "lmcache.max_local_cpu_size": "x",
+            "lmcache.local_cpu": False,
+            "lmcache.remote_url": "lm://h:1",
+        }
+    )
+    assert message.count("not supported by KVLens") == 3 and "unknown key 'chunk_sise'" in message
+    assert "max_local_cpu_size (from kv_connector_extra_config 'lmcache.max_local_cpu_size')" in message
+    assert "no storage tier" not in message  # the refused remote_url was the tier: not a second problem
 
 
 @pytest.mark.parametrize(
