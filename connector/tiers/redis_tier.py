@@ -1,4 +1,5 @@
-"""Remote tier: chunks in Redis, Valkey or a Redis Cluster, one self-checking record per key.
+"""Remote tier: chunks in Redis, Valkey, a Redis Cluster or behind Redis Sentinel, one
+self-checking record per key.
 
 Each value is exactly one codec record written by one ``SET``, so a reader sees a whole record
 or none; eviction or an expired TTL on the server is a plain miss. Batches go out as one
@@ -17,20 +18,16 @@ the affected commands are sent once more; nothing else is retried.
 from __future__ import annotations
 
 import re
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from redis import Redis
-from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import (
     AskError,
     AuthenticationError,
     BusyLoadingError,
     ClusterDownError,
-    MovedError,
     NoPermissionError,
     ReadOnlyError,
     RedisClusterException,
@@ -39,10 +36,10 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from . import codec
 from .base import ChunkCorrupt, ChunkMissing
+from .redis_nodes import Nodes, nodes_for
 from .remote_url import RemoteURL
 
 try:  # redis-py >= 5.1
@@ -53,7 +50,6 @@ except ImportError:  # pragma: no cover - older redis-py reports OOM as a plain 
 _PREFIX = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _SCAN_COUNT = 1000
 _DETAIL_CHARS = 300
-_STALE_REFRESH_S = 1.0  # at most one slot-map refresh a second after timeouts
 
 
 class RemoteUnavailable(OSError):
@@ -125,9 +121,10 @@ class RedisTier:
             "max_connections": max_connections,
             "client_name": "kvlens",
         }
+        options.update(url.options)  # the URL's own redis-py options (client_name, max_connections, ...)
         if url.tls:
             options.update(ssl=True, ssl_ca_certs=url.ssl_ca_certs, ssl_cert_reqs=url.ssl_cert_reqs)
-        self._nodes: _Single | _Cluster = _Cluster(url, options) if url.cluster else _Single(url, options)
+        self._nodes: Nodes = nodes_for(url, options)
 
     def __repr__(self) -> str:
         return f"RedisTier({self._where}, key_prefix={self.key_prefix!r})"
@@ -308,113 +305,6 @@ class RedisTier:
         kind = failure_kind(error) or "error"
         detail = _detail(error, self.url.password)
         return RemoteUnavailable(f"remote {op} on {self._where} failed ({kind}): {detail}", op=op, kind=kind)
-
-
-class _Single:
-    """One server: every key routes to the same pooled client."""
-
-    def __init__(self, url: RemoteURL, options: dict[str, Any]) -> None:
-        host, port = url.nodes[0]
-        self._client = Redis(host=host, port=port, db=url.db, retry=_no_retry(), **options)
-
-    def route(self, keys: list[Any]) -> tuple[list[tuple[Redis, list[int]]], dict[int, Exception]]:
-        return [(self._client, list(range(len(keys))))], {}
-
-    def masters(self) -> list[Redis]:
-        return [self._client]
-
-    def retry_after(self, error: BaseException) -> bool:
-        return False  # nothing to re-route; retrying a down server only doubles the wait
-
-    def refresh(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self._client.close()
-
-
-class _Cluster:
-    """A Redis Cluster: keys grouped by the master owning their slot, one pipeline per master.
-
-    redis-py's ``RedisCluster`` is used for the slot map and per-node clients only; it connects
-    on first use, so a tier built while the cluster is down works once it is back.
-    """
-
-    def __init__(self, url: RemoteURL, options: dict[str, Any]) -> None:
-        self._startup = [ClusterNode(host, port) for host, port in url.nodes]
-        self._options = options
-        self._lock = threading.Lock()
-        self._client: RedisCluster | None = None
-        self._stale = False  # a node timed out or the cluster was down: re-read the slot map
-        self._refreshed_at = 0.0
-
-    def _cluster(self) -> RedisCluster:
-        client = self._client
-        if client is None:
-            with self._lock:
-                if self._client is None:
-                    self._client = RedisCluster(
-                        startup_nodes=self._startup,
-                        retry=_no_retry(),
-                        require_full_coverage=False,
-                        **self._options,
-                    )
-                client = self._client
-        return client
-
-    def route(self, keys: list[Any]) -> tuple[list[tuple[Redis, list[int]]], dict[int, Exception]]:
-        cluster = self._fresh_cluster()
-        groups: dict[str, tuple[Redis, list[int]]] = {}
-        unroutable: dict[int, Exception] = {}
-        for i, key in enumerate(keys):
-            try:
-                node = cluster.get_node_from_key(key)
-            except RedisClusterException as e:  # slot not covered (its master is down)
-                unroutable[i] = e
-                continue
-            group = groups.get(node.name)
-            if group is None:
-                group = groups[node.name] = (cluster.get_redis_connection(node), [])
-            group[1].append(i)
-        return list(groups.values()), unroutable
-
-    def masters(self) -> list[Redis]:
-        cluster = self._fresh_cluster()
-        return [cluster.get_redis_connection(node) for node in cluster.get_primaries()]
-
-    def retry_after(self, error: BaseException) -> bool:
-        """Whether a fresh slot map may fix ``error`` now: the node is gone (refused) or the slot
-        moved. A timeout or CLUSTERDOWN is not retried (that would double the wait) but makes
-        the next call re-read the map, which is how a failed-over hung master is left behind."""
-        if isinstance(error, (RedisTimeoutError, ClusterDownError, TryAgainError)):
-            self._stale = True
-            return False
-        if isinstance(error, (BusyLoadingError, AuthenticationError)):
-            return False
-        return isinstance(error, (RedisConnectionError, MovedError))
-
-    def refresh(self) -> None:
-        self._stale = False
-        self._refreshed_at = time.monotonic()
-        try:
-            self._cluster().nodes_manager.initialize()
-        except Exception:  # noqa: BLE001 - the retried commands report the failure
-            pass
-
-    def _fresh_cluster(self) -> RedisCluster:
-        if self._stale and time.monotonic() - self._refreshed_at > _STALE_REFRESH_S:
-            self.refresh()
-        return self._cluster()
-
-    def close(self) -> None:
-        with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            client.close()
-
-
-def _no_retry() -> Retry:
-    return Retry(NoBackoff(), 0)
 
 
 def _unlink_all(client: Redis, keys: list[bytes]) -> None:

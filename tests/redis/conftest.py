@@ -11,7 +11,7 @@ import pytest
 from connector.tiers.redis_tier import RedisTier
 from connector.tiers.remote_url import parse_remote_url
 
-from .servers import REDIS_CLI, REDIS_SERVER, RedisClusterProcs, RedisServer
+from .servers import REDIS_CLI, REDIS_SERVER, RedisClusterProcs, RedisSentinelGroup, RedisServer
 
 LAYOUT = "test-layout"
 
@@ -29,6 +29,36 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         yield server.start()
     finally:
         server.kill()
+
+
+@pytest.fixture(scope="module")
+def redis_unix_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A server that also listens on a Unix socket (``unix_url``)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis-unix"), unix_socket=True)
+    try:
+        yield server.start()
+    finally:
+        server.kill()
+
+
+@pytest.fixture(scope="module")
+def redis_sentinels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSentinelGroup]:
+    """A master, a replica and three sentinels shared by a module's tests (none is killed)."""
+    group = RedisSentinelGroup(tmp_path_factory.mktemp("sentinel"))
+    try:
+        yield group.start()
+    finally:
+        group.kill()
+
+
+@pytest.fixture
+def private_sentinels(tmp_path: Path) -> Iterator[RedisSentinelGroup]:
+    """Sentinels of the test's own, for tests that kill the master."""
+    group = RedisSentinelGroup(tmp_path / "sentinel")
+    try:
+        yield group.start()
+    finally:
+        group.kill()
 
 
 @pytest.fixture(scope="module")

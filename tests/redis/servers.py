@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,6 +19,8 @@ import redis
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
+# Debian's redis-sentinel package; redis-server --sentinel is the same program when it is missing.
+REDIS_SENTINEL = shutil.which("redis-sentinel")
 OPENSSL = shutil.which("openssl")
 
 
@@ -73,13 +76,20 @@ def free_port() -> int:
 
 class RedisServer:
     def __init__(
-        self, workdir: Path, *args: str, password: str | None = None, tls: Path | None = None
+        self,
+        workdir: Path,
+        *args: str,
+        password: str | None = None,
+        tls: Path | None = None,
+        unix_socket: bool = False,
     ) -> None:
-        """``tls``: a folder with ca.pem, server.pem and server.key; the port then speaks TLS only."""
+        """``tls``: a folder with ca.pem, server.pem and server.key; the port then speaks TLS only.
+        ``unix_socket``: also listen on a socket in a short /tmp folder (a path over 107 bytes fails)."""
         self.workdir = workdir
         self.args = list(args)
         self.password = password
         self.tls = tls
+        self.socket_path = Path(tempfile.mkdtemp(prefix="kvr")) / "redis.sock" if unix_socket else None
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         workdir.mkdir(parents=True, exist_ok=True)
@@ -87,6 +97,11 @@ class RedisServer:
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def unix_url(self) -> str:
+        assert self.socket_path is not None
+        return f"unix://{self.socket_path}?db=0"
 
     def start(self, attempts: int = 5) -> RedisServer:
         """Start on a fresh free port, or on the same port again after ``stop``."""
@@ -107,6 +122,8 @@ class RedisServer:
         cmd += ["--logfile", str(self.workdir / "redis.log")]
         if self.password:
             cmd += ["--requirepass", self.password]
+        if self.socket_path is not None:
+            cmd += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         if self.tls:
             cmd += ["--port", "0", "--tls-port", str(port), "--tls-auth-clients", "no"]
             cmd += [
@@ -169,6 +186,8 @@ class RedisServer:
         except subprocess.TimeoutExpired:
             pass
         self.proc = None
+        if self.socket_path is not None:
+            shutil.rmtree(self.socket_path.parent, ignore_errors=True)
 
     def _signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -274,3 +293,134 @@ def _cluster_ok(server: RedisServer) -> bool:
         and int(info.get("cluster_slots_ok", 0)) == 16384
         and int(info.get("cluster_size", 0)) == 3
     )
+
+
+class RedisSentinelGroup:
+    """A master, one replica and three sentinels (quorum 2) on loopback, as LMCache's Redis page
+    sets them up; ``down_after_ms`` and ``failover_timeout_ms`` are short so a failover takes
+    seconds."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        service: str = "mymaster",
+        down_after_ms: int = 1000,
+        failover_timeout_ms: int = 3000,
+    ) -> None:
+        self.workdir = workdir
+        self.service = service
+        self.down_after_ms = down_after_ms
+        self.failover_timeout_ms = failover_timeout_ms
+        self.master = RedisServer(workdir / "master")
+        self.replica: RedisServer | None = None
+        self.sentinel_ports: list[int] = []
+        self._sentinels: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def servers(self) -> list[RedisServer]:
+        return [s for s in (self.master, self.replica) if s is not None]
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+        return f"redis-sentinel://{hosts}/{self.service}"
+
+    def start(self, timeout_s: float = 30) -> RedisSentinelGroup:
+        assert REDIS_SERVER, "redis-server is not installed (bash scripts/setup.sh)"
+        self.master.start()
+        self.replica = RedisServer(
+            self.workdir / "replica", "--replicaof", "127.0.0.1", str(self.master.port)
+        ).start()
+        for i in range(3):
+            self._start_sentinel(self.workdir / f"sentinel{i}")
+        deadline = time.monotonic() + timeout_s
+        while not self._settled():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sentinels did not settle; log: {self.sentinel_log()[-2000:]}")
+            time.sleep(0.1)
+        return self
+
+    def _start_sentinel(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        conf = folder / "sentinel.conf"  # sentinels rewrite their own file: one each
+        conf.write_text(
+            f"port {port}\nbind 127.0.0.1\ndaemonize no\ndir {folder}\nlogfile {folder / 'sentinel.log'}\n"
+            f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} 2\n"
+            f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}\n"
+            f"sentinel failover-timeout {self.service} {self.failover_timeout_ms}\n"
+            f"sentinel parallel-syncs {self.service} 1\n"
+        )
+        cmd = [REDIS_SENTINEL, str(conf)] if REDIS_SENTINEL else [str(REDIS_SERVER), str(conf), "--sentinel"]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        self._sentinels.append(proc)
+        self.sentinel_ports.append(port)
+
+    def _settled(self) -> bool:
+        """Every sentinel sees the master, its replica and the two other sentinels."""
+        try:
+            for port in self.sentinel_ports:
+                with self.sentinel_client(port) as client:
+                    state = client.sentinel_master(self.service)
+                    if int(state.get("num-slaves", 0)) < 1 or int(state.get("num-other-sentinels", 0)) < 2:
+                        return False
+        except redis.exceptions.RedisError:
+            return False
+        return True
+
+    def sentinel_client(self, port: int | None = None) -> redis.Redis:
+        return redis.Redis(
+            host="127.0.0.1", port=port or self.sentinel_ports[0], socket_timeout=2, socket_connect_timeout=2
+        )
+
+    def master_port(self) -> int:
+        """The master's port according to the first sentinel that answers."""
+        for port in self.sentinel_ports:
+            try:
+                with self.sentinel_client(port) as client:
+                    _, master = client.sentinel_get_master_addr_by_name(self.service)
+                    return int(master)
+            except (redis.exceptions.RedisError, TypeError):
+                continue
+        raise RuntimeError("no sentinel answers")
+
+    def current_master(self) -> RedisServer:
+        port = self.master_port()
+        return next(s for s in self.servers if s.port == port)
+
+    def wait_replicated(self) -> None:
+        with self.current_master().client() as client:
+            client.wait(1, 2000)
+
+    def wait_failover(self, old_port: int, timeout_s: float = 30) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                port = self.master_port()
+            except RuntimeError:
+                port = old_port
+            if port != old_port:
+                return port
+            time.sleep(0.1)
+        raise RuntimeError(f"no failover within {timeout_s} s; log: {self.sentinel_log()[-2000:]}")
+
+    def sentinel_log(self) -> str:
+        logs = sorted(self.workdir.glob("sentinel*/sentinel.log"))
+        return "\n".join(p.read_text(errors="replace") for p in logs)
+
+    def kill(self) -> None:
+        for proc in self._sentinels:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self._sentinels = []
+        for server in self.servers:
+            server.kill()

@@ -1,4 +1,5 @@
-"""The remote tier against a real redis-server and a real 3-master Redis Cluster."""
+"""The remote tier against a real redis-server (over TCP and a Unix socket), a real 3-master
+Redis Cluster, and a master found through real Redis Sentinels."""
 
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ from connector.tiers.redis_tier import RemoteUnavailable
 from .helpers import MB, name, payload
 
 
-@pytest.fixture(params=["single", "cluster"])
+@pytest.fixture(params=["single", "cluster", "unix", "sentinel"])
 def url(request: pytest.FixtureRequest) -> str:
     if request.param == "single":
         return request.getfixturevalue("redis_server").url
+    if request.param == "unix":
+        return request.getfixturevalue("redis_unix_server").unix_url
+    if request.param == "sentinel":
+        return request.getfixturevalue("redis_sentinels").url
     return request.getfixturevalue("redis_cluster").url
 
 
@@ -29,6 +34,10 @@ def raw(url: str, request: pytest.FixtureRequest) -> redis.Redis | redis.RedisCl
     if url.startswith("redis-cluster"):
         host, port = url.split("://")[1].split(",")[0].split(":")
         client: redis.Redis | redis.RedisCluster = redis.RedisCluster(host=host, port=int(port))
+    elif url.startswith("unix"):
+        client = request.getfixturevalue("redis_unix_server").client()
+    elif url.startswith("redis-sentinel"):
+        client = request.getfixturevalue("redis_sentinels").current_master().client()
     else:
         client = request.getfixturevalue("redis_server").client()
     yield client

@@ -1,0 +1,192 @@
+"""The validated shape of KVLens's configuration: every key KVLens honours, its type and default.
+
+``config.py`` reads the sources and ``config_rules.py`` decides what each LMCache key means;
+this module only says what a valid configuration is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
+
+from .engine.eviction import POLICIES
+from .tiers.remote_url import RemoteURL
+
+GB = 1024**3
+MB = 1024**2
+
+
+class ConfigError(ValueError):
+    """A configuration problem, raised once at start-up with the offending key named."""
+
+
+class ExtraConfig(BaseModel):
+    """The ``extra_config`` dict: KVLens's own knobs and the LMCache entries KVLens reads."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    # Report {"num_lmcache_cached_tokens": N} in each response's kv_transfer_params.
+    enable_cache_usage_details_in_response: bool = True
+    # Also store a prompt's unfull last chunk cut to whole vLLM blocks, and let lookups take
+    # the longest stored whole-block prefix of a chunk: hits at block, not chunk, granularity.
+    block_granular_tails: bool = True
+    # How often the scheduler rescans the disk tier for chunks written by other engines.
+    disk_scan_interval_s: float = Field(1.0, gt=0)
+    # A chunk file another engine used for a load within this many seconds is not deleted.
+    disk_shared_grace_s: float = Field(30.0, ge=0)
+    # Longest wait on a slow tier (a disk or remote read, a queued write) before it counts as
+    # failed and the tier is skipped until a probe succeeds.
+    tier_timeout_s: float = Field(5.0, gt=0)
+    # Bytes of chunk writes a background tier may hold queued; beyond, stores are dropped.
+    max_pending_write_bytes: int = Field(512 * MB, gt=0)
+    # Remote tier (remote_url): key prefix (namespace in a shared Redis), TTL of stored chunks
+    # (null: none; let Redis evict with maxmemory-policy), per-operation timeout of data calls,
+    # and the timeout of a lookup's one existence round trip, after which the remote is a miss.
+    remote_key_prefix: str = Field("kvlens", pattern=r"^[A-Za-z0-9_.-]+$")
+    remote_ttl_s: int | None = Field(None, gt=0)
+    remote_timeout_s: float = Field(2.0, gt=0)
+    remote_lookup_timeout_ms: float = Field(50.0, gt=0)
+    # The operator's name for the model's weights (e.g. "llama-3.1-8b-instruct@0e9e39f"), used in
+    # keys instead of a fingerprint of the checkpoint's content: instances that set the same
+    # name share KV, whatever their files. Quantization and dtypes still count.
+    model_identity: str | None = Field(None, min_length=1, max_length=256)
+    # LMCache's tag_keys: names of kv_transfer_params entries whose values become key tags, as
+    # if sent as lmcache.tag.<name> (requests with other values never share KV).
+    tag_keys: tuple[str, ...] = ()
+    # LMCache's Valkey settings, for valkey:// and valkeys:// URLs.
+    valkey_username: str | None = None
+    valkey_password: SecretStr | None = None
+    valkey_database: int | None = Field(None, ge=0)
+    valkey_mode: Literal["standalone", "cluster"] = "standalone"
+    # LMCache's RESP connector credentials, for resp:// URLs.
+    username: str | None = None
+    password: SecretStr | None = None
+
+    @field_validator("tag_keys", mode="before")
+    @classmethod
+    def _tag_keys_are_names(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
+            raise ValueError("must be a list of kv_transfer_params names, e.g. [user]")
+        return value
+
+    @field_validator("valkey_mode", mode="before")
+    @classmethod
+    def _mode_in_any_case(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+
+class KVLensConfig(BaseModel):
+    """Every setting KVLens honours. Unknown keys and wrong types are start-up errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    chunk_size: int = Field(256, gt=0)
+    local_cpu: bool = True
+    max_local_cpu_size: float = Field(5.0, ge=0)  # GB
+    local_disk: str | None = None
+    max_local_disk_size: float = Field(0.0, ge=0)  # GB
+    remote_url: str | None = None
+    # How KV is serialized in the remote store: as-is (LMCache's naive; null means the same).
+    remote_serde: Literal["naive"] | None = "naive"
+    # Which unpinned chunk a full CPU or disk tier evicts first: LRU, LFU, FIFO or MRU (any case).
+    cache_policy: str = "LRU"
+    save_unfull_chunk: bool = False
+    save_decode_cache: bool = False
+    min_retrieve_tokens: int = Field(0, ge=0)
+    priority_limit: int | None = None
+    skip_last_n_tokens: int = Field(0, ge=0)
+    discard_partial_chunks: bool = False
+    force_skip_save: bool = False
+    # Copy a step's loads and stores one layer at a time on a copy thread, beside the forward
+    # pass (a layer's attention waits only for its own layer's loads). On by default, unlike
+    # LMCache: it changes when copies run, never what is stored. CPU KV only (elsewhere the
+    # copies run in the step, as with false).
+    use_layerwise: bool = True
+    # Accepted; loads still complete within the step that needs them (see docs/coming-from-lmcache.md).
+    enable_async_loading: bool = False
+    extra_config: ExtraConfig = ExtraConfig()
+    _remote: RemoteURL | None = PrivateAttr(None)
+    _unused: tuple[str, ...] = PrivateAttr(())
+
+    @field_validator("local_disk")
+    @classmethod
+    def _strip_file_scheme(cls, value: str | None) -> str | None:
+        if value and value.startswith("file://"):
+            value = value[len("file://") :]
+        return value or None
+
+    @field_validator("remote_url")
+    @classmethod
+    def _no_empty_url(cls, value: str | None) -> str | None:
+        return value or None
+
+    @field_validator("cache_policy", mode="before")
+    @classmethod
+    def _policy_in_any_case(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().upper() in POLICIES:
+            return value.strip().upper()
+        raise ValueError(f"must be one of {', '.join(POLICIES)} (any case)")
+
+    @property
+    def remote(self) -> RemoteURL | None:
+        """The parsed ``remote_url`` with credentials and modes from ``extra_config`` applied."""
+        return self._remote
+
+    @property
+    def unused_settings(self) -> tuple[str, ...]:
+        """LMCache settings accepted at load and not used, each with where it came from."""
+        return self._unused
+
+    @model_validator(mode="after")
+    def _budgets_are_possible(self) -> KVLensConfig:
+        if self.local_cpu and self.max_local_cpu_size <= 0:
+            raise ValueError("max_local_cpu_size must be > 0 when local_cpu is true")
+        if self.local_disk and self.max_local_disk_size <= 0:
+            raise ValueError("max_local_disk_size must be > 0 when local_disk is set")
+        if not self.local_cpu and not self.local_disk and not self.remote_url:
+            raise ValueError("no storage tier: set local_cpu: true, local_disk or remote_url")
+        return self
+
+    @property
+    def cpu_budget_bytes(self) -> int:
+        return round(self.max_local_cpu_size * GB) if self.local_cpu else 0
+
+    @property
+    def disk_budget_bytes(self) -> int:
+        return round(self.max_local_disk_size * GB) if self.local_disk else 0
+
+    def tier_names(self) -> tuple[str, ...]:
+        tiers = (("cpu", self.local_cpu), ("disk", bool(self.local_disk)), ("remote", bool(self.remote_url)))
+        return tuple(name for name, on in tiers if on)
+
+    def summary(self) -> dict[str, Any]:
+        """The settings that differ from the defaults, for logs: no password ever."""
+        out = self.model_dump(
+            exclude_defaults=True,
+            exclude={"remote_url": True, "extra_config": {"valkey_password", "password"}},
+        )
+        if self._remote is not None:
+            out["remote_url"] = self._remote.redacted()
+        return out
+
+    @property
+    def saves_partial_chunks(self) -> bool:
+        return self.save_unfull_chunk and not self.discard_partial_chunks
+
+    def check_block_size(self, block_size: int) -> None:
+        if block_size <= 0 or self.chunk_size % block_size:
+            raise ConfigError(
+                f"KVLens config key 'chunk_size' = {self.chunk_size} must be a multiple of "
+                f"vLLM's block size ({block_size})"
+            )

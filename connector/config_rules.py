@@ -1,0 +1,364 @@
+"""From LMCache-style settings to a KVLensConfig, or one error naming every problem.
+
+The rule: a key KVLens reads is validated; an LMCache key or ``extra_config`` entry KVLens has no
+use for is accepted and listed in one warning; a setting that turns on an LMCache feature KVLens
+does not have stops start-up with "not supported by KVLens", naming the setting, where it came
+from and what to use instead; a key neither knows is an unknown key, with the nearest known
+name suggested. Every message is KVLens's own sentence (the validator's are translated), and
+none shows a password.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from pydantic import SecretStr, ValidationError
+
+from .config_keys import (
+    ALIASES,
+    EXTRA_FEATURES,
+    FEATURES,
+    REMOTE_BACKENDS,
+    UNUSED,
+    Feature,
+    canonical,
+    extra_lmcache_knows,
+    lmcache_knows,
+    nearest,
+)
+from .config_model import ConfigError, ExtraConfig, KVLensConfig
+from .config_sentences import describe, short
+from .tiers.remote_url import parse_remote_url, with_credentials, with_database
+
+logger = logging.getLogger("vllm.kvlens")
+
+ENV_PREFIX = "LMCACHE_"
+EXTRA_PREFIX = "lmcache."
+FILE_ENV = "LMCACHE_CONFIG_FILE"
+FORCE_SKIP_ENV = "LMCACHE_FORCE_SKIP_SAVE"
+VLLM_LEVEL_KEYS = ("discard_partial_chunks", "skip_last_n_tokens")
+# vLLM-level keys LMCache's adapter reads that KVLens has no use for.
+LMCACHE_VLLM_LEVEL = ("lmcache_rpc_port",)
+
+FIELDS = frozenset(KVLensConfig.model_fields) - {"extra_config"}
+EXTRA_FIELDS = frozenset(ExtraConfig.model_fields)
+BOOL_FIELDS = frozenset(n for n, f in KVLensConfig.model_fields.items() if f.annotation in (bool, "bool"))
+KNOWN = sorted(FIELDS | set(UNUSED) | set(FEATURES) | set(ALIASES) | {"extra_config"})
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    key: str
+    value: Any
+    source: str  # where it came from, as error messages name it
+    raw: str | None = None  # the environment's text (LMCache reads booleans from the text)
+    vllm_level: bool = False  # a kv_connector_extra_config key without the lmcache. prefix
+    hint: str | None = None  # an LMCACHE_* variable that is not a key: the key's variable it resembles
+
+
+def reads_env_key(key: str) -> bool:
+    """Whether ``LMCACHE_<KEY>`` is read: only for keys KVLens or LMCache knows, as LMCache does."""
+    return key == "extra_config" or key.startswith("extra_config.") or key in FIELDS or lmcache_knows(key)
+
+
+def near_env_key(key: str) -> str | None:
+    """The key whose variable ``LMCACHE_<KEY>`` resembles; LMCache's own LMCACHE_EC_* overrides
+    (the encoder cache's copy of the config) are not typos."""
+    if key.startswith("ec_"):
+        return None
+    return nearest(key, KNOWN, cutoff=0.85)
+
+
+def parse_scalar(raw: str) -> Any:
+    """Text as JSON/YAML data ("256", "null", "{...}"); text YAML cannot read stays text.
+
+    ValueError is an integer past Python's int-to-str digit limit, RecursionError deep nesting.
+    """
+    try:
+        return yaml.safe_load(raw)
+    except (yaml.YAMLError, ValueError, RecursionError):
+        return raw
+
+
+def parse_mapping_text(text: str) -> Any:
+    """An extra_config given as text: JSON, else YAML (``{'use_odirect': True}`` as LMCache's
+    docs write it is YAML, not JSON)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return parse_scalar(text)
+
+
+class _Verdict:
+    """What the checks found: values to validate, settings accepted unused, problems."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+        self.sources: dict[str, str] = {}
+        self.extra: dict[str, Any] = {}
+        self.extra_sources: dict[str, str] = {}
+        self.unused: list[str] = []
+        self.refused: list[str] = []
+        self.unknown: list[str] = []
+        self.invalid: list[str] = []
+        self.has_remote = False  # remote_url is set (remote_serde matters only then)
+
+    def refuse(self, label: str, source: str, feature: Feature, verb: str = "turns on") -> None:
+        self.refused.append(
+            f"{label} (from {source}) {verb} {feature.name}, which is not supported by KVLens; "
+            f"instead: {feature.instead}"
+        )
+
+    def problems(self) -> list[str]:
+        return self.refused + self.unknown + self.invalid
+
+
+def build(layers: list[list[Setting]], env: Mapping[str, str]) -> KVLensConfig:
+    """Merge the layers (later wins, ``extra_config`` entry by entry), check, validate."""
+    v = _Verdict()
+    top: dict[str, Setting] = {}
+    for layer in layers:
+        for s in layer:
+            _place(s, top, v)
+    v.has_remote = "remote_url" in top and bool(top["remote_url"].value)
+    for key, s in top.items():
+        _check_top(key, s, v)
+    for key in list(v.extra):
+        _check_extra(key, v)
+    config = None
+    try:
+        config = KVLensConfig.model_validate({**v.values, "extra_config": v.extra})
+    except ValidationError as e:
+        # Without a refused or unknown key the whole may be fine ("no storage tier" while the
+        # refused remote_url is the tier): say only what is wrong with the values themselves.
+        v.invalid += describe(e, v.sources, v.extra_sources, whole=not (v.refused or v.unknown))
+    if config is not None and (v.refused or v.unknown):
+        config = None
+    if config is not None:
+        config = _with_remote(config, v, env)
+    if config is not None and config.enable_async_loading:
+        v.unused.append(
+            f"enable_async_loading = true (from {v.sources['enable_async_loading']}): accepted; KVLens "
+            "completes a step's loads within that step (layer by layer beside the forward pass with "
+            "use_layerwise), it has no asynchronous load path yet"
+        )
+    if v.problems():
+        raise ConfigError("KVLens cannot start with this configuration: " + "; ".join(v.problems()))
+    assert config is not None
+    config._unused = tuple(v.unused)
+    if v.unused:
+        logger.warning("KVLens accepts and does not use these LMCache settings: %s", "; ".join(v.unused))
+    return config
+
+
+def _place(s: Setting, top: dict[str, Setting], v: _Verdict) -> None:
+    if s.hint is not None:
+        v.unused.append(f"{s.source} (not a configuration key, so not read; did you mean {s.hint}?)")
+        return
+    if s.vllm_level:
+        if s.key in VLLM_LEVEL_KEYS:
+            top[s.key] = s
+        elif s.key in LMCACHE_VLLM_LEVEL:
+            v.unused.append(f"{s.key} (from {s.source})")
+        else:
+            v.unused.append(f"{s.key[:80]} (from {s.source}; KVLens reads lmcache.<key> entries)")
+        return
+    key = s.key.strip().lower()
+    if key == "extra_config":
+        value = parse_mapping_text(s.value) if isinstance(s.value, str) else s.value
+        if not isinstance(value, dict):
+            v.invalid.append(f"extra_config (from {s.source}) must be a mapping of keys, not {short(value)}")
+            return
+        for sub, item in value.items():
+            v.extra[str(sub)] = item
+            v.extra_sources[str(sub)] = s.source
+    elif key.startswith("extra_config."):
+        sub = s.key.strip()[len("extra_config.") :]
+        v.extra[sub] = s.value
+        v.extra_sources[sub] = s.source
+    else:
+        top[key] = s
+
+
+def _check_top(key: str, s: Setting, v: _Verdict) -> None:
+    name = canonical(key)
+    if key in FIELDS:
+        value = _field_value(key, s, v)
+        if value is not _REFUSED:
+            v.values[key] = value
+            v.sources[key] = s.source
+    elif name in FEATURES:
+        feature = FEATURES[name]
+        value = _lmcache_text(s)
+        on = _is_on(feature, value)
+        if on is None:
+            v.invalid.append(f"{key} (from {s.source}) must be true or false, not {short(value)}")
+        elif on:
+            v.refuse(f"{key} = {short(value)}", s.source, feature)
+        else:
+            v.unused.append(f"{key} (from {s.source})")
+    elif name in UNUSED:
+        hint = UNUSED[name]
+        v.unused.append(f"{key} (from {s.source}" + (f"; {hint})" if hint else ")"))
+    else:
+        near = nearest(key, KNOWN)
+        v.unknown.append(
+            f"unknown key {key[:80]!r} (from {s.source}): neither KVLens nor LMCache has it"
+            + (f"; did you mean {near!r}?" if near else "")
+        )
+
+
+_REFUSED = object()
+
+
+def _field_value(key: str, s: Setting, v: _Verdict) -> Any:
+    """The value to validate, read as LMCache reads it; _REFUSED when it turns on what KVLens lacks."""
+    value = s.value
+    if key in BOOL_FIELDS:
+        return _lmcache_bool_field(key, s, v)
+    if key == "remote_serde" and isinstance(value, str):
+        text = value.strip().lower()
+        if text == "naive":
+            return "naive"
+        if not v.has_remote:  # LMCache serializes only for a remote backend: no effect either
+            v.unused.append(f"remote_serde = {short(value)} (from {s.source}; no remote_url)")
+            return "naive"
+        what = "CacheGen compression of remote KV" if text == "cachegen" else f"the {short(value)} serializer"
+        v.refuse(
+            f"remote_serde = {short(value)}",
+            s.source,
+            Feature(what, "remote_serde: naive (or null): KVLens stores KV as it is", bool),
+        )
+        return _REFUSED
+    if key == "cache_policy" and isinstance(value, str) and value.strip().upper() == "COST_AWARE":
+        v.refuse(
+            "cache_policy = 'COST_AWARE'",
+            s.source,
+            Feature("LMCache's cost-aware eviction", "cache_policy: LRU, LFU, FIFO or MRU", bool),
+        )
+        return _REFUSED
+    if key == "remote_url" and isinstance(value, str) and "://" in value:
+        scheme = value.split("://", 1)[0].strip().lower()
+        if scheme in REMOTE_BACKENDS:
+            instead = (
+                "a Redis-protocol store (redis://, rediss://, unix://, valkey://, redis-cluster:// or "
+                "redis-sentinel://)"
+            )
+            if scheme == "fs":
+                instead = "local_disk: <path> (KVLens's disk tier is shared by engines on one filesystem)"
+            feature = Feature(REMOTE_BACKENDS[scheme], instead, bool)
+            v.refuse(f"remote_url {scheme}://...", s.source, feature, verb="points at")
+            return _REFUSED
+    return value
+
+
+def _lmcache_bool_field(key: str, s: Setting, v: _Verdict) -> Any:
+    """LMCache's reading: only true and 1 (any case) are true; other text is false, and said so."""
+    value = _lmcache_text(s)
+    if isinstance(value, bool) or value is None or not isinstance(value, str | int | float):
+        return value
+    try:
+        text = str(value).strip().lower()
+    except ValueError:  # an integer past the int-to-str digit limit
+        return value
+    if text not in ("true", "1", "false", "0"):
+        v.unused.append(f"{key} = {short(value)} (from {s.source}) read as false: only true and 1 are true")
+    return text in ("true", "1")
+
+
+def _lmcache_text(s: Setting) -> Any:
+    """An environment value as LMCache reads it: the text, without one pair of enclosing quotes
+    (its ``_parse_quoted_string``); other sources' values as they are."""
+    if s.raw is None:
+        return s.value
+    text = s.raw.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def _is_on(feature: Feature, value: Any) -> bool | None:
+    try:
+        return bool(feature.on(value))
+    except (ValueError, TypeError, RecursionError):
+        return None
+
+
+def _check_extra(key: str, v: _Verdict) -> None:
+    source = v.extra_sources[key]
+    if key in EXTRA_FIELDS:
+        return
+    value = v.extra.pop(key)
+    feature = EXTRA_FEATURES.get(key)
+    if feature is not None:
+        on = _is_on(feature, value)
+        if on:
+            v.refuse(f"extra_config.{key} = {short(value)}", source, feature)
+            return
+    if not extra_lmcache_knows(key):
+        near = nearest(key, EXTRA_FIELDS, cutoff=0.8)
+        if near is not None:
+            v.unknown.append(
+                f"unknown key 'extra_config.{key[:80]}' (from {source}): not an entry KVLens reads; "
+                f"did you mean 'extra_config.{near}'?"
+            )
+            return
+    v.unused.append(f"extra_config.{key[:80]} (from {source})")
+
+
+def _with_remote(config: KVLensConfig, v: _Verdict, env: Mapping[str, str]) -> KVLensConfig | None:
+    """Parse remote_url with extra_config's Valkey / RESP settings; the URL's timeout becomes
+    remote_timeout_s."""
+    extra = config.extra_config
+    valkey_keys = [k for k in _VALKEY_KEYS if k in v.extra]
+    resp_keys = [k for k in ("username", "password") if k in v.extra]
+    if not config.remote_url:
+        for k in valkey_keys + resp_keys:
+            v.unused.append(f"extra_config.{k} (from {v.extra_sources[k]}; no remote_url)")
+        return config
+    scheme = config.remote_url.split("://", 1)[0].strip().lower()
+    valkey = scheme.startswith("valkey")
+    try:
+        cluster = valkey and extra.valkey_mode == "cluster"
+        url = parse_remote_url(config.remote_url, environ=env, cluster=cluster)
+        if valkey:
+            url = with_credentials(url, extra.valkey_username, _secret(extra.valkey_password))
+            if extra.valkey_database is not None:
+                url = with_database(url, extra.valkey_database)
+        elif scheme == "resp":
+            url = with_credentials(url, extra.username, _secret(extra.password))
+    except ValueError as e:
+        v.invalid.append(f"remote_url (from {v.sources.get('remote_url', 'config')}): {e}")
+        return None
+    ignored = valkey_keys if not valkey else []
+    ignored += resp_keys if scheme != "resp" else []
+    v.unused += [f"extra_config.{k} (from {v.extra_sources[k]}; remote_url is {scheme}://)" for k in ignored]
+    v.unused += [
+        f"remote_url option {name} (KVLens does not retry a failed call: it counts it and skips "
+        "the tier until a probe succeeds)"
+        for name in url.ignored_options
+    ]
+    if url.timeout_s is not None:
+        if "remote_timeout_s" in v.extra and extra.remote_timeout_s != url.timeout_s:
+            v.invalid.append(
+                "remote_url's socket timeout and extra_config.remote_timeout_s "
+                f"(from {v.extra_sources['remote_timeout_s']}) disagree; set one of them"
+            )
+            return None
+        config = config.model_copy(
+            update={"extra_config": extra.model_copy(update={"remote_timeout_s": url.timeout_s})}
+        )
+    config._remote = url
+    return config
+
+
+_VALKEY_KEYS = ("valkey_username", "valkey_password", "valkey_database", "valkey_mode")
+
+
+def _secret(value: SecretStr | None) -> str | None:
+    return value.get_secret_value() if value is not None else None

@@ -1,0 +1,40 @@
+"""Settings accepted at start-up change what the scheduler half does (not only pass validation)."""
+
+from .fakes import BLOCK_BYTES, LAYERS, admit_fully, blocks, cpu_gb, request, scheduler
+
+CHUNK = 2 * BLOCK_BYTES * LAYERS
+
+
+def test_tag_keys_turn_request_parameters_into_key_tags():
+    s = scheduler(extra_config={"tag_keys": ["user"]})
+
+    def namespace(rid, params):
+        return s.prefix.policy(request(rid, [1, 2, 3], kv_transfer_params=params)).namespace
+
+    alice = namespace("a", {"user": "alice"})
+    assert alice == namespace("b", {"lmcache.tag.user": "alice"})
+    assert alice != namespace("c", {"user": "bob"}) and alice != namespace("d", None)
+    prompt = list(range(5000, 5600))
+    admit_fully(s, request("e", prompt, kv_transfer_params={"user": "alice"}), blocks(0, 5))
+    assert s.lookup(request("f", prompt, kv_transfer_params={"user": "bob"}), 0) == 0
+    assert s.lookup(request("g", prompt, kv_transfer_params={"user": "alice"}), 0) == 512
+
+
+def test_cache_policy_chooses_what_the_tiers_evict():
+    prompts = [list(range(p * 1000, p * 1000 + 256)) for p in range(4)]  # one chunk each
+
+    def survivors(policy):
+        s = scheduler(max_local_cpu_size=cpu_gb(3 * CHUNK), cache_policy=policy)
+        for i in (0, 1, 2):
+            admit_fully(s, request(f"w{i}", prompts[i] + [9]), blocks(0, 3))
+        for k in range(3):  # prompt 0 is loaded again and again: the most frequently used
+            reader = request(f"r{k}", prompts[0] + [9])
+            admit_fully(s, reader, blocks(10, 3))
+            s.finish(reader)
+        admit_fully(s, request("w3", prompts[3] + [9]), blocks(0, 3))  # one must go
+        return [bool(s.lookup(request(f"q{i}", prompts[i] + [9]), 0)) for i in range(4)]
+
+    assert survivors("LRU") == [True, False, True, True]  # the least recently used went
+    assert survivors("lfu") == [True, False, True, True]
+    assert survivors("FIFO") == [False, True, True, True]  # the first stored went, read or not
+    assert survivors("MRU") == [False, True, True, True]  # the most recently used went
