@@ -21,8 +21,8 @@ from . import markdown as md
 from .samples import SAMPLE_CHECKS
 
 KNOWN_LANGS = {"bash", "python", "yaml", "json", "promql", "text"}
-# Commands that are not this repository's: their arguments are checked where they name our files.
-EXTERNAL = {"curl", "docker", "openssl", "export", "promtool", "vllm", "kvlens-vllm", "streamlit"}
+# Commands that are not ours and need no check beyond their --kv-transfer-config (vllm) or -d body.
+EXTERNAL = {"curl", "export", "vllm"}
 # python -m targets whose --help would import vLLM's CLI (12 s on the 2-core machine); the serve
 # tests start servers through them, so existence is checked here, not start-up.
 SLOW_HELP = {"connector.launcher"}
