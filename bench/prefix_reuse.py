@@ -5,7 +5,7 @@
 For each of several distinct prompts: cold (computed, KVLens stores), vLLM's own prefix hit
 (the floor), and a KVLens hit after vLLM's prefix cache is flushed. Reports medians and the
 ratios hit/floor and cold/hit. Build a bigger model first for meaningful numbers, e.g.
-`python -m connector.tiny_model /tmp/bench-model --layers 8 --hidden 1024 --heads 16 --kv-heads 8`.
+`python scripts/tiny_model.py /tmp/bench-model --layers 8 --hidden 1024 --heads 16 --kv-heads 8`.
 """
 
 from __future__ import annotations

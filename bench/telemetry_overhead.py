@@ -4,7 +4,7 @@
 
 The default model is the tiny test model, whose requests take only ~30 ms, so that the share
 printed is a worst case; a larger model gives a more realistic share, e.g.
-`python -m connector.tiny_model /tmp/bench-model --layers 8 --hidden 1024 --heads 16 --kv-heads 8`.
+`python scripts/tiny_model.py /tmp/bench-model --layers 8 --hidden 1024 --heads 16 --kv-heads 8`.
 
 One offline engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the connector's
 telemetry can be switched between passes of the same engine; passes alternate on/off in ABBA
@@ -144,7 +144,8 @@ def main() -> None:
 def run(args: argparse.Namespace, sink_port: int) -> None:
     if not Path(args.model, "config.json").exists():
         out = Path(tempfile.mkdtemp(prefix="kvlens-bench-model-"))
-        subprocess.run([sys.executable, "-m", "connector.tiny_model", str(out)], cwd=REPO, check=True)
+        builder = REPO / "scripts" / "tiny_model.py"
+        subprocess.run([sys.executable, str(builder), str(out)], cwd=REPO, check=True)
         args.model = str(out)
     os.environ.update(
         {

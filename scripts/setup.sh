@@ -11,7 +11,7 @@
 # 3. `pip install -e '.[dashboard,redis,test,bench]'` + opentelemetry-exporter-otlp-proto-http
 # 4. Debian packages redis-server, redis-tools (redis-cli), prometheus (with promtool), chromium,
 #    chromium-driver (only those missing; non-fatal)
-# 5. the tiny test model in .run/tiny-model (rebuilt when connector/tiny_model.py changes)
+# 5. the tiny test model in .run/tiny-model (rebuilt when scripts/tiny_model.py changes)
 #
 # Environment: KVLENS_SKIP_APT=1 skips step 4; KVLENS_FORCE_PIP=1 re-runs steps 2-3.
 set -euo pipefail
@@ -204,7 +204,7 @@ fi
 
 # --- 5. tiny model -----------------------------------------------------------------------------
 MODEL_DIR="$KVLENS_TINY_MODEL"
-model_stamp="$(sha256sum connector/tiny_model.py | cut -c1-16)"
+model_stamp="$(sha256sum scripts/tiny_model.py | cut -c1-16)"
 if [ -f "$MODEL_DIR/model.safetensors" ] && [ -f "$MODEL_DIR/.source-sha" ] &&
     [ "$(cat "$MODEL_DIR/.source-sha")" = "$model_stamp" ]; then
     log "tiny model ok ($MODEL_DIR)"
@@ -213,7 +213,7 @@ else
     tmp="$MODEL_DIR.tmp.$$"
     rm -rf "$tmp"
     mkdir -p "$(dirname "$MODEL_DIR")"
-    "$PY" -m connector.tiny_model "$tmp" | sed -e "s#$tmp#$MODEL_DIR#" -e 's/^/    /'
+    "$PY" scripts/tiny_model.py "$tmp" | sed -e "s#$tmp#$MODEL_DIR#" -e 's/^/    /'
     echo "$model_stamp" >"$tmp/.source-sha"
     if [ -d "$MODEL_DIR" ] && diff -rq -x .source-sha "$tmp" "$MODEL_DIR" >/dev/null 2>&1; then
         # Same bytes as before (the builder changed but not its output): keep the directory

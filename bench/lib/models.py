@@ -1,6 +1,6 @@
 """The benchmark models: deterministic random Llamas built locally, once, under ``.run/bench``.
 
-There is no model hub here; ``connector.tiny_model`` writes a checkpoint vLLM loads like any
+There is no model hub here; ``scripts/tiny_model.py`` writes a checkpoint vLLM loads like any
 other. The same arguments give byte-identical files, so a model is rebuilt only when its
 arguments or the builder change (a stamp file records both).
 """
@@ -73,7 +73,7 @@ BENCH_32K = replace(BENCH, name="llama-h1024-l8-32k", max_pos=32768)
 
 
 def _stamp(spec: ModelSpec) -> str:
-    builder = (REPO / "connector" / "tiny_model.py").read_bytes()
+    builder = (REPO / "scripts" / "tiny_model.py").read_bytes()
     return json.dumps({"spec": asdict(spec), "builder_sha256": hashlib.sha256(builder).hexdigest()[:16]})
 
 
@@ -104,7 +104,7 @@ def ensure_model(spec: ModelSpec, root: Path = RUN_DIR / "models") -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         print(f"building the benchmark model {spec.name} in {out} (once)", flush=True)
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        cmd = [sys.executable, "-m", "connector.tiny_model", str(tmp), *spec.builder_args()]
+        cmd = [sys.executable, str(REPO / "scripts" / "tiny_model.py"), str(tmp), *spec.builder_args()]
         subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=BUILD_TIMEOUT_S, stdout=subprocess.DEVNULL)
         (tmp / STAMP).write_text(stamp)
         shutil.rmtree(out, ignore_errors=True)

@@ -22,7 +22,7 @@ def tiny_model(tmp_path_factory) -> str:
     if (built / "model.safetensors").exists() and (built / "config.json").exists():
         return str(built)
     out = tmp_path_factory.mktemp("tiny-model")
-    subprocess.run([sys.executable, "-m", "connector.tiny_model", str(out)], cwd=REPO, check=True)
+    subprocess.run([sys.executable, str(REPO / "scripts" / "tiny_model.py"), str(out)], cwd=REPO, check=True)
     return str(out)
 
 

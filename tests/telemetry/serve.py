@@ -44,7 +44,7 @@ def free_port() -> int:
 
 def build_tiny_model(out: Path) -> str:
     subprocess.run(
-        [sys.executable, "-m", "connector.tiny_model", str(out)],
+        [sys.executable, str(REPO / "scripts" / "tiny_model.py"), str(out)],
         cwd=REPO,
         check=True,
         capture_output=True,

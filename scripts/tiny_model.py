@@ -3,8 +3,10 @@
 No model hub is reachable from the machines this project runs on, so tests, the demo
 and benchmarks use a model made here::
 
-    python -m connector.tiny_model DIR [--layers N --hidden H --heads A --kv-heads K
-                                        --vocab V --seed S --intermediate I --max-pos P]
+    python scripts/tiny_model.py DIR [--layers N --hidden H --heads A --kv-heads K
+                                      --vocab V --seed S --intermediate I --max-pos P]
+
+A test and benchmark tool, kept out of the ``connector`` package that vLLM imports.
 
 The output directory is a normal Hugging Face checkpoint that vLLM loads like any other:
 ``config.json``, ``generation_config.json``, ``model.safetensors`` (bfloat16),
@@ -341,7 +343,7 @@ def _write_json(path: Path, obj) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m connector.tiny_model",
+        prog="python scripts/tiny_model.py",
         description="Write a tiny random-weight Llama model + local tokenizer for vLLM.",
     )
     p.add_argument("dir", help="output directory (created if missing)")
