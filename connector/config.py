@@ -30,7 +30,7 @@ from .config_rules import (
     reads_env_key,
 )
 
-__all__ = ["GB", "MB", "ConfigError", "ExtraConfig", "KVLensConfig", "LMCACHE_KEYS_NOT_USED", "load_config"]
+__all__ = ["GB", "MB", "ConfigError", "ExtraConfig", "KVLensConfig", "load_config"]
 
 # Every LMCache key KVLens accepts without using it, or refuses when it turns a feature on.
 LMCACHE_KEYS_NOT_USED = frozenset(UNUSED) | frozenset(FEATURES)

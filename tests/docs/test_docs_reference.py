@@ -72,6 +72,8 @@ def test_documented_defaults_are_the_defaults(name, shown):
     words = {"true": True, "false": False, "none": None}
     if shown in words:
         assert default is words[shown]
+    elif shown == "empty":
+        assert default is not None and len(default) == 0
     elif re.fullmatch(r"[\d.]+", shown):
         assert float(shown) == default
     elif shown.startswith("`"):
