@@ -141,12 +141,6 @@ def build(layers: list[list[Setting]], env: Mapping[str, str]) -> KVLensConfig:
         config = None
     if config is not None:
         config = _with_remote(config, v, env)
-    if config is not None and config.enable_async_loading:
-        v.unused.append(
-            f"enable_async_loading = true (from {v.sources['enable_async_loading']}): accepted; KVLens "
-            "completes a step's loads within that step (layer by layer beside the forward pass with "
-            "use_layerwise), it has no asynchronous load path yet"
-        )
     if v.problems():
         raise ConfigError("KVLens cannot start with this configuration: " + "; ".join(v.problems()))
     assert config is not None

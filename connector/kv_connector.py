@@ -23,7 +23,7 @@ from .config import load_config
 from .engine.jobs import CPU, DISK, REMOTE, StepPlan
 from .metadata import KVLensMetadata, KVLensWorkerMetadata
 from .scheduler import ConnectorScheduler
-from .vllm_compat import engine_facts, kv_cache_events, model_identity, worker_rank
+from .vllm_compat import block_ids_of, engine_facts, kv_cache_events, model_identity, worker_rank
 from .worker import ConnectorWorker
 
 if TYPE_CHECKING:
@@ -129,8 +129,17 @@ class KVLensConnector(KVConnectorBase_V1):
         self._worker_telemetry.saved(plan, started, self._worker.save(plan))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests vLLM finished (their store records close) and asynchronous loads that did."""
+        assert self._worker is not None
         self._worker_telemetry.finished(finished_req_ids)
-        return None, None
+        received, done = self._worker.take_finished_loads()
+        if done:
+            now = self._worker_telemetry.now()
+            spent = int(sum(outcome.seconds for _, outcome in done) * 1e9)
+            self._worker_telemetry.loaded(
+                StepPlan(loads=[job for job, _ in done]), [o for _, o in done], now - spent
+            )
+        return None, received or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
@@ -146,12 +155,16 @@ class KVLensConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        with self._scheduler_telemetry.lookup(request.request_id):
-            return self._scheduler.lookup(request, num_computed_tokens), False
+        rid = request.request_id
+        with self._scheduler_telemetry.lookup(rid):
+            need = self._scheduler.lookup(request, num_computed_tokens)
+        return need, need > 0 and self._scheduler.loads_async(rid)
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler_telemetry.lookup_final(self._scheduler.after_alloc(request, num_external_tokens))
+        block_ids = block_ids_of(blocks) if num_external_tokens > 0 else None
+        outcome = self._scheduler.after_alloc(request, num_external_tokens, block_ids)
+        self._scheduler_telemetry.lookup_final(outcome)
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int

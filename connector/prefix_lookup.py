@@ -24,6 +24,10 @@ from .scheduler_state import SchedulerState
 
 logger = logging.getLogger("vllm.kvlens")
 
+# Tiers whose loads run outside the step when asynchronous loading is on (a CPU-tier hit is a
+# memory copy, cheaper in the step than a step's round trip).
+SLOW_TIERS = frozenset({DISK, REMOTE})
+
 
 class PrefixLookup:
     def __init__(self, state: SchedulerState) -> None:
@@ -100,7 +104,17 @@ class PrefixLookup:
         if 0 < need < s.config.min_retrieve_tokens:
             need, reason, detail = 0, MissReason.BELOW_MIN_RETRIEVE, None
         s.lookups[rid] = LookupResult(
-            hits, hit_tokens, num_computed_tokens, need, reason, attempts, calls, miss_detail=detail
+            hits,
+            hit_tokens,
+            num_computed_tokens,
+            need,
+            reason,
+            attempts,
+            calls,
+            miss_detail=detail,
+            load_async=bool(need)
+            and s.config.enable_async_loading
+            and any(h.tier in SLOW_TIERS and h.key.end > num_computed_tokens for h in hits),
         )
         if need:
             s.pins.pin(rid, ((s.tiers[h.tier], h.key.hex) for h in hits if h.tier in s.tiers))
@@ -238,11 +252,14 @@ class PrefixLookup:
 
     # ---- the lookup made final ----------------------------------------------------------
     def after_alloc(self, request: Any, num_external_tokens: int) -> LookupResult | None:
-        """vLLM allocated blocks for the request: its lookup is final (None: nothing to track)."""
+        """vLLM allocated blocks for the request: its lookup is final (None: nothing to track,
+        or the schedule that follows an asynchronous load, already counted)."""
         s = self._s
         rid = request.request_id
         s.unfinished[rid] = request
         result = s.lookups.get(rid)
+        if result is not None and result.async_planned:
+            return None
         if result is None:
             if num_external_tokens <= 0:
                 return None

@@ -37,12 +37,16 @@ class Responses:
     def finish(self, request: Any) -> FinishResult:
         s = self._s
         rid = request.request_id
-        s.pins.release(rid)
+        if rid in s.async_loading:  # its chunks are being read: pinned until the workers report
+            s.async_cancels.append(rid)
+        else:
+            s.pins.release(rid)
         if s.remote is not None:
             s.remote.forget(rid)
         s.unfinished.pop(rid, None)
         s.policies.pop(rid, None)
         s.hashers.pop(rid, None)
+        s.async_outcomes.pop(rid, None)
         result = s.lookups.pop(rid, None)
         tracker = s.trackers.pop(rid, None)
         unscheduled = None

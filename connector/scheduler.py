@@ -22,6 +22,7 @@ from .config import KVLensConfig
 from .engine.facts import EngineFacts
 from .engine.jobs import REMOTE, StepPlan
 from .engine.outcomes import LookupOutcome, RequestSummary, TierState, WorkerReport
+from .engine.policy import trace_headers
 from .engine.tracker import StorePolicy
 from .insight_feed import InsightFeed
 from .prefix_lookup import PrefixLookup
@@ -73,11 +74,24 @@ class ConnectorScheduler:
         """Tokens KVLens will load beyond vLLM's hit (side-effect free but for pins)."""
         return self.prefix.lookup(request, num_computed_tokens)
 
-    def after_alloc(self, request: Any, num_external_tokens: int) -> LookupOutcome | None:
+    def loads_async(self, request_id: str) -> bool:
+        """The lookup's tokens load outside the step (the request waits outside the batch)."""
+        result = self.lookups.get(request_id)
+        return result is not None and result.load_async
+
+    def after_alloc(
+        self, request: Any, num_external_tokens: int, block_ids: list[int] | None = None
+    ) -> LookupOutcome | None:
         """vLLM allocated blocks: the lookup is final. Its outcome, for telemetry."""
         result = self.prefix.after_alloc(request, num_external_tokens)
         if result is None:
             return None
+        if result.load_async and result.can_load:  # the request waits while the workers load
+            rid = request.request_id
+            job = self.planner.plan_async_load(rid, result, list(block_ids or ()), trace_headers(request))
+            self.state.async_jobs.append(job)
+            self.state.async_loading.add(rid)
+            result.async_planned = True
         if request.request_id not in self.trackers:  # first schedule (a resumed one is not counted again)
             self.insight.note_references(request, result)
         return self.prefix.outcome(request, result, scheduled=True)
@@ -92,11 +106,15 @@ class ConnectorScheduler:
     def build_plan(self, scheduler_output: Any) -> StepPlan:
         self.state.merge_disk_scan()
         self._step += 1
+        state = self.state
         plan = StepPlan(
-            writes=self.state.take_pending_evictions(),
+            writes=state.take_pending_evictions(),
+            async_loads=state.async_jobs,
+            cancel_async=state.async_cancels,
             step=self._step,
-            reported_through=self.state.reported_through,
+            reported_through=state.reported_through,
         )
+        state.async_jobs, state.async_cancels = [], []
         self.planner.plan(plan, scheduler_output)
         self.block_events.planned(plan)
         plan.drain = not self.unfinished and self.has_pending_work()

@@ -19,10 +19,10 @@ from .engine import cpu_budget
 from .engine.block_events import BlockEvents
 from .engine.facts import EngineFacts
 from .engine.index import PinTable, TierIndex
-from .engine.jobs import CPU, DISK, REMOTE, Eviction
+from .engine.jobs import CPU, DISK, REMOTE, Eviction, LoadJob
 from .engine.keys import PrefixHasher
 from .engine.namespaces import FirstChunkNamespaces
-from .engine.outcomes import FailureReason, TierState
+from .engine.outcomes import FailureReason, LoadOutcome, TierState
 from .engine.policy import RecentlyEvicted, RequestPolicy
 from .engine.suspects import SuspectBlocks, downstream
 from .engine.tails import TailDirectory
@@ -82,6 +82,13 @@ class SchedulerState:
         self.first_chunks = FirstChunkNamespaces()
         self.block_events = BlockEvents(facts.block_size, facts.kv_events and facts.stores)
         self._pending_evictions: list[Eviction] = []
+        # Asynchronous loads: planned (for the next plan), in flight (until every rank reported),
+        # and abandoned by finished requests (for the next plan).
+        self.async_jobs: list[LoadJob] = []
+        self.async_loading: set[str] = set()
+        self.async_cancels: list[str] = []
+        # Settled asynchronous loads, by request: (tokens planned, outcome), until its schedule.
+        self.async_outcomes: dict[str, tuple[int, LoadOutcome]] = {}
         # Blocks loaded (or failed as unloadable) per step whose report has not arrived yet.
         self._unreported_loads: dict[int, frozenset[int]] = {}
         self.reported_through = -1  # the newest step whose report was processed
@@ -117,6 +124,11 @@ class SchedulerState:
             self._pending_evictions.extend(Eviction(tier, n) for n in names)
         if tier == DISK and self.disk_view is not None:
             self.disk_view.note_changed(names)
+
+    def queue_evictions(self, evictions: list[Eviction]) -> None:
+        """Evictions decided between plans: they run first in the next plan."""
+        if self.facts.stores:
+            self._pending_evictions.extend(evictions)
 
     def take_pending_evictions(self) -> list[Eviction]:
         taken, self._pending_evictions = self._pending_evictions, []

@@ -93,7 +93,7 @@ class StepPlanner:
             hasher=s.hashers.get(rid),
             block_ids=list(new.block_ids[0]) if new.block_ids else [],
             computed=min(new.num_computed_tokens + num_scheduled, request.num_tokens),
-            saved_tokens=result.hit_tokens if result else 0,
+            saved_tokens=_saved_at_start(result, new.num_computed_tokens),
             save_skip_reason=policy.save_skip_reason,
             trace_context=trace_headers(request),
             vllm_cached_tokens=result.vllm_cached_tokens if result else 0,
@@ -108,25 +108,57 @@ class StepPlanner:
     def _plan_load(
         self, plan: StepPlan, tracker: RequestTracker, result: LookupResult | None, loaded: set[int]
     ) -> None:
+        settled = self._s.async_outcomes.pop(tracker.request_id, None)
+        if settled is not None:  # loaded outside the step before this schedule
+            tracker.planned_load(settled[0])
+            tracker.record_load(settled[1])
         if result is None:
             return
         tracker.hit_tokens = max(tracker.hit_tokens, result.hit_tokens)
+        if result.async_planned:
+            return
+        job = self._load_job(
+            plan, tracker.request_id, result, tracker.block_ids, tracker.trace_context, loaded
+        )
+        if job is not None:
+            plan.loads.append(job)
+            tracker.planned_load(result.num_external_tokens)
+
+    def plan_async_load(
+        self, request_id: str, result: LookupResult, block_ids: list[int], trace: Any
+    ) -> LoadJob:
+        """The load of a request that waits outside the batch (vLLM's asynchronous load),
+        planned when vLLM allocates its blocks; promotions evict in the next plan."""
+        self._planned = {}
+        scratch = StepPlan()
+        job = self._load_job(scratch, request_id, result, block_ids, trace, set())
+        self._s.queue_evictions(scratch.evictions)
+        chunks = job.chunks if job is not None else ()
+        return LoadJob(request_id, chunks, trace, tuple(scratch.fail_blocks))
+
+    def _load_job(
+        self,
+        plan: StepPlan,
+        request_id: str,
+        result: LookupResult,
+        block_ids: list[int],
+        trace: Any,
+        loaded: set[int],
+    ) -> LoadJob | None:
+        """The chunks to load into ``block_ids`` (None: nothing to load); blocks vLLM allocated
+        for tokens that cannot be loaded go to ``plan.fail_blocks``."""
         bs = self._bs
         if result.unloadable_tokens:
             end = result.load_end + result.unloadable_tokens
-            self._fail_blocks(plan, tracker.block_ids[result.load_end // bs : cdiv(end, bs)], loaded)
+            self._fail_blocks(plan, block_ids[result.load_end // bs : cdiv(end, bs)], loaded)
         if not result.can_load:
-            return
+            return None
         try:
-            chunks = plan_chunk_loads(
-                result.hits, tracker.block_ids, bs, result.vllm_cached_tokens, result.load_end
-            )
+            chunks = plan_chunk_loads(result.hits, block_ids, bs, result.vllm_cached_tokens, result.load_end)
         except ValueError as e:
-            logger.error(
-                "KVLens: request %s: %s; its external tokens are reported failed", tracker.request_id, e
-            )
-            self._fail_blocks(plan, tracker.block_ids[result.vllm_cached_tokens // bs :], loaded)
-            return
+            logger.error("KVLens: request %s: %s; its external tokens are reported failed", request_id, e)
+            self._fail_blocks(plan, block_ids[result.vllm_cached_tokens // bs :], loaded)
+            return None
         sizes = {h.key.hex: h.key.num_tokens for h in result.hits}
         for i, chunk in enumerate(chunks):
             index = self._s.tiers.get(chunk.tier)
@@ -135,8 +167,7 @@ class StepPlanner:
             loaded.update(chunk.block_ids)
             if chunk.tier != CPU:
                 chunks[i] = self._promote(plan, chunk, sizes[chunk.name])
-        plan.loads.append(LoadJob(tracker.request_id, tuple(chunks), tracker.trace_context))
-        tracker.planned_load(result.num_external_tokens)
+        return LoadJob(request_id, tuple(chunks), trace)
 
     def _promote(self, plan: StepPlan, chunk: ChunkLoad, num_tokens: int) -> ChunkLoad:
         """A chunk loaded from disk or the remote is kept in the CPU tier, if it has room."""
@@ -249,3 +280,13 @@ class StepPlanner:
         assert isinstance(job, StoreJob)
         remaining = tuple(t for t in job.tiers if t != tier)
         plan.writes[at] = dataclasses.replace(job, tiers=remaining) if remaining else None  # type: ignore[call-overload]
+
+
+def _saved_at_start(result: LookupResult | None, num_computed: int) -> int:
+    """Chunks ending at or before this are stored: what the lookup found, but not beyond what an
+    asynchronous load, failed in part, left valid (vLLM recomputes the rest; stored again)."""
+    if result is None:
+        return 0
+    if result.async_planned:
+        return min(result.hit_tokens, num_computed)
+    return result.hit_tokens

@@ -206,3 +206,9 @@ def kv_cache_events(events: list[Any]) -> list[Any]:
         else:
             out.append(BlockRemoved(block_hashes=hashes, medium=e.medium))
     return out
+
+
+def block_ids_of(blocks: Any) -> list[int]:
+    """The block ids of vLLM's ``KVCacheBlocks`` for the one KV cache group KVLens supports."""
+    ids = blocks.get_block_ids()
+    return list(ids[0]) if ids else []

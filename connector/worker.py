@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 
+from .async_loads import AsyncLoader
 from .config import ConfigError, KVLensConfig
 from .engine import cpu_budget
 from .engine.facts import EngineFacts
@@ -105,6 +107,7 @@ class ConnectorWorker:
         self._copy_thread: CopyThread | None = None  # with use_layerwise, on CPU: copies beside the forward
         self._step: StepCopies | None = None  # this step's copies, from its first hook to save()
         self._loading: list[_ReadJob] = []  # this step's load jobs, from start_load to finish_load
+        self._async: AsyncLoader | None = None  # loads outside the step, started on first use
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         copier = BlockCopier(kv_caches, num_blocks)
@@ -136,12 +139,72 @@ class ConnectorWorker:
         if plan.awaits_report:  # only steps with loads can fail one; their report always comes
             self._failed_by_step[plan.step] = self._step_failed
             self._report.step = plan.step
+        self._start_async(plan)
         self._loading = [self._read_job(job) for job in plan.loads]
         for job, outcome, _ in self._loading:
             self._report.loads[job.request_id] = outcome
             self._step_failed.update(outcome.failed_block_ids)
             self._failed_blocks.update(outcome.failed_block_ids)
         self._step_of(plan).start_loads([load for _, _, staged in self._loading for _, load, _ in staged])
+
+    # ---- loads outside the step (vLLM's asynchronous loads) --------------------------------
+    def _start_async(self, plan: StepPlan) -> None:
+        if not plan.async_loads and not plan.cancel_async:
+            return
+        if self._async is None:
+            self._async = AsyncLoader(self._load_outside_step)
+        for rid in plan.cancel_async:
+            self._async.cancel(rid)
+        for job in plan.async_loads:
+            self._async.submit(job)
+
+    def _load_outside_step(
+        self, job: LoadJob, effects: list[Callable[[], None]], cancelled: Callable[[], bool]
+    ) -> LoadOutcome:
+        """Read, check and copy a job's chunks on the asynchronous-load thread."""
+        assert self.copier is not None
+        if cancelled():
+            return LoadOutcome(job.request_id)
+        _, outcome, staged = self._read_job(job, effects)
+        outcome.failed_block_ids.extend(job.fail_blocks)
+        started = time.perf_counter()
+        for position, (_, load, _) in enumerate(staged):
+            if cancelled():
+                break
+            try:
+                if load.pairs is not None:  # numpy copies: no GIL and no OpenMP team while bytes move
+                    for layer in load.pairs:
+                        for dst, src in layer:
+                            np.copyto(dst, src)
+                else:
+                    self.copier.scatter(load.payload, load.block_ids, load.first_block)
+            except Exception as e:  # noqa: BLE001 - this chunk on is recomputed
+                self._fail_from(outcome, staged[position:], e)
+                break
+        outcome.seconds += time.perf_counter() - started
+        return outcome
+
+    def take_finished_loads(self) -> tuple[set[str], list[tuple[LoadJob, LoadOutcome]]]:
+        """Asynchronous loads done since the last step: vLLM's ``finished_recving``; their
+        failed blocks go to vLLM with this step's, and their outcomes to the scheduler."""
+        if self._async is None:
+            return set(), []
+        finished: set[str] = set()
+        done: list[tuple[LoadJob, LoadOutcome]] = []
+        for load in self._async.take_finished():
+            assert load.outcome is not None
+            for effect in load.effects:
+                effect()
+            outcome = load.outcome
+            if outcome.cancelled:
+                outcome.failed_block_ids = []  # its request is gone; vLLM frees its blocks now
+            elif outcome.failed:
+                self._failed_blocks.update(outcome.failed_block_ids)
+                self._log_failed_load(load.job, outcome)
+            self._report.loads[load.job.request_id] = outcome
+            finished.add(load.job.request_id)
+            done.append((load.job, outcome))
+        return finished, done
 
     def wait_layer(self, layer_name: str) -> None:
         """Returns once layer ``layer_name``'s loads of this step are in its KV tensor."""
@@ -167,8 +230,11 @@ class ConnectorWorker:
             outcomes.append(outcome)
         return outcomes
 
-    def _read_job(self, job: LoadJob) -> _ReadJob:
-        """Reads and checks a job's chunks; the copies to make for the ones that are usable."""
+    def _read_job(self, job: LoadJob, effects: list[Callable[[], None]] | None = None) -> _ReadJob:
+        """Reads and checks a job's chunks; the copies to make for the ones that are usable.
+
+        ``effects``: off the step thread, what changes the step's state (promotions into
+        faster tiers, the report's store failures) is appended there to run on it later."""
         outcome = LoadOutcome(job.request_id)
         started = time.perf_counter()
         staged: list[_Staged] = []
@@ -180,7 +246,7 @@ class ConnectorWorker:
             if failed:  # recomputed anyway, and no longer trusted as part of this prefix
                 result.reason = FailureReason.PREFIX_FAILED
             else:
-                load = self._read_chunk(chunk, next(reads[chunk.tier]), result)
+                load = self._read_chunk(chunk, next(reads[chunk.tier]), result, effects)
                 if load is not None:
                     outcome.nbytes += self._payload_bytes(chunk)
                     staged.append((result, load, chunk))
@@ -188,11 +254,10 @@ class ConnectorWorker:
             if not result.ok:
                 outcome.failed_block_ids.extend(chunk.block_ids)
                 for tier_name in chunk.promote_to:  # admitted for a copy that never came
-                    self._report.store_failures.append(
-                        StoreFailure(
-                            job.request_id, chunk.name, tier_name, result.reason or FailureReason.IO_ERROR
-                        )
+                    failure = StoreFailure(
+                        job.request_id, chunk.name, tier_name, result.reason or FailureReason.IO_ERROR
                     )
+                    _run_or_defer(effects, lambda f=failure: self._report.store_failures.append(f))
         remote = self.tiers.get(REMOTE)
         if isinstance(remote, BackgroundTier):
             while remote.reads:
@@ -240,7 +305,11 @@ class ConnectorWorker:
         return (_get(tier, name) for name in names)
 
     def _read_chunk(
-        self, chunk: ChunkLoad, first_read: memoryview | BaseException, result: ChunkLoadResult
+        self,
+        chunk: ChunkLoad,
+        first_read: memoryview | BaseException,
+        result: ChunkLoadResult,
+        effects: list[Callable[[], None]] | None = None,
     ) -> BlockLoad | None:
         """One chunk's copy to make, from its tier or, failing that, another usable tier."""
         assert self.copier is not None
@@ -261,10 +330,10 @@ class ConnectorWorker:
             if error is None:
                 result.tier = tier_name
                 self.health[tier_name].succeeded()
-                self._promote(chunk, name, read)  # type: ignore[arg-type]
+                _run_or_defer(effects, lambda read=read: self._promote(chunk, name, read))  # type: ignore[misc]
                 pairs = (
                     None
-                    if self._copy_thread is None
+                    if self._copy_thread is None and effects is None
                     else self.copier.load_pairs(payload, chunk.block_ids, chunk.first_block)
                 )
                 return BlockLoad(payload, chunk.block_ids, chunk.first_block, pairs)
@@ -484,6 +553,9 @@ class ConnectorWorker:
         if self._copy_thread is not None:
             self._copy_thread.close(timeout_s)
             self._copy_thread = None
+        if self._async is not None:
+            self._async.close(timeout_s)
+            self._async = None
         for tier in self._background:
             tier.close(timeout_s)
         cpu = self.tiers.get(CPU)
@@ -499,3 +571,10 @@ def _get(tier: Tier | BackgroundTier, name: str) -> memoryview | BaseException:
         return tier.get(name)
     except Exception as e:  # noqa: BLE001 - a failed read is a value the caller classifies
         return e
+
+
+def _run_or_defer(effects: list[Callable[[], None]] | None, effect: Callable[[], None]) -> None:
+    if effects is None:
+        effect()
+    else:
+        effects.append(effect)

@@ -18,6 +18,7 @@ class WorkerFeedback:
         self._responses = responses
         self._insight = insight
         self.pending_writes = 0  # queued background writes on the busiest rank, as last reported
+        self._partial: dict[str, LoadOutcome] = {}  # asynchronous loads some ranks reported
 
     def apply(self, report: WorkerReport) -> dict[str, int]:
         """Apply one report; returns, per failed load, the tokens vLLM recomputes."""
@@ -32,6 +33,9 @@ class WorkerFeedback:
         if report.step is not None:
             s.loads_reported(report.step)
         for rid, outcome in report.loads.items():
+            if rid in s.async_loading:
+                self._async_reported(rid, outcome, recomputed)
+                continue
             s.pins.release(rid)
             self._forget_failed_load(outcome)
             tracker = s.trackers.get(rid) or self._responses.late_tracker(rid)
@@ -50,6 +54,33 @@ class WorkerFeedback:
         if report.pending_writes is not None:
             self.pending_writes = report.pending_writes
         return recomputed
+
+    def _async_reported(self, rid: str, outcome: LoadOutcome, recomputed: dict[str, int]) -> None:
+        """A rank finished an asynchronous load; once every rank has, it is settled like a load
+        in the step, and kept for the request's first schedule (it has no tracker before)."""
+        s = self._s
+        partial = self._partial.pop(rid, None)
+        if partial is not None:
+            partial.merge(outcome)
+            outcome = partial
+        if outcome.ranks < s.facts.world_size:
+            self._partial[rid] = outcome
+            return
+        s.async_loading.discard(rid)
+        s.pins.release(rid)
+        self._forget_failed_load(outcome)
+        s.suspects.add(outcome.failed_block_ids)
+        loaded = outcome.tokens_by_tier()
+        self._insight.loaded(loaded)
+        result = s.lookups.get(rid)
+        planned = result.num_external_tokens if result is not None else 0
+        tracker = s.trackers.get(rid)
+        if tracker is not None:  # scheduled before every rank's report came (never, with vLLM)
+            tracker.record_load(outcome)
+        elif not outcome.cancelled:  # for the request's schedule (a failed load looks it up again)
+            s.async_outcomes[rid] = (planned, outcome)
+        if outcome.failed and not outcome.cancelled:
+            recomputed[rid] = max(planned - sum(loaded.values()), 0)
 
     def _forget_failed_load(self, outcome: LoadOutcome) -> None:
         """A failed chunk and every later chunk of that prefix in the same tier leave the index."""

@@ -26,6 +26,9 @@ class LoadJob:
     request_id: str
     chunks: tuple[ChunkLoad, ...]
     trace_context: Mapping[str, str] | None = None
+    # Blocks vLLM allocated for tokens this job cannot supply: reported failed with its outcome
+    # (asynchronous loads; a step's plan carries them in ``fail_blocks``).
+    fail_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +66,10 @@ class StepPlan:
     writes: list[StoreJob | Eviction] = field(default_factory=list)
     fail_blocks: list[int] = field(default_factory=list)
     drain: bool = False  # no request is running: let background writes finish and report
+    # Loads that run outside the step (vLLM's asynchronous loads: the request waits in
+    # WAITING_FOR_REMOTE_KVS) and requests whose asynchronous load is abandoned (aborted).
+    async_loads: list[LoadJob] = field(default_factory=list)
+    cancel_async: list[str] = field(default_factory=list)
     step: int = 0  # the scheduler's step number (plans are numbered in the order built)
     # The newest step whose report the scheduler had processed when it built this plan: no
     # later store depends on loads of that step or before (workers forget their failures).

@@ -124,6 +124,8 @@ class LoadOutcome:
     nbytes: int = 0
     seconds: float = 0.0
     remote_calls: list[RemoteCall] = field(default_factory=list)
+    ranks: int = 1  # how many ranks' outcomes are merged in (asynchronous loads report apart)
+    cancelled: bool = False  # an asynchronous load abandoned because its request finished
 
     @property
     def failed(self) -> bool:
@@ -154,6 +156,8 @@ class LoadOutcome:
         self.nbytes += other.nbytes
         self.seconds = max(self.seconds, other.seconds)
         self.remote_calls.extend(other.remote_calls)
+        self.ranks += other.ranks
+        self.cancelled = self.cancelled or other.cancelled
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,10 @@ class LookupResult:
     can_load: bool = False  # set once vLLM allocated blocks for the external tokens
     unloadable_tokens: int = 0  # external tokens vLLM allocated beyond what KVLens can load
     miss_detail: dict[str, Any] | None = None  # e.g. the tier and age of an eviction
+    # Asynchronous load (a chunk on a slow tier): the request waits outside the batch while
+    # the workers load (its outcome waits in the scheduler state for the request's schedule).
+    load_async: bool = False
+    async_planned: bool = False
 
     @property
     def load_end(self) -> int:

@@ -51,7 +51,6 @@ EXPECTED: dict[str, Expect] = {
     "ci_async": warns(
         "extra_config.lookup_backoff_time",
         "extra_config.use_odirect",
-        "enable_async_loading = true",
         tiers=("disk",),
     ),
     "ci_dummy": starts(),

@@ -1,0 +1,113 @@
+"""Asynchronous loads (`enable_async_loading: true`) on a real `vllm serve` with a real Redis:
+a request whose chunks are in Redis waits outside the batch while they load, and comes back
+with vLLM's own output; a load that outlasts the tier timeout is recomputed; a request aborted
+while it waits leaves no pin, tracker or load behind."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+
+import pytest
+
+from ..telemetry.serve import prompt_tokens, sample, wait_until
+from .slow_proxy import SlowProxy
+from .test_serve_remote import loaded, remote_only, serve, text, writes_landed
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def setup(server_factory_module, tiny_model, tmp_path_factory):
+    redis = server_factory_module()
+    proxy = SlowProxy(redis.port)
+    # the proxy's hop costs more than a lookup's default 50 ms on a busy machine
+    kv = remote_only(proxy.url, remote_key_prefix="async", remote_lookup_timeout_ms=1000)
+    kv["kv_connector_extra_config"]["lmcache.enable_async_loading"] = True
+    srv = serve(tiny_model, tmp_path_factory.mktemp("async-loads"), "async", kv)
+    try:
+        yield proxy, srv
+    finally:
+        srv.stop()
+        proxy.close()
+
+
+def stored(srv, seed: int) -> tuple[list[int], dict]:
+    prompt = prompt_tokens(700, seed)
+    cold = srv.complete(prompt, max_tokens=8)
+    writes_landed(srv)
+    srv.reset_prefix_cache()
+    return prompt, cold
+
+
+def idle(srv) -> None:
+    """Nothing left pinned, tracked or loading."""
+    wait_until(
+        lambda: all(
+            sample(srv.samples(), f"vllm:kvlens_{gauge}") == 0
+            for gauge in ("pinned_requests", "request_trackers", "load_specs")
+        ),
+        timeout=30,
+        what="no pins, trackers or lookups left",
+    )
+
+
+def test_a_redis_hit_loads_outside_the_batch_with_vllms_own_output(setup):
+    _, srv = setup
+    prompt, cold = stored(srv, 41)
+    hit = srv.complete(prompt, max_tokens=8)
+    assert loaded(hit) == {"remote": 640} and text(hit) == text(cold)
+    idle(srv)
+
+
+def test_a_load_that_outlasts_the_tier_timeout_is_recomputed_and_the_batch_goes_on(setup):
+    proxy, srv = setup
+    prompt, cold = stored(srv, 42)
+    other = prompt_tokens(300, 142)
+    proxy.delay_s = 8.0  # longer than tier_timeout_s (5 s): the load times out
+    decoded: list[dict] = []
+    try:
+        waiter = threading.Thread(target=lambda: decoded.append(srv.complete(prompt, max_tokens=8)))
+        waiter.start()
+        time.sleep(1.0)
+        started = time.monotonic()
+        beside = srv.complete(other, max_tokens=16)  # runs while the first waits for its KV
+        beside_s = time.monotonic() - started
+        waiter.join(60)
+    finally:
+        proxy.delay_s = 0.0
+    assert beside["choices"][0]["text"] is not None and beside_s < 4.0
+    (out,) = decoded
+    assert text(out) == text(cold)
+    usage = out["kv_transfer_params"]["kvlens"]
+    assert usage["failed_blocks"] > 0 and usage["miss_reason"] == "load_failed"
+    assert usage["recomputed_tokens"] > 0
+    idle(srv)
+
+
+def test_a_request_aborted_while_its_kv_loads_leaves_nothing_behind(setup):
+    proxy, srv = setup
+    prompt, cold = stored(srv, 43)
+    proxy.delay_s = 3.0
+    try:
+        host, port = srv.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        time.sleep(1.0)  # the request now waits for its KV
+        conn.close()  # the client goes away: vLLM aborts the request
+        time.sleep(0.5)
+    finally:
+        proxy.delay_s = 0.0
+    idle(srv)
+
+    def served_from_redis() -> bool:  # the engine serves on: from Redis once the tier is healthy
+        srv.reset_prefix_cache()
+        again = srv.complete(prompt, max_tokens=8)
+        assert text(again) == text(cold)
+        return loaded(again) == {"remote": 640}
+
+    wait_until(served_from_redis, timeout=90, interval=1.0, what="served from Redis again")
+    idle(srv)

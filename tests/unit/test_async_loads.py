@@ -1,0 +1,177 @@
+"""Asynchronous loads: a request whose chunks sit on a slow tier waits outside the batch while
+the worker reads and copies them, as vLLM's connector API lets a load do (``load_kv_async``,
+``WAITING_FOR_REMOTE_KVS``, ``finished_recving``). Both halves are real; vLLM's scheduler is
+stood in for by the test, in its order of calls."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import torch
+
+from connector.config import load_config
+from connector.engine.facts import EngineFacts
+from connector.engine.jobs import DISK
+from connector.kv_blocks import BlockCopier
+from connector.scheduler import ConnectorScheduler
+from connector.worker import ConnectorWorker
+
+from .fakes import request, step
+
+BS, CHUNK, LAYERS, HEADS, HEAD, NUM_BLOCKS = 16, 32, 2, 2, 8, 64
+PROMPT = list(range(1000, 1072))  # two whole chunks and half a block
+
+
+class Engine:
+    def __init__(self, disk, **extra) -> None:
+        storage = torch.randn(LAYERS, NUM_BLOCKS, HEADS, BS, 2 * HEAD)
+        self.kv = {f"model.layers.{i}.self_attn.attn": storage[i] for i in range(LAYERS)}
+        block_bytes = BlockCopier(self.kv, NUM_BLOCKS).block_bytes
+        facts = EngineFacts("m", "float32", BS, LAYERS, block_bytes, "layout", 1, "kv_both")
+        settings = {
+            "lmcache.chunk_size": CHUNK,
+            "lmcache.local_cpu": False,
+            "lmcache.local_disk": str(disk),
+            "lmcache.max_local_disk_size": 0.1,
+            "lmcache.enable_async_loading": True,
+            **{f"lmcache.{k}": v for k, v in extra.items()},
+        }
+        config = load_config(settings, env={})
+        self.sched = ConnectorScheduler(config, facts)
+        self.worker = ConnectorWorker(config, facts, rank=0)
+        self.worker.register(self.kv, NUM_BLOCKS)
+        self.invalid: set[int] = set()
+
+    def step(self, output=None):
+        """One engine step: plan, run, and vLLM's update from the worker's output."""
+        plan = self.sched.build_plan(output or step())
+        w = self.worker
+        w.start_load(plan)
+        w.finish_load()
+        w.save(plan)
+        received, _ = w.take_finished_loads()
+        self.invalid |= w.take_failed_blocks()
+        report = w.take_report()
+        if report is not None:
+            self.sched.on_worker_report(report)
+        return plan, received
+
+    def until_received(self, rid: str, timeout_s: float = 10.0) -> int:
+        deadline = time.monotonic() + timeout_s
+        steps = 0
+        while time.monotonic() < deadline:
+            steps += 1
+            _, received = self.step()
+            if rid in received:
+                return steps
+            time.sleep(0.01)
+        raise AssertionError(f"{rid} never finished loading")
+
+    def blocks(self, ids):
+        return torch.stack([t[list(ids)] for t in self.kv.values()])
+
+
+def stored(engine: Engine) -> torch.Tensor:
+    """Request a computes and stores PROMPT's chunks in blocks 0-3; their KV."""
+    a = request("a", PROMPT)
+    assert engine.sched.lookup(a, 0) == 0
+    engine.sched.after_alloc(a, 0)
+    engine.step(step(new=[(a, range(0, 5), 0)], num_scheduled={"a": 72}))
+    assert engine.worker.flush(10)
+    engine.sched.finish(a)
+    engine.step()  # the writes' report
+    return engine.blocks(range(0, 4)).clone()
+
+
+def test_a_disk_hit_loads_outside_the_batch_and_the_request_resumes_with_it(tmp_path):
+    e = Engine(tmp_path)
+    kv = stored(e)
+    b = request("b", PROMPT)
+    assert e.sched.lookup(b, 0) == 64 and e.sched.loads_async("b")
+    assert e.sched.after_alloc(b, 64, list(range(20, 26))).external_tokens == 64
+    plan, _ = e.step()
+    assert [j.request_id for j in plan.async_loads] == ["b"] and not plan.loads
+    e.until_received("b")
+    assert torch.equal(e.blocks(range(20, 24)), kv) and not e.invalid
+    assert e.sched.tiers[DISK].pinned_keys == 0  # pins held only until the load was reported
+    # vLLM schedules it now, as a new request with the loaded tokens computed
+    assert e.sched.after_alloc(b, 0) is None  # counted once, at the first allocation
+    plan, _ = e.step(step(new=[(b, range(20, 26), 64)], num_scheduled={"b": 8}))
+    assert not plan.loads and not plan.async_loads
+    assert not [j for j in plan.stores if j.num_tokens == CHUNK]  # its whole chunks are stored already
+    usage = e.sched.finish(b).params["kvlens"]
+    assert usage["loaded_tokens"] == {DISK: 64} and usage["failed_blocks"] == 0
+
+
+def test_a_failed_asynchronous_load_reports_its_blocks_with_the_finish_and_heals(tmp_path):
+    e = Engine(tmp_path)
+    stored(e)
+    for name in sorted(os.listdir(tmp_path)):
+        if name.endswith(".kvlens"):
+            with open(tmp_path / name, "r+b") as f:  # every chunk turns corrupt
+                f.seek(-4, os.SEEK_END)
+                f.write(b"\xff\xff\xff\xff")
+    b = request("b", PROMPT)
+    e.sched.lookup(b, 0)
+    e.sched.after_alloc(b, 64, list(range(20, 26)))
+    e.until_received("b")
+    assert e.invalid == {20, 21, 22, 23}  # with finished_recving: vLLM recomputes them
+    assert len(e.sched.tiers[DISK]) == 0  # the damaged chunks left the index
+    # vLLM reschedules b with nothing computed; it recomputes and stores good copies
+    plan, _ = e.step(step(new=[(b, range(20, 26), 0)], num_scheduled={"b": 72}))
+    assert [j.num_tokens for j in plan.stores][:2] == [CHUNK, CHUNK]
+    assert e.sched.finish(b).params["kvlens"]["failed_blocks"] == 4
+
+
+def test_an_aborted_request_keeps_its_pins_until_its_load_is_reported_then_frees_everything(tmp_path):
+    e = Engine(tmp_path)
+    stored(e)
+    b = request("b", PROMPT)
+    e.sched.lookup(b, 0)
+    e.sched.after_alloc(b, 64, list(range(20, 26)))
+    e.sched.finish(b)  # aborted while waiting for its KV
+    assert e.sched.tiers[DISK].pinned_keys == 2  # the worker may still be reading them
+    plan, received = e.step()
+    assert plan.cancel_async == [] or "b" in plan.cancel_async
+    if "b" not in received:
+        e.until_received("b")  # reported, so that vLLM frees its blocks
+    assert e.sched.tiers[DISK].pinned_keys == 0 and not e.invalid
+    assert e.sched.sizes()["pinned_requests"] == 0 and not e.sched.state.async_loading
+
+
+def test_an_asynchronous_load_is_settled_once_every_rank_has_reported(tmp_path):
+    from connector.engine.outcomes import ChunkLoadResult, LoadOutcome, WorkerReport
+
+    e = Engine(tmp_path)
+    stored(e)
+    e.sched.state.facts = dataclasses.replace(e.sched.state.facts, world_size=2)  # two ranks report
+    b = request("b", PROMPT)
+    e.sched.lookup(b, 0)
+    e.sched.after_alloc(b, 64, list(range(20, 26)))
+    job = e.sched.build_plan(step()).async_loads[0]
+
+    def rank_outcome() -> LoadOutcome:
+        out = LoadOutcome("b")
+        for c in job.chunks:
+            out.chunks.append(ChunkLoadResult(c.name, c.tier, c.num_tokens, tier=c.tier))
+        return out
+
+    e.sched.on_worker_report(WorkerReport(loads={"b": rank_outcome()}))
+    assert "b" in e.sched.state.async_loading and "b" not in e.sched.state.async_outcomes
+    e.sched.on_worker_report(WorkerReport(loads={"b": rank_outcome()}))
+    assert "b" not in e.sched.state.async_loading
+    _, settled = e.sched.state.async_outcomes["b"]
+    assert settled.tokens_by_tier() == {DISK: 64}  # loaded on both ranks
+
+
+def test_cpu_tier_hits_and_the_setting_off_stay_in_the_step(tmp_path):
+    e = Engine(tmp_path, enable_async_loading=False)
+    stored(e)
+    b = request("b", PROMPT)
+    assert e.sched.lookup(b, 0) == 64 and not e.sched.loads_async("b")
+    e2 = Engine(tmp_path / "x", local_cpu=True, max_local_cpu_size=0.1)
+    stored(e2)
+    c = request("c", PROMPT)
+    assert e2.sched.lookup(c, 0) == 64 and not e2.sched.loads_async("c")  # found in the CPU tier
