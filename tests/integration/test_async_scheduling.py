@@ -19,8 +19,18 @@ LONG_A = w.A + w.tokens(20, 1300)  # 2,000 tokens: the first 640 are stored by r
 ENGINE = {"async_scheduling": True, "max_num_batched_tokens": 256, "max_num_seqs": 4}
 
 
+COMMON = {"async_scheduling": True, "engine": ENGINE}
+
+
 @pytest.fixture(scope="module")
-def runs(tiny_model, tmp_path_factory):
+def alone(tiny_model, tmp_path_factory):
+    """vLLM without KVLens, same settings."""
+    spec = {**COMMON, "model": tiny_model, "kv": None, "rounds": [{"prompts": [w.A]}, {"prompts": [LONG_A]}]}
+    return run_engine(spec, tmp_path_factory.mktemp("b"))
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["loads-in-step", "async-loads"])
+def runs(request, alone, tiny_model, tmp_path_factory):
     disk = str(tmp_path_factory.mktemp("kv-async"))
     rounds = [
         {"prompts": [w.A]},
@@ -30,13 +40,9 @@ def runs(tiny_model, tmp_path_factory):
         {"prompts": [LONG_A]},  # served from what round 1 stored
         {"prompts": [LONG_A]},
     ]
-    common = {"model": tiny_model, "async_scheduling": True, "engine": ENGINE}
-    kvlens = run_engine({**common, "kv": disk_kv(disk), "rounds": rounds}, tmp_path_factory.mktemp("a"))
-    alone = run_engine(
-        {**common, "kv": None, "rounds": [{"prompts": [w.A]}, {"prompts": [LONG_A]}]},
-        tmp_path_factory.mktemp("b"),
-    )
-    return kvlens, alone
+    kv = disk_kv(disk, enable_async_loading=request.param)
+    spec = {**COMMON, "model": tiny_model, "kv": kv, "rounds": rounds}
+    return run_engine(spec, tmp_path_factory.mktemp("a")), alone
 
 
 def test_the_failed_load_is_reported_and_recomputed(runs):
