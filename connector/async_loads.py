@@ -47,6 +47,7 @@ class AsyncLoader:
         self._lock = threading.Lock()
         self._active: dict[str, AsyncLoad] = {}  # submitted, not taken back yet
         self._finished: list[AsyncLoad] = []
+        self._done = threading.Event()  # set when a load finishes, cleared when taken
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -66,9 +67,17 @@ class AsyncLoader:
         if load is not None:
             load.cancelled = True
 
+    def wait_finished(self, timeout_s: float) -> None:
+        """Block (without the GIL) until a load finishes or ``timeout_s`` passes: an engine
+        whose only work is waiting for loads would otherwise spin empty steps that take the
+        interpreter from the loading thread."""
+        if self._active:
+            self._done.wait(timeout_s)
+
     def take_finished(self) -> list[AsyncLoad]:
         with self._lock:
             done, self._finished = self._finished, []
+            self._done.clear()
             for load in done:
                 self._active.pop(load.job.request_id, None)
         return done
@@ -87,6 +96,7 @@ class AsyncLoader:
             load.outcome.cancelled = load.cancelled
             with self._lock:
                 self._finished.append(load)
+                self._done.set()
 
     def alive(self) -> bool:
         return self._thread.is_alive()

@@ -132,7 +132,9 @@ class KVLensConnector(KVConnectorBase_V1):
         """Requests vLLM finished (their store records close) and asynchronous loads that did."""
         assert self._worker is not None
         self._worker_telemetry.finished(finished_req_ids)
-        received, done = self._worker.take_finished_loads()
+        meta = getattr(self, "_connector_metadata", None)  # bound until the step's end
+        idle = isinstance(meta, KVLensMetadata) and meta.plan.idle
+        received, done = self._worker.take_finished_loads(idle)
         if done:
             now = self._worker_telemetry.now()
             spent = int(sum(outcome.seconds for _, outcome in done) * 1e9)

@@ -118,6 +118,7 @@ class ConnectorScheduler:
         self.planner.plan(plan, scheduler_output)
         self.block_events.planned(plan)
         plan.drain = not self.unfinished and self.has_pending_work()
+        plan.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         self.insight.measure_step(scheduler_output, bool(plan.loads))
         return plan
 

@@ -49,6 +49,7 @@ _Staged = tuple[ChunkLoadResult, BlockLoad, ChunkLoad]  # a chunk read and check
 _ReadJob = tuple[LoadJob, LoadOutcome, list[_Staged]]
 
 DRAIN_WAIT_S = 0.05  # an idle engine's empty step waits this long for background writes
+IDLE_WAIT_S = 0.01  # a step that computed nothing waits this long for an asynchronous load
 
 
 class ConnectorWorker:
@@ -184,11 +185,14 @@ class ConnectorWorker:
         outcome.seconds += time.perf_counter() - started
         return outcome
 
-    def take_finished_loads(self) -> tuple[set[str], list[tuple[LoadJob, LoadOutcome]]]:
+    def take_finished_loads(self, idle: bool = False) -> tuple[set[str], list[tuple[LoadJob, LoadOutcome]]]:
         """Asynchronous loads done since the last step: vLLM's ``finished_recving``; their
-        failed blocks go to vLLM with this step's, and their outcomes to the scheduler."""
+        failed blocks go to vLLM with this step's, and their outcomes to the scheduler. In a
+        step that computed nothing, wait a little for one to finish instead of spinning."""
         if self._async is None:
             return set(), []
+        if idle:
+            self._async.wait_finished(IDLE_WAIT_S)
         finished: set[str] = set()
         done: list[tuple[LoadJob, LoadOutcome]] = []
         for load in self._async.take_finished():

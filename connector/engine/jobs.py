@@ -66,6 +66,7 @@ class StepPlan:
     writes: list[StoreJob | Eviction] = field(default_factory=list)
     fail_blocks: list[int] = field(default_factory=list)
     drain: bool = False  # no request is running: let background writes finish and report
+    idle: bool = False  # nothing computes in this step (vLLM steps while requests wait for KV)
     # Loads that run outside the step (vLLM's asynchronous loads: the request waits in
     # WAITING_FOR_REMOTE_KVS) and requests whose asynchronous load is abandoned (aborted).
     async_loads: list[LoadJob] = field(default_factory=list)
