@@ -143,11 +143,13 @@ class ConnectorWorker:
         self.start_load(plan)
         return self.finish_load()
 
-    def start_load(self, plan: StepPlan) -> None:
+    def start_load(self, plan: StepPlan, layer_hooks: bool = True) -> None:
         """Reads every chunk the step loads and starts copying them in, layer by layer.
 
         Which chunks fail (missing, corrupt, a tier down) is known when this returns; the
         copies run beside the forward pass (``wait_layer``) and are done after ``finish_load``.
+        ``layer_hooks=False``: vLLM will not call ``wait_layer`` in this step (a full CUDA
+        graph), so the forward pass comes after every load.
         """
         self._write_before(plan)
         self._step_failed = set(plan.fail_blocks)
@@ -164,7 +166,7 @@ class ConnectorWorker:
             self._failed_blocks.update(outcome.failed_block_ids)
         step = self._step_of(plan)
         step.start_loads([load for _, _, staged in self._loading for _, load, _ in staged])
-        if not self.config.use_layerwise:
+        if not self.config.use_layerwise or not layer_hooks:
             step.wait_all()  # every layer before the first
 
     def wait_layer(self, layer_name: str) -> None:

@@ -271,3 +271,35 @@ def test_a_device_that_never_finishes_fails_the_stores_instead_of_hanging(monkey
     assert failure.name == NAME and failure.reason == FailureReason.IO_ERROR
     assert "did not finish" in failure.detail
     assert isinstance(w._runner, CudaCopyStream)  # copying in the step would wait on the same device
+
+
+def test_a_step_run_as_a_full_cuda_graph_has_every_load_in_before_it_starts():
+    """vLLM skips wait_for_layer_load inside a full CUDA graph: the graph must wait for all."""
+    caches = cpu_layout()
+    gpu = FakeGpu(prefer="forward")
+    w = device_worker(caches, gpu)
+    store_step(w)
+    gpu.run()
+    w.take_report()
+    for t in caches.values():
+        t[8:10] = 0
+    plan = StepPlan(loads=[LoadJob("b", (ChunkLoad(NAME, CPU, (8, 9), 0, 32),))])
+    w.start_load(plan, layer_hooks=False)
+    seen = []
+    gpu.launch(lambda: seen.append({n: t[8:10].clone() for n, t in caches.items()}))  # the graph
+    gpu.run()
+    for n, t in caches.items():
+        assert torch.equal(seen[0][n], t[[2, 5]])
+
+
+def test_only_a_full_cuda_graph_step_skips_the_layer_hooks():
+    from enum import Enum
+    from types import SimpleNamespace
+
+    from connector.vllm_compat import attention_in_full_graph
+
+    Mode = Enum("CUDAGraphMode", "NONE PIECEWISE FULL")  # vLLM's runtime modes, by name
+    assert attention_in_full_graph(SimpleNamespace(cudagraph_runtime_mode=Mode.FULL))
+    assert not attention_in_full_graph(SimpleNamespace(cudagraph_runtime_mode=Mode.PIECEWISE))
+    assert not attention_in_full_graph(SimpleNamespace(cudagraph_runtime_mode=Mode.NONE))
+    assert not attention_in_full_graph(SimpleNamespace())  # a vLLM without the attribute
