@@ -130,7 +130,6 @@ class BlockCopier:
             if layer.tensor.dtype != self.dtype or layer.tensor.shape != first.shape:
                 raise ValueError("KVLens needs every layer's KV tensor to have one shape and dtype")
         self.rows = self.layers[0].flat is not None  # blocks are copied as rows (else by index)
-        self.row_dtype = self.layers[0].flat.dtype if self.layers[0].flat is not None else torch.uint8
         # copies to and from CUDA are queued (asynchronous) and go through page-locked memory
         self.asynchronous = self.device.type == "cuda"
         self._indexes: dict[tuple[object, ...], torch.Tensor] = {}
