@@ -23,7 +23,14 @@ from .config import load_config
 from .engine.jobs import CPU, DISK, REMOTE, StepPlan
 from .metadata import KVLensMetadata, KVLensWorkerMetadata
 from .scheduler import ConnectorScheduler
-from .vllm_compat import block_ids_of, engine_facts, kv_cache_events, model_identity, worker_rank
+from .vllm_compat import (
+    attention_in_full_graph,
+    block_ids_of,
+    engine_facts,
+    kv_cache_events,
+    model_identity,
+    worker_rank,
+)
 from .worker import ConnectorWorker
 
 if TYPE_CHECKING:
@@ -109,7 +116,8 @@ class KVLensConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         self._load_started = self._worker_telemetry.now()
-        self._worker.start_load(self._plan())  # reads done; copies run beside the forward pass
+        layer_hooks = not attention_in_full_graph(forward_context)
+        self._worker.start_load(self._plan(), layer_hooks)  # reads done; copies run beside the forward
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self._worker is not None

@@ -6,16 +6,22 @@ copied while layer N computes. Stores: a layer's blocks are gathered as soon as 
 KV is complete (``save_kv_layer``), while later layers compute, so the step's end waits only
 for the last layer.
 
-The copies run on one daemon thread, in submission order, off the worker's core(s)
-(``cpu_affinity``). On CPU they are prepared numpy views copied with ``np.copyto``: one thread,
-no GIL while bytes move, and little Python between copies to hold the GIL against the forward
-pass. Every
-copy of a step is waited for before the step ends (``wait_all``): vLLM may reuse a block once
-the step is over, and an eviction or a store must never race a copy.
+The copies run in submission order on a ``CopyRunner``. On CPU that is one daemon thread
+off the worker's core(s) (``cpu_affinity``), copying prepared numpy views with ``np.copyto``:
+no GIL while bytes move, and little Python between copies to hold the GIL against the
+forward pass; the forward pass waits on the host. On CUDA it is a stream of KVLens's own
+(``cuda_copies``): the copies are queued there, and the forward pass's stream waits on an
+event per layer, so the host never waits on the step path.
 
-Every wait is bounded: a copy thread that died, or has not finished a step's copies within
-``COPY_TIMEOUT_S``, cancels the step's copies (those not done fail: their blocks are
-recomputed, their stores dropped) and the worker copies in the step from then on.
+Every copy of a step is ordered before the next step (``wait_all``): vLLM may reuse a block
+once the step is over, and an eviction or a store must never race a copy. A store's bytes
+are read on the host only once its gathers are done (``gathers_ready``): at the step's end
+on CPU, when the device has copied them on CUDA.
+
+Every host wait is bounded: a copy thread that died, or copies not finished within
+``COPY_TIMEOUT_S``, cancel the step's copies (those not done fail: their blocks are
+recomputed, their stores dropped); after a dead or stalled thread the worker copies in the
+step from then on.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -65,18 +72,50 @@ class BlockGather:
     error: BaseException | None = None
 
 
+class Done(Protocol):
+    """Marks the end of submitted copies."""
+
+    def ready(self) -> bool:
+        """Whether the copies are finished and their bytes are where they were copied to."""
+        ...
+
+
+class CopyRunner(Protocol):
+    """Runs copy tasks in the order they were submitted (a thread, or a device stream)."""
+
+    copies_on_host: bool  # True: a task's copies are done when it returns (False: queued on a device)
+
+    def submit(self, task: Callable[[], None]) -> Done: ...
+
+    def order_forward(self, done: Done, timeout_s: float) -> str | None:
+        """Make the forward pass (and everything after it) come after ``done``'s copies; why
+        not (the runner gave up), or None."""
+        ...
+
+    def wait_host(self, done: Done, timeout_s: float) -> str | None:
+        """Return once the host may read what ``done``'s copies wrote; why not, or None."""
+        ...
+
+    def close(self, timeout_s: float = 5.0) -> None: ...
+
+
+class _TaskDone(threading.Event):
+    def ready(self) -> bool:
+        return self.is_set()
+
+
 class CopyThread:
     """One daemon thread running copy tasks in the order they were submitted."""
 
+    copies_on_host = True
+
     def __init__(self, name: str = "kvlens-copies") -> None:
-        self._tasks: queue.SimpleQueue[tuple[Callable[[], None], threading.Event] | None] = (
-            queue.SimpleQueue()
-        )
+        self._tasks: queue.SimpleQueue[tuple[Callable[[], None], _TaskDone] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, task: Callable[[], None]) -> threading.Event:
-        done = threading.Event()
+    def submit(self, task: Callable[[], None]) -> _TaskDone:
+        done = _TaskDone()
         self._tasks.put((task, done))
         return done
 
@@ -98,16 +137,29 @@ class CopyThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def order_forward(self, done: Done, timeout_s: float) -> str | None:
+        return self.wait_host(done, timeout_s)  # the forward pass runs on this host
+
+    def wait_host(self, done: Done, timeout_s: float) -> str | None:
+        assert isinstance(done, _TaskDone)
+        deadline = time.monotonic() + timeout_s
+        while not done.wait(0.05):
+            if not self.alive:
+                return "the copy thread died"
+            if time.monotonic() > deadline:
+                return f"the copy thread did not finish in {timeout_s:g} s"
+        return None
+
     def close(self, timeout_s: float = 5.0) -> None:
         self._tasks.put(None)
         self._thread.join(timeout_s)
 
 
 class StepCopies:
-    """The copies of one step. Without a thread (``runner=None``) every copy runs inline."""
+    """The copies of one step. Without a runner (``runner=None``) every copy runs inline."""
 
     def __init__(
-        self, plan: object, copier: BlockCopier, runner: CopyThread | None, timeout_s: float | None = None
+        self, plan: object, copier: BlockCopier, runner: CopyRunner | None, timeout_s: float | None = None
     ) -> None:
         self.plan = plan  # the step these copies belong to
         self._copier = copier
@@ -116,8 +168,8 @@ class StepCopies:
         self.stalled: CopyStalled | None = None  # set when a wait gave up on the copy thread
         self.loads: list[BlockLoad] = []
         self.gathers: dict[int, BlockGather] | None = None  # by id of the store job; None: none planned
-        self._loaded: list[threading.Event | None] = [None] * copier.num_layers
-        self._last: threading.Event | None = None
+        self._loaded: list[Done | None] = [None] * copier.num_layers
+        self._last: Done | None = None
 
     def start_loads(self, loads: list[BlockLoad]) -> None:
         """Queue every layer's copies of ``loads``, in the order the forward pass needs them."""
@@ -126,7 +178,7 @@ class StepCopies:
             for i in self._copier.order:
                 self._loaded[i] = self._submit(lambda i=i: self._load_layer(i))
 
-    def _submit(self, task: Callable[[], None]) -> threading.Event | None:
+    def _submit(self, task: Callable[[], None]) -> Done | None:
         if self._runner is None:
             task()
             return None
@@ -153,16 +205,19 @@ class StepCopies:
             np.copyto(dst, src)
 
     def wait_layer(self, name: str) -> None:
-        """Return once layer ``name``'s loads are copied (every layer's for an unknown name)."""
+        """Layer ``name``'s attention comes after its loads (every layer's, for an unknown name):
+        on CPU this returns once they are copied; on CUDA the forward pass's stream waits."""
         i = self._copier.layer_index(name)
-        self._wait(self._loaded[i] if i is not None else self._last)
+        self._order_forward(self._loaded[i] if i is not None else self._last)
 
     def gather_layer(self, name: str) -> None:
         """Start copying layer ``name``'s blocks of every gather (its KV is complete)."""
         i = self._copier.layer_index(name)
-        if i is None or not self.gathers:
-            return
-        todo = [g for g in self.gathers.values() if i not in g.layers]
+        if i is not None and self.gathers:
+            self._submit_gathers(i)
+
+    def _submit_gathers(self, i: int) -> None:
+        todo = [g for g in (self.gathers or {}).values() if i not in g.layers]
         for g in todo:
             g.layers.add(i)
         if todo:
@@ -184,21 +239,19 @@ class StepCopies:
             np.copyto(dst, src)
 
     def wait_all(self) -> None:
-        """Return once every submitted copy is done (or the copy thread was given up on)."""
-        self._wait(self._last)
+        """Everything after this (the rest of the forward pass, the next step) comes after every
+        submitted copy: on CPU this returns once they are done (or the thread was given up on)."""
+        self._order_forward(self._last)
 
-    def _wait(self, done: threading.Event | None) -> None:
-        if done is None or done.is_set() or self.stalled is not None:
+    def _order_forward(self, done: Done | None) -> None:
+        if done is None or self.stalled is not None:
             return
         assert self._runner is not None
-        deadline = time.monotonic() + self._timeout_s
-        while not done.wait(0.05):
-            if not self._runner.alive:
-                self._give_up("the copy thread died")
-                return
-            if time.monotonic() > deadline:
-                self._give_up(f"the copy thread did not finish in {self._timeout_s:g} s")
-                return
+        self._check(self._runner.order_forward(done, self._timeout_s))
+
+    def _check(self, why: str | None) -> None:
+        if why is not None:
+            self._give_up(why)
 
     def _give_up(self, why: str) -> None:
         """Cancel what is not done: unfinished loads fail (recomputed), unfinished stores drop."""
@@ -211,10 +264,26 @@ class StepCopies:
                 g.error = self.stalled
 
     def finish_gathers(self) -> None:
-        """Gather inline the layers no ``save_kv_layer`` call asked for (then every gather is whole)."""
-        self.wait_all()
+        """Gather the layers no ``save_kv_layer`` call asked for (then every gather is whole, or
+        queued to be on a device) and order the next step after every copy."""
+        if self._runner is not None and not self._runner.copies_on_host:
+            for i in self._copier.order:
+                self._submit_gathers(i)
+            self.wait_all()
+            return
+        self.wait_all()  # on the host, what is left is copied inline: no thread hand-off
         for g in (self.gathers or {}).values():
             for i in range(self._copier.num_layers):
                 if i not in g.layers:
                     g.layers.add(i)
                     self._gather_layer(i, [g])
+
+    def gathers_ready(self) -> bool:
+        """Whether the host may read every gather's bytes (after ``finish_gathers``)."""
+        return self._last is None or self.stalled is not None or self._last.ready()
+
+    def wait_gathers(self) -> None:
+        """Return once the host may read every gather's bytes, or they failed (bounded wait)."""
+        if not self.gathers_ready():
+            assert self._runner is not None and self._last is not None
+            self._check(self._runner.wait_host(self._last, self._timeout_s))

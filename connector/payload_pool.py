@@ -7,8 +7,11 @@ evicts about as many bytes as it adds, so the dropped buffers feed the next gath
 
 A buffer is reused only when nothing else can still read it: it was gathered for a store
 that went to the CPU tier alone (a disk or remote write may still hold a payload shared with
-another tier), and the worker drops it only in ``save``, after every load of the step has been
-copied. Buffers are kept per shape, up to ``max_bytes`` in all; beyond that they are freed.
+another tier), and the worker drops it only when it makes a step's evictions, after every
+load of that step has been copied. On CUDA the buffers are page-locked (the device gathers
+into them) and every copy to or from them runs in order on KVLens's one copy stream, so a
+reused buffer is written only after the loads that read it. Buffers are kept per shape, up
+to ``max_bytes`` in all; beyond that they are freed.
 """
 
 from __future__ import annotations

@@ -164,6 +164,16 @@ def engine_facts(
     )
 
 
+def attention_in_full_graph(forward_context: Any) -> bool:
+    """Whether this step's attention runs inside a full CUDA graph: vLLM then calls neither
+    ``wait_for_layer_load`` nor ``save_kv_layer`` (they are skipped on replay), so every load
+    must be in before the graph starts. vLLM 0.32: ``cudagraph_runtime_mode`` is
+    ``CUDAGraphMode.FULL`` (uniform decode batches by default, where a request whose whole
+    prompt was found computes one token)."""
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    return getattr(mode, "name", None) == "FULL"
+
+
 def worker_rank() -> int:
     from vllm.distributed.parallel_state import (
         get_pp_group,

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .async_loads import AsyncLoader
 from .config import ConfigError, KVLensConfig
+from .cuda_copies import CudaCopyStream, TorchCuda
 from .engine import cpu_budget
 from .engine.facts import EngineFacts
 from .engine.health import TierHealth
@@ -34,7 +37,7 @@ from .engine.outcomes import (
     WorkerReport,
 )
 from .kv_blocks import BlockCopier
-from .layer_copies import BlockGather, BlockLoad, CopyThread, StepCopies
+from .layer_copies import BlockGather, BlockLoad, CopyRunner, CopyThread, StepCopies
 from .payload_pool import PayloadPool
 from .tiers import disk as disk_files
 from .tiers.background import BackgroundTier, QueueFull
@@ -50,6 +53,18 @@ _ReadJob = tuple[LoadJob, LoadOutcome, list[_Staged]]
 
 DRAIN_WAIT_S = 0.05  # an idle engine's empty step waits this long for background writes
 IDLE_WAIT_S = 0.01  # a step that computed nothing waits this long for an asynchronous load
+
+
+@dataclass(eq=False)
+class _StepWrites:
+    """A step's evictions and stores, run in step order once its gathers are in host memory
+    (at the step's end on CPU; on CUDA when the device has copied them, a step or so later)."""
+
+    plan: StepPlan
+    copies: StepCopies
+    withdrawn: set[int]  # ids of store jobs computed over a failed load (decided in the step)
+    names: set[str]  # chunks it writes: a later load of one of them waits for it
+    on_device: bool  # its stores were gathered by a device's stream (the step is over when written)
 
 
 class ConnectorWorker:
@@ -105,8 +120,11 @@ class ConnectorWorker:
         self._report = WorkerReport()
         self._reported_pending = 0  # the pending-write count the scheduler last heard
         self._suffix = storage_name("", rank)
-        self._copy_thread: CopyThread | None = None  # with use_layerwise, on CPU: copies beside the forward
+        # where copies run beside the forward pass: a thread on CPU (with use_layerwise), a
+        # stream of KVLens's own on CUDA; None: inline, in the step
+        self._runner: CopyRunner | None = None
         self._step: StepCopies | None = None  # this step's copies, from its first hook to save()
+        self._unwritten: deque[_StepWrites] = deque()  # steps whose writes wait for their copies
         self._loading: list[_ReadJob] = []  # this step's load jobs, from start_load to finish_load
         self._async: AsyncLoader | None = None  # loads outside the step, started on first use
 
@@ -118,8 +136,10 @@ class ConnectorWorker:
                 f"per block; the scheduler planned {self.facts.num_layers} x {self.facts.block_bytes}"
             )
         self.copier = copier
-        if self.config.use_layerwise and copier.device.type == "cpu" and self._copy_thread is None:
-            self._copy_thread = CopyThread()
+        if self._runner is None and copier.device.type == "cuda":
+            self._runner = CudaCopyStream(TorchCuda(copier.device))
+        elif self._runner is None and self.config.use_layerwise and copier.device.type == "cpu":
+            self._runner = CopyThread()
 
     # ---- loads --------------------------------------------------------------------------
     def load(self, plan: StepPlan) -> list[LoadOutcome]:
@@ -127,12 +147,15 @@ class ConnectorWorker:
         self.start_load(plan)
         return self.finish_load()
 
-    def start_load(self, plan: StepPlan) -> None:
+    def start_load(self, plan: StepPlan, layer_hooks: bool = True) -> None:
         """Reads every chunk the step loads and starts copying them in, layer by layer.
 
         Which chunks fail (missing, corrupt, a tier down) is known when this returns; the
         copies run beside the forward pass (``wait_layer``) and are done after ``finish_load``.
+        ``layer_hooks=False``: vLLM will not call ``wait_layer`` in this step (a full CUDA
+        graph), so the forward pass comes after every load.
         """
+        self._write_before(plan)
         self._step_failed = set(plan.fail_blocks)
         self._failed_blocks.update(plan.fail_blocks)
         for settled in [n for n in self._failed_by_step if n <= plan.reported_through]:
@@ -146,7 +169,10 @@ class ConnectorWorker:
             self._report.loads[job.request_id] = outcome
             self._step_failed.update(outcome.failed_block_ids)
             self._failed_blocks.update(outcome.failed_block_ids)
-        self._step_of(plan).start_loads([load for _, _, staged in self._loading for _, load, _ in staged])
+        step = self._step_of(plan)
+        step.start_loads([load for _, _, staged in self._loading for _, load, _ in staged])
+        if not self.config.use_layerwise or not layer_hooks:
+            step.wait_all()  # every layer before the first
 
     # ---- loads outside the step (vLLM's asynchronous loads) --------------------------------
     def _start_async(self, plan: StepPlan) -> None:
@@ -337,7 +363,7 @@ class ConnectorWorker:
                 _run_or_defer(effects, lambda read=read: self._promote(chunk, name, read))  # type: ignore[misc]
                 pairs = (
                     None
-                    if self._copy_thread is None and effects is None
+                    if self._runner is None and effects is None
                     else self.copier.load_pairs(payload, chunk.block_ids, chunk.first_block)
                 )
                 return BlockLoad(payload, chunk.block_ids, chunk.first_block, pairs)
@@ -369,39 +395,94 @@ class ConnectorWorker:
     # ---- stores -------------------------------------------------------------------------
     def save_layer(self, plan: StepPlan, layer_name: str) -> None:
         """Layer ``layer_name``'s KV of this step is complete: the step's stores copy it out now,
-        beside the layers still computing (only with a copy thread; otherwise ``save`` does)."""
-        if self._copy_thread is None or not plan.writes:
+        beside the layers still computing (only with a copy runner; otherwise ``save`` does)."""
+        if self._runner is None or not self.config.use_layerwise or not plan.writes:
             return
         step = self._step_of(plan)
+        self._prepare_gathers(step, plan)
+        step.gather_layer(layer_name)
+
+    def _prepare_gathers(self, step: StepCopies, plan: StepPlan) -> None:
         if step.gathers is None:  # the step's first layer: one buffer per store to make
-            assert self.copier is not None
             step.gathers = {
                 id(op): self._gather_for(op)
                 for op in plan.writes
                 if isinstance(op, StoreJob)
                 and any(t in self.tiers and self.health[t].usable() for t in op.tiers)
             }
-        step.gather_layer(layer_name)
 
     def save(self, plan: StepPlan) -> list[StoreFailure]:
-        """Evictions and stores in plan order; returns this step's failed or withdrawn stores.
-        Ends the step: every copy it started is done when this returns."""
+        """Evictions and stores in plan order; returns the failed or withdrawn stores written
+        in this call. Ends the step: on CPU every copy it started is done and its writes are
+        made when this returns; on CUDA the next step's kernels come after its copies, and its
+        writes are made once the device has copied its stores out (a later hook)."""
         step = self._step_of(plan)
+        on_device = self._runner is not None and not self._runner.copies_on_host
+        if on_device:
+            self._prepare_gathers(step, plan)  # gathered on the device's stream, never inline
         step.finish_gathers()
-        gathers = step.gathers or {}
         self._step = None
         self._retire_if_stalled(step)
-        failures: list[StoreFailure] = []
-        for op in plan.writes:
-            if isinstance(op, Eviction):
-                self._evict(op)
-            else:
-                failures.extend(self._store(op, gathers.get(id(op))))
-        self._report.store_failures.extend(failures)
+        withdrawn = {id(job) for job in plan.stores if self._over_failed_load(job)}
+        names = {op.name for op in plan.writes}
+        self._unwritten.append(_StepWrites(plan, step, withdrawn, names, on_device))
+        failures = self._write_ready(self._unwritten[-1] if plan.drain else None)
         if plan.drain:
             for tier in self._background:
                 tier.drain(DRAIN_WAIT_S)
         return failures
+
+    def _write_before(self, plan: StepPlan) -> None:
+        """Writes still waiting for a device's copies are made before this step reads any chunk
+        they write (the tiers then hold what the scheduler's index says); the rest when ready."""
+        needed = {chunk.name for job in plan.loads for chunk in job.chunks}
+        through = None
+        for queued in self._unwritten:
+            if not needed.isdisjoint(queued.names):
+                through = queued
+        self._write_ready(through)
+
+    def _write_ready(self, through: _StepWrites | None = None) -> list[StoreFailure]:
+        """Makes queued steps' writes, in step order, while their gathers are in host memory;
+        up to ``through``, waits for them (bounded; gathers not done in time fail)."""
+        failures: list[StoreFailure] = []
+        while self._unwritten:
+            queued = self._unwritten[0]
+            if through is not None:
+                queued.copies.wait_gathers()
+                self._retire_if_stalled(queued.copies)
+            elif not queued.copies.gathers_ready():
+                break
+            self._unwritten.popleft()
+            failures += self._write(queued)
+            if queued is through:
+                through = None
+        self._report.store_failures.extend(failures)
+        return failures
+
+    def _write(self, queued: _StepWrites) -> list[StoreFailure]:
+        gathers = queued.copies.gathers or {}
+        failures: list[StoreFailure] = []
+        for op in queued.plan.writes:
+            if isinstance(op, Eviction):
+                self._evict(op)
+            elif id(op) in queued.withdrawn:
+                failures += self._fail(
+                    op, op.tiers, FailureReason.DEPENDENCY_FAILED, "computed over a failed load"
+                )
+            elif queued.on_device and id(op) not in gathers:
+                # its blocks may hold other KV by now: only what was gathered in its step is stored
+                failures += self._fail(
+                    op, op.tiers, FailureReason.TIER_UNHEALTHY, "no usable tier in its step"
+                )
+            else:
+                failures += self._store(op, gathers.get(id(op)))
+        return failures
+
+    def _over_failed_load(self, job: StoreJob) -> bool:
+        return bool(job.after_loads) and any(
+            not f.isdisjoint(job.after_loads) for f in self._failed_by_step.values()
+        )
 
     def _gather_for(self, job: StoreJob) -> BlockGather:
         assert self.copier is not None
@@ -412,7 +493,7 @@ class ConnectorWorker:
         """A buffer to gather a chunk into: one the CPU tier dropped, else new memory."""
         assert self.copier is not None
         shape = (self.copier.num_layers, num_blocks, self.copier.block_bytes)
-        reused = self._pool.take(shape) if self.copier.device.type == "cpu" else None
+        reused = self._pool.take(shape)  # host memory (page-locked, gathered on CUDA) either way
         return reused if reused is not None else self.copier.new_payload(num_blocks)
 
     def _step_of(self, plan: StepPlan) -> StepCopies:
@@ -423,20 +504,24 @@ class ConnectorWorker:
                 self._step.wait_all()
                 self._retire_if_stalled(self._step)
             assert self.copier is not None
-            self._step = StepCopies(plan, self.copier, self._copy_thread)
+            self._step = StepCopies(plan, self.copier, self._runner)
         return self._step
 
     def _retire_if_stalled(self, step: StepCopies) -> None:
-        """After the copy thread died or stalled, later steps copy in the step, on this thread."""
-        if step.stalled is None or self._copy_thread is None:
+        """After the copy thread died or stalled, later steps copy in the step, on this thread
+        (a device's stream is kept: copying in the step would wait on the same device)."""
+        if step.stalled is None or self._runner is None:
+            return
+        if not self._runner.copies_on_host:
+            logger.error("KVLens: %s; this step's unfinished stores are dropped", step.stalled)
             return
         logger.error(
             "KVLens: %s; this step's unfinished loads are recomputed and its stores dropped, "
             "and copies run in the step from now on",
             step.stalled,
         )
-        self._copy_thread.close(0.0)
-        self._copy_thread = None
+        self._runner.close(0.0)
+        self._runner = None
 
     def _evict(self, op: Eviction) -> None:
         tier = self.tiers.get(op.tier)
@@ -448,8 +533,6 @@ class ConnectorWorker:
             logger.debug("KVLens: evicting %s from %s failed: %s", op.name[:12], op.tier, e)
 
     def _store(self, job: StoreJob, gathered: BlockGather | None) -> list[StoreFailure]:
-        if job.after_loads and any(not f.isdisjoint(job.after_loads) for f in self._failed_by_step.values()):
-            return self._fail(job, job.tiers, FailureReason.DEPENDENCY_FAILED, "computed over a failed load")
         usable = [t for t in job.tiers if t in self.tiers and self.health[t].usable()]
         failures = self._fail(job, [t for t in job.tiers if t not in usable], FailureReason.TIER_UNHEALTHY)
         if not usable:
@@ -461,11 +544,11 @@ class ConnectorWorker:
             elif gathered.error is not None:
                 raise gathered.error
             else:
-                data = gathered.out.cpu()
+                data = gathered.out  # host memory; its copies are done (``gathers_ready``)
         except (RuntimeError, ValueError) as e:
             return failures + self._fail(job, usable, FailureReason.IO_ERROR, str(e))
         payload = memoryview(data.numpy()).cast("B")
-        if usable == [CPU] and self.copier.device.type == "cpu":  # only the CPU tier reads it: reusable
+        if usable == [CPU]:  # only the CPU tier reads it: reusable once dropped
             self._pool.own(payload, data)
         name = storage_name(job.name, self.rank)
         for tier_name in usable:
@@ -485,6 +568,7 @@ class ConnectorWorker:
 
     # ---- report, health and lifecycle ---------------------------------------------------
     def take_report(self) -> WorkerReport | None:
+        self._write_ready()  # stores a device has copied out since
         report = self._report
         for tier in self._background:
             if tier.stuck():
@@ -499,6 +583,7 @@ class ConnectorWorker:
             if change is not None:
                 report.tier_states[name] = change
         pending = sum(t.pending for t in self._background if t.health.usable())
+        pending += sum(len(q.plan.stores) for q in self._unwritten)
         if pending or pending != self._reported_pending:  # while any, and the drop to 0: draining stops
             report.pending_writes = self._reported_pending = pending
         if report.is_empty():
@@ -536,7 +621,8 @@ class ConnectorWorker:
         """Internal sizes, for leak-spotting gauges."""
         out = {
             "invalid_block_ids": len(self._failed_blocks),
-            "pending_writes": sum(t.pending for t in self._background),
+            "pending_writes": sum(t.pending for t in self._background)
+            + sum(len(q.plan.stores) for q in self._unwritten),
             "reusable_buffer_bytes": self._pool.bytes,
         }
         cpu = self.tiers.get(CPU)
@@ -546,6 +632,8 @@ class ConnectorWorker:
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait for every queued background write and delete (tests, shutdown)."""
+        if self._unwritten:
+            self._write_ready(self._unwritten[-1])
         return all(tier.drain(timeout_s) for tier in self._background)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
@@ -554,9 +642,11 @@ class ConnectorWorker:
         if self._step is not None:
             self._step.wait_all()
             self._step = None
-        if self._copy_thread is not None:
-            self._copy_thread.close(timeout_s)
-            self._copy_thread = None
+        if self._unwritten:
+            self._write_ready(self._unwritten[-1])
+        if self._runner is not None:
+            self._runner.close(timeout_s)
+            self._runner = None
         if self._async is not None:
             self._async.close(timeout_s)
             self._async = None

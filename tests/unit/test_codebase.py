@@ -48,6 +48,16 @@ def test_pure_logic_imports_neither_vllm_nor_torch():
     assert out.stdout.strip() == ""
 
 
+# The copy path and the device check (scripts/gpu_check.py) run where vLLM is not installed.
+WITHOUT_VLLM = ("connector.kv_blocks", "connector.layer_copies", "connector.cuda_copies")
+
+
+def test_the_copy_path_imports_without_vllm():
+    code = f"import sys, {', '.join(WITHOUT_VLLM)}\nprint('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def _runtime_imports(path: Path) -> set[str]:
     """Modules a file imports when it runs (imports under ``if TYPE_CHECKING:`` excluded)."""
     tree = ast.parse(path.read_text())

@@ -33,8 +33,8 @@ def load_plan(*extra_writes):
 
 
 def test_the_default_worker_copies_on_a_thread_and_sync_when_layerwise_is_off():
-    assert worker(cpu_layout())._copy_thread is not None
-    assert worker(cpu_layout(), use_layerwise=False)._copy_thread is None
+    assert worker(cpu_layout())._runner is not None
+    assert worker(cpu_layout(), use_layerwise=False)._runner is None
 
 
 @pytest.mark.parametrize("layerwise", [True, False])
@@ -179,7 +179,7 @@ def test_a_step_vllm_abandoned_midway_finishes_its_copies_before_the_next(monkey
 
 def test_shutdown_stops_the_copy_thread():
     w = worker(cpu_layout())
-    thread = w._copy_thread._thread
+    thread = w._runner._thread
     w.shutdown()
     assert not thread.is_alive()
 
@@ -216,7 +216,7 @@ def test_a_dead_or_stalled_copy_thread_fails_the_loads_instead_of_hanging_the_en
     store_two_chunks(w)
     release = threading.Event()
     if fault == "dead":
-        w._copy_thread.close()  # the thread is gone; tasks queue up and never run
+        w._runner.close()  # the thread is gone; tasks queue up and never run
     else:
         monkeypatch.setattr(layer_copies, "COPY_TIMEOUT_S", 0.5)
         copy = StepCopies._copy_load
@@ -236,7 +236,7 @@ def test_a_dead_or_stalled_copy_thread_fails_the_loads_instead_of_hanging_the_en
     assert time.monotonic() - started < 3
     assert w.take_failed_blocks() == {8, 9, 10, 11}  # recomputed by vLLM
     assert [f.reason for f in failures] == [FailureReason.DEPENDENCY_FAILED]
-    assert w._copy_thread is None  # later steps copy in the step
+    assert w._runner is None  # later steps copy in the step
     w.load(load_plan())
     assert w.take_failed_blocks() == set()
     for t in caches.values():
