@@ -9,6 +9,10 @@ stopped, hung or unreachable server fails a call in about ``timeout_s``; every s
 one exception type, ``RemoteUnavailable``, whose message names the operation and the redacted
 URL, so callers can count failures and mark the tier unhealthy.
 
+GET and SET, the commands that move chunks, are read and written by ``redis_wire`` on redis-py's
+own pooled connections: values land in reused buffers (``ReadBuffers``) and payloads go out
+uncopied. Loads return read-only views of those buffers, reused once no view of them is left.
+
 Cluster batches are routed here rather than through redis-py's cluster pipeline, which re-sends
 each command of a node that timed out one at a time (a hung master would cost one timeout per
 chunk). After a topology error (a refused connection, ``MOVED``) the slot map is refreshed and
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis import Redis
@@ -37,8 +41,9 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import codec
+from . import codec, redis_wire
 from .base import ChunkCorrupt, ChunkMissing
+from .read_buffers import DEFAULT_MAX_BYTES, ReadBuffers
 from .redis_nodes import Nodes, nodes_for
 from .remote_url import RemoteURL
 
@@ -100,6 +105,7 @@ class RedisTier:
         timeout_s: float = 0.5,
         connect_timeout_s: float = 0.5,
         max_connections: int = 32,
+        read_buffer_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         if not _PREFIX.match(key_prefix):
             # No ':' (one prefix must never match another's keys in clear()) and no glob characters.
@@ -125,6 +131,7 @@ class RedisTier:
         if url.tls:
             options.update(ssl=True, ssl_ca_certs=url.ssl_ca_certs, ssl_cert_reqs=url.ssl_cert_reqs)
         self._nodes: Nodes = nodes_for(url, options)
+        self._buffers = ReadBuffers(read_buffer_bytes)  # what loads read into, reused
 
     def __repr__(self) -> str:
         return f"RedisTier({self._where}, key_prefix={self.key_prefix!r})"
@@ -136,18 +143,21 @@ class RedisTier:
 
     def put(self, name: str, payload: memoryview) -> int:
         """Store ``payload`` under ``name``; returns the bytes of the record written."""
-        record = self._record(name, payload)
-        (reply,) = self._run("put", [self._set(name, record)])
+        header = codec.encode_header(name, self.layout, payload)
+        keys = [self.key(name)]
+        (reply,) = self._run("put", keys, self._sets(keys, [header], [payload]))
         _raise_if_error(self._stored(reply, "put"))
-        return record.nbytes
+        return len(header) + payload.nbytes
 
     def get(self, name: str) -> memoryview:
-        """The payload as a read-only view over the bytes redis-py returned (no further copy)."""
-        (reply,) = self._run("get", [("GET", self.key(name))])
+        """The payload as a read-only view of the buffer it was read into (no further copy)."""
+        keys = [self.key(name)]
+        (reply,) = self._run("get", keys, self._gets(keys))
         return _raise_if_error(self._loaded(name, reply, "get"))
 
     def delete(self, name: str) -> None:
-        (reply,) = self._run("delete", [("UNLINK", self.key(name))])
+        keys = [self.key(name)]
+        (reply,) = self._run("delete", keys, _commands("UNLINK", keys))
         _raise_if_error(self._done(reply, "delete"))
 
     def clear(self) -> None:
@@ -171,19 +181,23 @@ class RedisTier:
     def put_many(self, items: Sequence[tuple[str, memoryview]]) -> list[Exception | None]:
         """Store every item in one round trip per node; per item, None or the error.
 
-        Each item's record (one copy of its payload) is held until the batch is sent.
+        Payloads are sent as they are (only a RESP3 connection copies each into a record first).
         """
-        commands = [self._set(name, self._record(name, payload)) for name, payload in items]
-        return [self._stored(reply, "put_many") for reply in self._run("put_many", commands)]
+        headers = [codec.encode_header(name, self.layout, payload) for name, payload in items]
+        keys = [self.key(name) for name, _ in items]
+        replies = self._run("put_many", keys, self._sets(keys, headers, [payload for _, payload in items]))
+        return [self._stored(reply, "put_many") for reply in replies]
 
     def get_many(self, names: Sequence[str]) -> list[memoryview | Exception]:
         """Per name: the payload, or ChunkMissing / ChunkCorrupt / RemoteUnavailable."""
-        replies = self._run("get_many", [("GET", self.key(n)) for n in names])
+        keys = [self.key(n) for n in names]
+        replies = self._run("get_many", keys, self._gets(keys))
         return [self._loaded(name, reply, "get_many") for name, reply in zip(names, replies, strict=True)]
 
     def exists_many(self, names: Sequence[str]) -> list[bool]:
         """Which names are stored, in one round trip per node; raises RemoteUnavailable."""
-        replies = self._run("exists_many", [("EXISTS", self.key(n)) for n in names])
+        keys = [self.key(n) for n in names]
+        replies = self._run("exists_many", keys, _commands("EXISTS", keys))
         return [bool(_raise_if_error(self._done(reply, "exists_many"))) for reply in replies]
 
     def ping(self) -> float:
@@ -203,31 +217,45 @@ class RedisTier:
         return time.perf_counter() - start
 
     def close(self) -> None:
-        """Close pooled connections; a later call opens new ones."""
+        """Close pooled connections and forget the read buffers; a later call opens new ones."""
         self._nodes.close()
+        self._buffers.clear()
 
     # --- internals -------------------------------------------------------------------------------
 
-    def _record(self, name: str, payload: memoryview) -> memoryview:
-        record = bytearray(codec.encode_header(name, self.layout, payload))
-        record += payload  # the one copy of the payload: a record must go out in one SET
-        return memoryview(record)
+    def _gets(self, keys: list[str]) -> _Exchange:
+        def send(client: Redis, indices: list[int]) -> list[Any]:
+            if redis_wire.fast_path(client):
+                return redis_wire.get_many(client, [keys[i].encode() for i in indices], self._buffers)
+            return _pipeline(client, [("GET", keys[i]) for i in indices])
 
-    def _set(self, name: str, record: memoryview) -> tuple[Any, ...]:
-        if self.ttl_s is None:
-            return ("SET", self.key(name), record)
-        return ("SET", self.key(name), record, "EX", self.ttl_s)
+        return send
 
-    def _run(self, op: str, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """Replies in command order; a failed command's slot holds its exception.
+    def _sets(self, keys: list[str], headers: list[bytes], payloads: list[memoryview]) -> _Exchange:
+        def send(client: Redis, indices: list[int]) -> list[Any]:
+            if redis_wire.fast_path(client):
+                frames = [
+                    redis_wire.set_frame(keys[i].encode(), headers[i], payloads[i], self.ttl_s)
+                    for i in indices
+                ]
+                return redis_wire.set_many(client, frames)
+            expiry = () if self.ttl_s is None else ("EX", self.ttl_s)
+            records = (("SET", keys[i], _record(headers[i], payloads[i]), *expiry) for i in indices)
+            return _pipeline(client, list(records))
+
+        return send
+
+    def _run(self, op: str, keys: list[str], exchange: _Exchange) -> list[Any]:
+        """Replies in key order; a failed command's slot holds its exception. ``exchange`` sends
+        one node the commands of some keys (their indices) and returns their replies.
 
         Commands that a fresh slot map may fix (cluster only) are sent once more after a refresh.
         """
-        replies: list[Any] = [None] * len(commands)
-        pending = list(range(len(commands)))
+        replies: list[Any] = [None] * len(keys)
+        pending = list(range(len(keys)))
         for attempt in (0, 1):
             try:
-                groups, unroutable = self._nodes.route([commands[i][1] for i in pending])
+                groups, unroutable = self._nodes.route([keys[i] for i in pending])
             except Exception as e:  # noqa: BLE001 - redis-py errors must not escape
                 error = self._unavailable(op, e)
                 for i in pending:
@@ -238,9 +266,7 @@ class RedisTier:
             again: list[int] = []
             for client, members in groups:
                 indices = [pending[j] for j in members]
-                again += self._send(
-                    op, client, [commands[i] for i in indices], indices, replies, attempt == 0
-                )
+                again += self._send(op, client, exchange, indices, replies, attempt == 0)
             if not again:
                 break
             self._nodes.refresh()
@@ -251,17 +277,14 @@ class RedisTier:
         self,
         op: str,
         client: Redis,
-        commands: list[tuple[Any, ...]],
+        exchange: _Exchange,
         indices: list[int],
         replies: list[Any],
         may_retry: bool,
     ) -> list[int]:
-        """One pipeline to one node; fills ``replies`` and returns the indices to send again."""
-        pipe = client.pipeline(transaction=False)
-        for command in commands:
-            pipe.execute_command(*command)
+        """One batch to one node; fills ``replies`` and returns the indices to send again."""
         try:
-            results = pipe.execute(raise_on_error=False)
+            results = exchange(client, indices)
         except Exception as e:  # noqa: BLE001 - redis-py errors must not escape
             if self._nodes.retry_after(e) and may_retry:
                 return indices
@@ -305,6 +328,28 @@ class RedisTier:
         kind = failure_kind(error) or "error"
         detail = _detail(error, self.url.password)
         return RemoteUnavailable(f"remote {op} on {self._where} failed ({kind}): {detail}", op=op, kind=kind)
+
+
+_Exchange = Callable[[Redis, list[int]], list[Any]]
+
+
+def _commands(command: str, keys: list[str]) -> _Exchange:
+    """An exchange sending ``command key`` for each key, in one redis-py pipeline."""
+    return lambda client, indices: _pipeline(client, [(command, keys[i]) for i in indices])
+
+
+def _pipeline(client: Redis, commands: list[tuple[Any, ...]]) -> list[Any]:
+    pipe = client.pipeline(transaction=False)
+    for command in commands:
+        pipe.execute_command(*command)
+    return pipe.execute(raise_on_error=False)
+
+
+def _record(header: bytes, payload: memoryview) -> memoryview:
+    """One value of header and payload, for a pipeline (one copy of the payload)."""
+    record = bytearray(header)
+    record += payload
+    return memoryview(record)
 
 
 def _unlink_all(client: Redis, keys: list[bytes]) -> None:
