@@ -152,7 +152,7 @@ class RedisTier:
     def get(self, name: str) -> memoryview:
         """The payload as a read-only view of the buffer it was read into (no further copy)."""
         keys = [self.key(name)]
-        (reply,) = self._run("get", keys, self._gets(keys))
+        (reply,) = self._run("get", keys, self._gets([name], keys))
         return _raise_if_error(self._loaded(name, reply, "get"))
 
     def delete(self, name: str) -> None:
@@ -191,7 +191,7 @@ class RedisTier:
     def get_many(self, names: Sequence[str]) -> list[memoryview | Exception]:
         """Per name: the payload, or ChunkMissing / ChunkCorrupt / RemoteUnavailable."""
         keys = [self.key(n) for n in names]
-        replies = self._run("get_many", keys, self._gets(keys))
+        replies = self._run("get_many", keys, self._gets(names, keys))
         return [self._loaded(name, reply, "get_many") for name, reply in zip(names, replies, strict=True)]
 
     def exists_many(self, names: Sequence[str]) -> list[bool]:
@@ -223,13 +223,29 @@ class RedisTier:
 
     # --- internals -------------------------------------------------------------------------------
 
-    def _gets(self, keys: list[str]) -> _Exchange:
+    def _gets(self, names: Sequence[str], keys: list[str]) -> _Exchange:
+        """Replies are payloads (checked records), ChunkCorrupt, None or an error."""
+
         def send(client: Redis, indices: list[int]) -> list[Any]:
             if redis_wire.fast_path(client):
-                return redis_wire.get_many(client, [keys[i].encode() for i in indices], self._buffers)
-            return _pipeline(client, [("GET", keys[i]) for i in indices])
+
+                def check(j: int, record: memoryview) -> memoryview | ChunkCorrupt:
+                    return self._payload(names[indices[j]], record)
+
+                return redis_wire.get_many(client, [keys[i].encode() for i in indices], self._buffers, check)
+            replies = _pipeline(client, [("GET", keys[i]) for i in indices])
+            return [
+                self._payload(names[i], r) if isinstance(r, bytes) else r
+                for i, r in zip(indices, replies, strict=True)
+            ]
 
         return send
+
+    def _payload(self, name: str, record: bytes | memoryview) -> memoryview | ChunkCorrupt:
+        try:
+            return codec.decode(memoryview(record), name, self.layout)
+        except ChunkCorrupt as e:
+            return e
 
     def _sets(self, keys: list[str], headers: list[bytes], payloads: list[memoryview]) -> _Exchange:
         def send(client: Redis, indices: list[int]) -> list[Any]:
@@ -309,7 +325,8 @@ class RedisTier:
         return reply
 
     def _loaded(self, name: str, reply: Any, op: str) -> memoryview | Exception:
-        if isinstance(reply, RemoteUnavailable):
+        """A ``_gets`` reply as the tier returns it."""
+        if isinstance(reply, (RemoteUnavailable, ChunkCorrupt)):
             return reply
         if isinstance(reply, Exception):
             if failure_kind(reply) is None:  # e.g. WRONGTYPE: something else lives under our key
@@ -317,10 +334,7 @@ class RedisTier:
             return self._unavailable(op, reply)
         if reply is None:
             return ChunkMissing(name)
-        try:
-            return codec.decode(memoryview(reply), name, self.layout)
-        except ChunkCorrupt as e:
-            return e
+        return reply
 
     def _unavailable(self, op: str, error: BaseException) -> RemoteUnavailable:
         if isinstance(error, RemoteUnavailable):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -73,14 +73,21 @@ def fast_path(client: Redis) -> bool:
     return str(protocol) == "2" and getattr(pool, "cache", None) is None
 
 
-def get_many(client: Redis, keys: Sequence[bytes], buffers: ReadBuffers) -> list[Any]:
-    """Per key: a read-only view of its value in a reused buffer, None (no such key), or the
-    error reply. Raises redis-py's ``ConnectionError``/``TimeoutError`` when the batch fails."""
+def get_many(
+    client: Redis, keys: Sequence[bytes], buffers: ReadBuffers, check: Callable[[int, memoryview], Any]
+) -> list[Any]:
+    """Per key: ``check(position, value)`` of its value (a read-only view in a reused buffer), None
+    (no such key), or the error reply. Raises redis-py's ``ConnectionError``/``TimeoutError`` when
+    the batch fails. Each value is checked as soon as it is in, while the next one arrives."""
     if not keys:
         return []
     with _connection(client) as (conn, replies):
         conn.send_packed_command([b"".join(get_frame(k) for k in keys)])
-        return [replies.bulk(buffers) for _ in keys]
+        out = []
+        for position in range(len(keys)):
+            value = replies.bulk(buffers)
+            out.append(check(position, value) if isinstance(value, memoryview) else value)
+        return out
 
 
 def set_many(client: Redis, frames: Sequence[Frame]) -> list[Any]:
