@@ -41,6 +41,7 @@ Frame = list[bytes | memoryview]  # one command's bytes, in order
 _CRLF = b"\r\n"
 _LINE_READ = 4096  # bytes asked for when a reply's first line is incomplete
 _MAX_LINE = 64 * 1024
+_JOIN = 64 * 1024  # pieces under this are joined into one send
 # redis-py < 5.3 needs a command name to hand out a connection; later versions warn when given one
 _NAMED = (
     inspect.signature(ConnectionPool.get_connection).parameters["command_name"].default
@@ -120,18 +121,22 @@ def _connection(client: Redis) -> Iterator[tuple[Any, _Replies]]:
 
 
 def _coalesced(frames: Sequence[Frame]) -> list[bytes | memoryview]:
-    """The frames' pieces with neighbouring small ones joined (fewer sends)."""
+    """The frames' pieces, neighbouring small ones joined up to ``_JOIN`` bytes (fewer sends;
+    only small payloads are copied)."""
     out: list[bytes | memoryview] = []
-    small: list[bytes] = []
+    small: list[bytes | memoryview] = []
+    joined = 0
     for frame in frames:
         for piece in frame:
-            if isinstance(piece, bytes) and len(piece) < 64 * 1024:
-                small.append(piece)
-                continue
-            if small:
+            size = piece.nbytes if isinstance(piece, memoryview) else len(piece)
+            if small and (size >= _JOIN or joined + size > _JOIN):
                 out.append(b"".join(small))
-                small = []
-            out.append(piece)
+                small, joined = [], 0
+            if size >= _JOIN:
+                out.append(piece)
+            else:
+                small.append(piece)
+                joined += size
     if small:
         out.append(b"".join(small))
     return out

@@ -133,3 +133,12 @@ def test_resp3_connections_go_through_redis_py_and_still_check_records(redis_ser
 def test_resp2_connections_take_the_direct_path(redis_server, tier_factory):
     (client,) = tier_factory(redis_server.url)._nodes.masters()
     assert redis_wire.fast_path(client)
+
+
+def test_small_pieces_go_out_joined_and_large_payloads_as_they_are():
+    large = memoryview(bytearray(b"L" * 100_000))
+    frames = [[b"h1", memoryview(b"p1"), b"t1"], [b"h2", large, b"t2"], [b"h3" * 20_000, b"t3" * 20_000]]
+    pieces = redis_wire._coalesced(frames)
+    assert pieces[0] == b"h1p1t1h2" and pieces[1] is large
+    assert b"".join(pieces) == b"".join(b"".join(f) for f in frames)
+    assert all(len(p) <= 64 * 1024 for p in pieces if p is not large)
