@@ -10,10 +10,11 @@ the disk tier, the CLI may hold it. A buffer is reused only when no view of it i
 (no ``memoryview``, no tensor made by ``torch.frombuffer``, which holds one). Python knows that
 exactly: a ``bytearray`` with exported views refuses to change size, so ``_unexported`` asks it to.
 
-Buffers are kept per size class, at most ``max_bytes`` of them, least recently lent first, so a
-take usually finds a free one at once. One still held long after it was lent (kept by the CPU
-tier, say) is forgotten rather than looked at again on every take; past ``max_bytes`` a read gets
-memory of its own that is freed when its last view goes.
+Buffers are whole pages (one kept by the CPU tier holds less than a page beyond its record) and
+kept per size, at most ``max_bytes`` of them, least recently lent first, so a take usually finds
+a free one at once. One still held long after it was lent (kept by the CPU tier, say) is
+forgotten rather than looked at again on every take; past ``max_bytes`` a read gets memory of
+its own that is freed when its last view goes. Idle, the pool holds at most ``max_bytes``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-SIZE_STEP = 64 * 1024  # buffers are whole multiples of this: records of one chunk shape share them
+SIZE_STEP = 4096  # buffers are whole pages: records of one chunk shape (one size) share them
 DEFAULT_MAX_BYTES = 128 * 1024**2
 
 
