@@ -17,6 +17,7 @@ from connector.tiers.redis_tier import RemoteUnavailable
 
 from .helpers import MB, name, payload
 from .proxy import Relay
+from .servers import OPENSSL, make_certificates
 
 
 def _tensor(view: memoryview) -> torch.Tensor:
@@ -142,3 +143,17 @@ def test_small_pieces_go_out_joined_and_large_payloads_as_they_are():
     assert pieces[0] == b"h1p1t1h2" and pieces[1] is large
     assert b"".join(pieces) == b"".join(b"".join(f) for f in frames)
     assert all(len(p) <= 64 * 1024 for p in pieces if p is not large)
+
+
+def test_tls_connections_take_the_direct_path_for_batches(tmp_path, server_factory, tier_factory):
+    if not OPENSSL:
+        pytest.skip("openssl is not installed")
+    certs = make_certificates(tmp_path / "certs")
+    server = server_factory(tls=certs)
+    tier = tier_factory(f"rediss://127.0.0.1:{server.port}/0?ssl_ca_certs={certs / 'ca.pem'}")
+    (client,) = tier._nodes.masters()
+    assert redis_wire.fast_path(client)
+    items = [(name(i), payload(2 * MB, i)) for i in range(3)]
+    assert tier.put_many(items) == [None] * 3
+    for _ in range(2):
+        assert tier.get_many([n for n, _ in items] + [name(9)])[:3] == [p for _, p in items]
