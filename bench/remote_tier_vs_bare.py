@@ -5,7 +5,8 @@
 
 Without --url a private redis-server is started on a free loopback port (no persistence) and
 stopped at the end. Per chunk size (4 MiB and 1 MiB, in batches of 8), each round runs every
-mode once over the same keys, the modes in a different order each round:
+mode over the same keys, batch by batch: each batch is read (or written) by every mode in turn,
+the order rotating, so that the modes share the machine's load. The modes:
 
 - ``bare GET``: the reference reader. One socket, the batch's GETs pipelined, each value read
   with ``recv_into`` into one buffer allocated once. No checks.
@@ -176,7 +177,8 @@ class Case:
         self.parser = "hiredis" if HIREDIS_AVAILABLE else "python"
         self.bytes_per_pass = chunk_bytes * BATCH * batches
 
-    def modes(self) -> dict[str, Callable[[], None]]:
+    def modes(self) -> dict[str, Callable[[int], None]]:
+        """Each mode, run over batch ``b`` of the keys."""
         return {
             "bare GET": self.bare_get,
             "tier get_many": self.tier_get,
@@ -187,25 +189,21 @@ class Case:
             "background put": self.background_put,
         }
 
-    def bare_get(self) -> None:
-        for keys in self.keys:
-            assert self.bare.get_many(keys) >= self.chunk_bytes * BATCH
+    def bare_get(self, b: int) -> None:
+        assert self.bare.get_many(self.keys[b]) >= self.chunk_bytes * BATCH
 
-    def tier_get(self) -> None:
-        for names in self.names:
-            self._use(self.tier.get_many(names))
+    def tier_get(self, b: int) -> None:
+        self._use(self.tier.get_many(self.names[b]))
 
-    def background_get(self) -> None:
-        for names in self.names:
-            self._use(list(self.background.get_many(names)))
+    def background_get(self, b: int) -> None:
+        self._use(list(self.background.get_many(self.names[b])))
 
-    def redispy_get(self) -> None:
-        for names, keys in zip(self.names, self.keys, strict=True):
-            pipe = self.redispy.pipeline(transaction=False)
-            for key in keys:
-                pipe.get(key)
-            records = pipe.execute()
-            self._use([codec.decode(memoryview(r), n, LAYOUT) for r, n in zip(records, names, strict=True)])
+    def redispy_get(self, b: int) -> None:
+        pipe = self.redispy.pipeline(transaction=False)
+        for key in self.keys[b]:
+            pipe.get(key)
+        records = zip(pipe.execute(), self.names[b], strict=True)
+        self._use([codec.decode(memoryview(r), n, LAYOUT) for r, n in records])
 
     def _use(self, reads: list) -> None:
         """What the worker does with a read before copying it: a KV payload view, checked."""
@@ -215,20 +213,17 @@ class Case:
             payload = self.copier.payload_view(read)
             self.copier.check_payload(payload, self.blocks, 0)
 
-    def bare_set(self) -> None:
-        for items in self.bare_items:
-            self.bare.set_many(items)
+    def bare_set(self, b: int) -> None:
+        self.bare.set_many(self.bare_items[b])
 
-    def tier_put(self) -> None:
-        for names in self.names:
-            errors = self.tier.put_many(list(zip(names, self.payloads, strict=True)))
-            if any(errors):
-                raise RuntimeError(f"put failed: {errors}")
+    def tier_put(self, b: int) -> None:
+        errors = self.tier.put_many(list(zip(self.names[b], self.payloads, strict=True)))
+        if any(errors):
+            raise RuntimeError(f"put failed: {errors}")
 
-    def background_put(self) -> None:
-        for names in self.names:
-            for name, payload in zip(names, self.payloads, strict=True):
-                self.background.put(name, payload)
+    def background_put(self, b: int) -> None:
+        for name, payload in zip(self.names[b], self.payloads, strict=True):
+            self.background.put(name, payload)
         if not self.background.drain(60.0):
             raise RuntimeError("background writes did not finish")
         failures = self.background.take_failures()
@@ -245,16 +240,26 @@ class Case:
 
 
 def run_case(case: Case, rounds: int) -> dict:
+    """Per round, each batch is run by every mode in turn (the order rotating), so the modes
+    share the machine's moods; a mode's rate for the round is over all its batches."""
     modes = case.modes()
     order = list(modes)
-    rates: dict[str, list[float]] = {mode: [] for mode in order}
+    batches = range(len(case.names))
     for mode in order:  # a warm-up pass each: connections, buffers, page cache
-        modes[mode]()
-    for r in range(rounds):
-        for mode in order[r % len(order) :] + order[: r % len(order)]:
-            start = time.perf_counter()
-            modes[mode]()
-            rates[mode].append(case.bytes_per_pass / (time.perf_counter() - start))
+        for b in batches:
+            modes[mode](b)
+    rates: dict[str, list[float]] = {mode: [] for mode in order}
+    turn = 0
+    for _ in range(rounds):
+        seconds = dict.fromkeys(order, 0.0)
+        for b in batches:
+            turn += 1
+            for mode in order[turn % len(order) :] + order[: turn % len(order)]:
+                start = time.perf_counter()
+                modes[mode](b)
+                seconds[mode] += time.perf_counter() - start
+        for mode in order:
+            rates[mode].append(case.bytes_per_pass / seconds[mode])
     ratios = {}
     for mode in order:
         reference = "bare GET" if mode in LOADS else "bare SET"
@@ -291,7 +296,7 @@ def main() -> None:
     )
     parser.add_argument("--url", help="an existing redis-server (default: start a private one)")
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--batches", type=int, default=4, help="batches of 8 chunks per pass")
+    parser.add_argument("--batches", type=int, default=8, help="batches of 8 chunks per round")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 1 batch")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
