@@ -9,9 +9,9 @@ stopped, hung or unreachable server fails a call in about ``timeout_s``; every s
 one exception type, ``RemoteUnavailable``, whose message names the operation and the redacted
 URL, so callers can count failures and mark the tier unhealthy.
 
-GET and SET, the commands that move chunks, are read and written by ``redis_wire`` on redis-py's
-own pooled connections: values land in reused buffers (``ReadBuffers``) and payloads go out
-uncopied. Loads return read-only views of those buffers, reused once no view of them is left.
+What one batch sends to one node is ``redis_batches``'s: GET and SET, the commands that move
+chunks, are read and written by ``redis_wire`` on redis-py's own pooled connections (values land
+in reused buffers, payloads go out uncopied; loads return read-only views of those buffers).
 
 Cluster batches are routed here rather than through redis-py's cluster pipeline, which re-sends
 each command of a node that timed out one at a time (a hung master would cost one timeout per
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from redis import Redis
@@ -41,9 +41,10 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import codec, redis_wire
+from . import codec
 from .base import ChunkCorrupt, ChunkMissing
-from .read_buffers import DEFAULT_MAX_BYTES, ReadBuffers
+from .read_buffers import DEFAULT_MAX_BYTES
+from .redis_batches import Exchange, NodeBatches, commands
 from .redis_nodes import Nodes, nodes_for
 from .remote_url import RemoteURL
 
@@ -131,7 +132,8 @@ class RedisTier:
         if url.tls:
             options.update(ssl=True, ssl_ca_certs=url.ssl_ca_certs, ssl_cert_reqs=url.ssl_cert_reqs)
         self._nodes: Nodes = nodes_for(url, options)
-        self._buffers = ReadBuffers(read_buffer_bytes)  # what loads read into, reused
+        self._batches = NodeBatches(layout, ttl_s, read_buffer_bytes)
+        self.read_buffers = self._batches.buffers  # what loads read into, reused
 
     def __repr__(self) -> str:
         return f"RedisTier({self._where}, key_prefix={self.key_prefix!r})"
@@ -145,19 +147,19 @@ class RedisTier:
         """Store ``payload`` under ``name``; returns the bytes of the record written."""
         header = codec.encode_header(name, self.layout, payload)
         keys = [self.key(name)]
-        (reply,) = self._run("put", keys, self._sets(keys, [header], [payload]))
+        (reply,) = self._run("put", keys, self._batches.sets(keys, [header], [payload]))
         _raise_if_error(self._stored(reply, "put"))
         return len(header) + payload.nbytes
 
     def get(self, name: str) -> memoryview:
         """The payload as a read-only view of the buffer it was read into (no further copy)."""
         keys = [self.key(name)]
-        (reply,) = self._run("get", keys, self._gets([name], keys))
+        (reply,) = self._run("get", keys, self._batches.gets([name], keys))
         return _raise_if_error(self._loaded(name, reply, "get"))
 
     def delete(self, name: str) -> None:
         keys = [self.key(name)]
-        (reply,) = self._run("delete", keys, _commands("UNLINK", keys))
+        (reply,) = self._run("delete", keys, commands("UNLINK", keys))
         _raise_if_error(self._done(reply, "delete"))
 
     def clear(self) -> None:
@@ -185,19 +187,21 @@ class RedisTier:
         """
         headers = [codec.encode_header(name, self.layout, payload) for name, payload in items]
         keys = [self.key(name) for name, _ in items]
-        replies = self._run("put_many", keys, self._sets(keys, headers, [payload for _, payload in items]))
+        replies = self._run(
+            "put_many", keys, self._batches.sets(keys, headers, [payload for _, payload in items])
+        )
         return [self._stored(reply, "put_many") for reply in replies]
 
     def get_many(self, names: Sequence[str]) -> list[memoryview | Exception]:
         """Per name: the payload, or ChunkMissing / ChunkCorrupt / RemoteUnavailable."""
         keys = [self.key(n) for n in names]
-        replies = self._run("get_many", keys, self._gets(names, keys))
+        replies = self._run("get_many", keys, self._batches.gets(names, keys))
         return [self._loaded(name, reply, "get_many") for name, reply in zip(names, replies, strict=True)]
 
     def exists_many(self, names: Sequence[str]) -> list[bool]:
         """Which names are stored, in one round trip per node; raises RemoteUnavailable."""
         keys = [self.key(n) for n in names]
-        replies = self._run("exists_many", keys, _commands("EXISTS", keys))
+        replies = self._run("exists_many", keys, commands("EXISTS", keys))
         return [bool(_raise_if_error(self._done(reply, "exists_many"))) for reply in replies]
 
     def ping(self) -> float:
@@ -219,49 +223,11 @@ class RedisTier:
     def close(self) -> None:
         """Close pooled connections and forget the read buffers; a later call opens new ones."""
         self._nodes.close()
-        self._buffers.clear()
+        self._batches.close()
 
     # --- internals -------------------------------------------------------------------------------
 
-    def _gets(self, names: Sequence[str], keys: list[str]) -> _Exchange:
-        """Replies are payloads (checked records), ChunkCorrupt, None or an error."""
-
-        def send(client: Redis, indices: list[int]) -> list[Any]:
-            if redis_wire.fast_path(client):
-
-                def check(j: int, record: memoryview) -> memoryview | ChunkCorrupt:
-                    return self._payload(names[indices[j]], record)
-
-                return redis_wire.get_many(client, [keys[i].encode() for i in indices], self._buffers, check)
-            replies = _pipeline(client, [("GET", keys[i]) for i in indices])
-            return [
-                self._payload(names[i], r) if isinstance(r, bytes) else r
-                for i, r in zip(indices, replies, strict=True)
-            ]
-
-        return send
-
-    def _payload(self, name: str, record: bytes | memoryview) -> memoryview | ChunkCorrupt:
-        try:
-            return codec.decode(memoryview(record), name, self.layout)
-        except ChunkCorrupt as e:
-            return e
-
-    def _sets(self, keys: list[str], headers: list[bytes], payloads: list[memoryview]) -> _Exchange:
-        def send(client: Redis, indices: list[int]) -> list[Any]:
-            if redis_wire.fast_path(client):
-                frames = [
-                    redis_wire.set_frame(keys[i].encode(), headers[i], payloads[i], self.ttl_s)
-                    for i in indices
-                ]
-                return redis_wire.set_many(client, frames)
-            expiry = () if self.ttl_s is None else ("EX", self.ttl_s)
-            records = (("SET", keys[i], _record(headers[i], payloads[i]), *expiry) for i in indices)
-            return _pipeline(client, list(records))
-
-        return send
-
-    def _run(self, op: str, keys: list[str], exchange: _Exchange) -> list[Any]:
+    def _run(self, op: str, keys: list[str], exchange: Exchange) -> list[Any]:
         """Replies in key order; a failed command's slot holds its exception. ``exchange`` sends
         one node the commands of some keys (their indices) and returns their replies.
 
@@ -293,7 +259,7 @@ class RedisTier:
         self,
         op: str,
         client: Redis,
-        exchange: _Exchange,
+        exchange: Exchange,
         indices: list[int],
         replies: list[Any],
         may_retry: bool,
@@ -325,7 +291,7 @@ class RedisTier:
         return reply
 
     def _loaded(self, name: str, reply: Any, op: str) -> memoryview | Exception:
-        """A ``_gets`` reply as the tier returns it."""
+        """A ``NodeBatches.gets`` reply as the tier returns it."""
         if isinstance(reply, (RemoteUnavailable, ChunkCorrupt)):
             return reply
         if isinstance(reply, Exception):
@@ -342,28 +308,6 @@ class RedisTier:
         kind = failure_kind(error) or "error"
         detail = _detail(error, self.url.password)
         return RemoteUnavailable(f"remote {op} on {self._where} failed ({kind}): {detail}", op=op, kind=kind)
-
-
-_Exchange = Callable[[Redis, list[int]], list[Any]]
-
-
-def _commands(command: str, keys: list[str]) -> _Exchange:
-    """An exchange sending ``command key`` for each key, in one redis-py pipeline."""
-    return lambda client, indices: _pipeline(client, [(command, keys[i]) for i in indices])
-
-
-def _pipeline(client: Redis, commands: list[tuple[Any, ...]]) -> list[Any]:
-    pipe = client.pipeline(transaction=False)
-    for command in commands:
-        pipe.execute_command(*command)
-    return pipe.execute(raise_on_error=False)
-
-
-def _record(header: bytes, payload: memoryview) -> memoryview:
-    """One value of header and payload, for a pipeline (one copy of the payload)."""
-    record = bytearray(header)
-    record += payload
-    return memoryview(record)
 
 
 def _unlink_all(client: Redis, keys: list[bytes]) -> None:

@@ -16,7 +16,8 @@ closed socket or a timeout breaks the connection off (it is disconnected, never 
 step) and fails the batch with redis-py's own ``ConnectionError``/``TimeoutError``.
 
 Connections speaking RESP3 (``protocol=3`` in the URL, which allows pushes between replies) go
-through redis-py's pipelines as before: ``fast_path`` says which.
+through redis-py's pipelines as before: ``fast_path`` says which. So does every connection once
+one is found without a socket where this module reads it (``NoSocket``: a redis-py to come).
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ _NAMED = (
     inspect.signature(ConnectionPool.get_connection).parameters["command_name"].default
     is inspect.Parameter.empty
 )
+
+
+class NoSocket(Exception):
+    """This redis-py's connections keep their socket where this module does not look for it."""
 
 
 def get_frame(key: bytes) -> bytes:
@@ -105,10 +110,11 @@ def _connection(client: Redis) -> Iterator[tuple[Any, _Replies]]:
     """A pooled connection and a reader of its replies; broken off if the exchange fails."""
     pool = client.connection_pool
     conn = pool.get_connection("GET") if _NAMED else pool.get_connection()
+    sock = _socket_of(conn)
+    if sock is None:
+        pool.release(conn)
+        raise NoSocket(type(conn).__name__)
     try:
-        sock = conn._sock  # connected by the pool; redis-py's parser never reads these replies
-        if not isinstance(sock, socket.socket):
-            raise RedisConnectionError("the connection has no socket to read")
         replies = _Replies(sock)
         yield conn, replies
         if replies.pending:  # bytes nobody asked for: the stream is out of step
@@ -118,6 +124,12 @@ def _connection(client: Redis) -> Iterator[tuple[Any, _Replies]]:
         raise
     finally:
         pool.release(conn)
+
+
+def _socket_of(conn: Any) -> socket.socket | None:
+    """The connected socket of a pooled connection (its replies to us are ours to read)."""
+    sock = getattr(conn, "_sock", None)
+    return sock if isinstance(sock, socket.socket) else None
 
 
 def _coalesced(frames: Sequence[Frame]) -> list[bytes | memoryview]:

@@ -69,14 +69,14 @@ def test_a_remote_load_after_the_copies_reuses_the_buffer(redis_server):
         a.run(request("x1", PROMPT), list(range(0, 5)))
         remote = b.worker.tiers[REMOTE].inner
         b.run(request("y1", PROMPT), list(range(10, 15)))
-        held = remote._buffers.bytes
+        held = remote.read_buffers.bytes
         assert held > 0
         for i in range(3):
             _, plan, failed = b.run(request(f"y{i + 2}", PROMPT), list(range(15, 20)))
             assert not failed and plan.loads and plan.loads[0].chunks[0].tier == REMOTE
             for name in a.kv:
                 assert torch.equal(b.kv[name][15:20], a.kv[name][0:5])
-        assert remote._buffers.bytes == held  # each load read into the buffers of the one before
+        assert remote.read_buffers.bytes == held  # each load read into the buffers of the one before
     finally:
         a.close()
         b.close()

@@ -157,3 +157,15 @@ def test_tls_connections_take_the_direct_path_for_batches(tmp_path, server_facto
     assert tier.put_many(items) == [None] * 3
     for _ in range(2):
         assert tier.get_many([n for n, _ in items] + [name(9)])[:3] == [p for _, p in items]
+
+
+def test_a_redis_py_whose_sockets_cannot_be_read_falls_back_to_its_pipelines(
+    redis_server, tier_factory, monkeypatch, caplog
+):
+    monkeypatch.setattr(redis_wire, "_socket_of", lambda conn: None)
+    tier = tier_factory(redis_server.url, key_prefix="nosock")
+    items = [(name(i), payload(100_000, i)) for i in range(3)]
+    assert tier.put_many(items) == [None] * 3
+    assert tier.get_many([n for n, _ in items] + [name(9)])[:3] == [p for _, p in items]
+    assert isinstance(tier.get_many([name(9)])[0], ChunkMissing)
+    assert sum("no socket to read values from" in r.message for r in caplog.records) == 1
