@@ -3,8 +3,9 @@
 redis-py reads a value through its own buffers into a new ``bytes`` (hiredis too: into its reader's
 buffer, then into a ``bytes``), and fresh memory costs a page fault per page: side by side with a
 bare client reading into one reused buffer, 4 MiB values in batches of 8, redis-py's pipeline read
-0.2-0.3x its bytes per second and 0.4-0.5x with hiredis (bench/remote_tier_vs_bare.py). With
-hiredis installed it also packs a SET into one new ``bytes``, a second copy of the value.
+about 0.2x its bytes per second and about 0.5x with hiredis (bench/remote_tier_vs_bare.py; two
+connections per batch gained nothing either). With hiredis installed redis-py also packs a SET
+into one new ``bytes``, a second copy of the value.
 
 So a batch of GETs goes out on a connection from the client's own pool (connected, authenticated,
 TLS, the Sentinel's master, a Cluster node: as redis-py set it up) and each reply is read from its
