@@ -131,6 +131,7 @@ class CopyThread:
             except BaseException:  # noqa: BLE001 - tasks record their own errors; never die
                 logger.exception("KVLens: a block copy task raised")
             finally:
+                item = task = None  # type: ignore[assignment]  # idle, hold no step's payloads
                 done.set()
 
     @property

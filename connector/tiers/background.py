@@ -304,6 +304,9 @@ class BackgroundTier:
                 future.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - delivered to the waiting caller
                 future.set_exception(e)
+            # Idle, this thread must not keep the last read alive: its payloads' buffers are
+            # reused once nothing holds them (read_buffers.py).
+            item = future = fn = None  # type: ignore[assignment]
 
     # ---- lifecycle ----------------------------------------------------------------------
     def clear(self) -> None:

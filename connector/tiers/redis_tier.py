@@ -9,6 +9,10 @@ stopped, hung or unreachable server fails a call in about ``timeout_s``; every s
 one exception type, ``RemoteUnavailable``, whose message names the operation and the redacted
 URL, so callers can count failures and mark the tier unhealthy.
 
+What one batch sends to one node is ``redis_batches``'s: GET and SET, the commands that move
+chunks, are read and written by ``redis_wire`` on redis-py's own pooled connections (values land
+in reused buffers, payloads go out uncopied; loads return read-only views of those buffers).
+
 Cluster batches are routed here rather than through redis-py's cluster pipeline, which re-sends
 each command of a node that timed out one at a time (a hung master would cost one timeout per
 chunk). After a topology error (a refused connection, ``MOVED``) the slot map is refreshed and
@@ -39,6 +43,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import codec
 from .base import ChunkCorrupt, ChunkMissing
+from .read_buffers import DEFAULT_MAX_BYTES
+from .redis_batches import Exchange, NodeBatches, commands
 from .redis_nodes import Nodes, nodes_for
 from .remote_url import RemoteURL
 
@@ -100,6 +106,7 @@ class RedisTier:
         timeout_s: float = 0.5,
         connect_timeout_s: float = 0.5,
         max_connections: int = 32,
+        read_buffer_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         if not _PREFIX.match(key_prefix):
             # No ':' (one prefix must never match another's keys in clear()) and no glob characters.
@@ -125,6 +132,8 @@ class RedisTier:
         if url.tls:
             options.update(ssl=True, ssl_ca_certs=url.ssl_ca_certs, ssl_cert_reqs=url.ssl_cert_reqs)
         self._nodes: Nodes = nodes_for(url, options)
+        self._batches = NodeBatches(layout, ttl_s, read_buffer_bytes)
+        self.read_buffers = self._batches.buffers  # what loads read into, reused
 
     def __repr__(self) -> str:
         return f"RedisTier({self._where}, key_prefix={self.key_prefix!r})"
@@ -136,18 +145,21 @@ class RedisTier:
 
     def put(self, name: str, payload: memoryview) -> int:
         """Store ``payload`` under ``name``; returns the bytes of the record written."""
-        record = self._record(name, payload)
-        (reply,) = self._run("put", [self._set(name, record)])
+        header = codec.encode_header(name, self.layout, payload)
+        keys = [self.key(name)]
+        (reply,) = self._run("put", keys, self._batches.sets(keys, [header], [payload]))
         _raise_if_error(self._stored(reply, "put"))
-        return record.nbytes
+        return len(header) + payload.nbytes
 
     def get(self, name: str) -> memoryview:
-        """The payload as a read-only view over the bytes redis-py returned (no further copy)."""
-        (reply,) = self._run("get", [("GET", self.key(name))])
+        """The payload as a read-only view of the buffer it was read into (no further copy)."""
+        keys = [self.key(name)]
+        (reply,) = self._run("get", keys, self._batches.gets([name], keys))
         return _raise_if_error(self._loaded(name, reply, "get"))
 
     def delete(self, name: str) -> None:
-        (reply,) = self._run("delete", [("UNLINK", self.key(name))])
+        keys = [self.key(name)]
+        (reply,) = self._run("delete", keys, commands("UNLINK", keys))
         _raise_if_error(self._done(reply, "delete"))
 
     def clear(self) -> None:
@@ -171,19 +183,25 @@ class RedisTier:
     def put_many(self, items: Sequence[tuple[str, memoryview]]) -> list[Exception | None]:
         """Store every item in one round trip per node; per item, None or the error.
 
-        Each item's record (one copy of its payload) is held until the batch is sent.
+        Payloads are sent as they are (only a RESP3 connection copies each into a record first).
         """
-        commands = [self._set(name, self._record(name, payload)) for name, payload in items]
-        return [self._stored(reply, "put_many") for reply in self._run("put_many", commands)]
+        headers = [codec.encode_header(name, self.layout, payload) for name, payload in items]
+        keys = [self.key(name) for name, _ in items]
+        replies = self._run(
+            "put_many", keys, self._batches.sets(keys, headers, [payload for _, payload in items])
+        )
+        return [self._stored(reply, "put_many") for reply in replies]
 
     def get_many(self, names: Sequence[str]) -> list[memoryview | Exception]:
         """Per name: the payload, or ChunkMissing / ChunkCorrupt / RemoteUnavailable."""
-        replies = self._run("get_many", [("GET", self.key(n)) for n in names])
+        keys = [self.key(n) for n in names]
+        replies = self._run("get_many", keys, self._batches.gets(names, keys))
         return [self._loaded(name, reply, "get_many") for name, reply in zip(names, replies, strict=True)]
 
     def exists_many(self, names: Sequence[str]) -> list[bool]:
         """Which names are stored, in one round trip per node; raises RemoteUnavailable."""
-        replies = self._run("exists_many", [("EXISTS", self.key(n)) for n in names])
+        keys = [self.key(n) for n in names]
+        replies = self._run("exists_many", keys, commands("EXISTS", keys))
         return [bool(_raise_if_error(self._done(reply, "exists_many"))) for reply in replies]
 
     def ping(self) -> float:
@@ -203,31 +221,23 @@ class RedisTier:
         return time.perf_counter() - start
 
     def close(self) -> None:
-        """Close pooled connections; a later call opens new ones."""
+        """Close pooled connections and forget the read buffers; a later call opens new ones."""
         self._nodes.close()
+        self._batches.close()
 
     # --- internals -------------------------------------------------------------------------------
 
-    def _record(self, name: str, payload: memoryview) -> memoryview:
-        record = bytearray(codec.encode_header(name, self.layout, payload))
-        record += payload  # the one copy of the payload: a record must go out in one SET
-        return memoryview(record)
-
-    def _set(self, name: str, record: memoryview) -> tuple[Any, ...]:
-        if self.ttl_s is None:
-            return ("SET", self.key(name), record)
-        return ("SET", self.key(name), record, "EX", self.ttl_s)
-
-    def _run(self, op: str, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """Replies in command order; a failed command's slot holds its exception.
+    def _run(self, op: str, keys: list[str], exchange: Exchange) -> list[Any]:
+        """Replies in key order; a failed command's slot holds its exception. ``exchange`` sends
+        one node the commands of some keys (their indices) and returns their replies.
 
         Commands that a fresh slot map may fix (cluster only) are sent once more after a refresh.
         """
-        replies: list[Any] = [None] * len(commands)
-        pending = list(range(len(commands)))
+        replies: list[Any] = [None] * len(keys)
+        pending = list(range(len(keys)))
         for attempt in (0, 1):
             try:
-                groups, unroutable = self._nodes.route([commands[i][1] for i in pending])
+                groups, unroutable = self._nodes.route([keys[i] for i in pending])
             except Exception as e:  # noqa: BLE001 - redis-py errors must not escape
                 error = self._unavailable(op, e)
                 for i in pending:
@@ -238,9 +248,7 @@ class RedisTier:
             again: list[int] = []
             for client, members in groups:
                 indices = [pending[j] for j in members]
-                again += self._send(
-                    op, client, [commands[i] for i in indices], indices, replies, attempt == 0
-                )
+                again += self._send(op, client, exchange, indices, replies, attempt == 0)
             if not again:
                 break
             self._nodes.refresh()
@@ -251,17 +259,14 @@ class RedisTier:
         self,
         op: str,
         client: Redis,
-        commands: list[tuple[Any, ...]],
+        exchange: Exchange,
         indices: list[int],
         replies: list[Any],
         may_retry: bool,
     ) -> list[int]:
-        """One pipeline to one node; fills ``replies`` and returns the indices to send again."""
-        pipe = client.pipeline(transaction=False)
-        for command in commands:
-            pipe.execute_command(*command)
+        """One batch to one node; fills ``replies`` and returns the indices to send again."""
         try:
-            results = pipe.execute(raise_on_error=False)
+            results = exchange(client, indices)
         except Exception as e:  # noqa: BLE001 - redis-py errors must not escape
             if self._nodes.retry_after(e) and may_retry:
                 return indices
@@ -286,7 +291,8 @@ class RedisTier:
         return reply
 
     def _loaded(self, name: str, reply: Any, op: str) -> memoryview | Exception:
-        if isinstance(reply, RemoteUnavailable):
+        """A ``NodeBatches.gets`` reply as the tier returns it."""
+        if isinstance(reply, (RemoteUnavailable, ChunkCorrupt)):
             return reply
         if isinstance(reply, Exception):
             if failure_kind(reply) is None:  # e.g. WRONGTYPE: something else lives under our key
@@ -294,10 +300,7 @@ class RedisTier:
             return self._unavailable(op, reply)
         if reply is None:
             return ChunkMissing(name)
-        try:
-            return codec.decode(memoryview(reply), name, self.layout)
-        except ChunkCorrupt as e:
-            return e
+        return reply
 
     def _unavailable(self, op: str, error: BaseException) -> RemoteUnavailable:
         if isinstance(error, RemoteUnavailable):

@@ -395,16 +395,29 @@ class RedisSentinelGroup:
             client.wait(1, 2000)
 
     def wait_failover(self, old_port: int, timeout_s: float = 30) -> int:
+        """Until a sentinel names a new master and redis-py's own discovery finds it (a sentinel
+        reports the promoted replica as a master in good state a moment after naming it; a
+        client asking before then gets MasterNotFoundError)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
                 port = self.master_port()
             except RuntimeError:
                 port = old_port
-            if port != old_port:
+            if port != old_port and self._discovered() == port:
                 return port
             time.sleep(0.1)
         raise RuntimeError(f"no failover within {timeout_s} s; log: {self.sentinel_log()[-2000:]}")
+
+    def _discovered(self) -> int | None:
+        """The master's port as a client finds it through the sentinels; None while none is."""
+        probe = {"socket_timeout": 2, "socket_connect_timeout": 2}
+        nodes = [("127.0.0.1", p) for p in self.sentinel_ports]
+        sentinel = redis.Sentinel(nodes, sentinel_kwargs=probe)
+        try:
+            return int(sentinel.discover_master(self.service)[1])
+        except redis.exceptions.RedisError:
+            return None
 
     def sentinel_log(self) -> str:
         logs = sorted(self.workdir.glob("sentinel*/sentinel.log"))

@@ -260,7 +260,7 @@ def test_failure_is_remote_unavailable_an_oserror():
     assert issubclass(RemoteUnavailable, OSError)
 
 
-def test_put_copies_the_payload_once_at_most(redis_server, tier_factory):
+def test_put_sends_the_payload_without_copying_it(redis_server, tier_factory):
     tier = tier_factory(redis_server.url)
     data = payload(8 * MB)
     tier.put(name(1), data)  # connections and buffers exist before measuring
@@ -270,4 +270,4 @@ def test_put_copies_the_payload_once_at_most(redis_server, tier_factory):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert data.nbytes <= peak < 1.25 * data.nbytes
+    assert peak < data.nbytes / 16  # the record's header and the command's frame, not the payload

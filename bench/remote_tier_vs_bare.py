@@ -1,0 +1,323 @@
+"""The remote tier against a bare client on the same redis-server: loads and stores, side by side.
+
+    .venv/bin/python bench/remote_tier_vs_bare.py [--quick] [--rounds N] [--out results.json]
+                                                  [--url redis://host:port/0]
+
+Without --url a private redis-server is started on a free loopback port (no persistence) and
+stopped at the end. Per chunk size (4 MiB and 1 MiB, in batches of 8), each round runs every
+mode over the same keys, batch by batch: each batch is read (or written) by every mode in turn,
+the order rotating, so that the modes share the machine's load. The modes:
+
+- ``bare GET``: the reference reader. One socket, the batch's GETs pipelined, each value read
+  with ``recv_into`` into one buffer allocated once. No checks.
+- ``tier get_many``: ``RedisTier.get_many`` (record header and xxh3 checksum checked), and what
+  the worker does next: each payload viewed as a KV payload by ``BlockCopier.payload_view`` and
+  checked by ``check_payload``. The views are dropped after the batch, as the worker drops them
+  after the step.
+- ``background get_many``: the same through ``BackgroundTier`` (reader thread, deadline), as the
+  worker calls it.
+- ``redis-py GET``: redis-py's own pipeline (hiredis if installed), values decoded and checksummed:
+  what the tier did before it read values itself.
+- ``bare SET``: the reference writer. One socket, the batch's SETs pipelined, each value a ready
+  record (header and payload) sent as it is. No checksum.
+- ``tier put_many``: ``RedisTier.put_many`` (the header and checksum computed per chunk).
+- ``background put``: ``BackgroundTier.put`` per chunk, then waiting until written, as the
+  worker's stores go.
+
+Throughput is payload bytes per second; a ratio is the tier's over the bare client's in the same
+round, and the table shows the median over rounds. The goal (issue 19) is >= 0.7x for loads and
+stores. --quick runs in seconds (CI keeps the script working).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import redis  # noqa: E402
+import torch  # noqa: E402
+from redis.utils import HIREDIS_AVAILABLE  # noqa: E402
+
+from connector.engine.health import TierHealth  # noqa: E402
+from connector.kv_blocks import BlockCopier  # noqa: E402
+from connector.tiers import codec  # noqa: E402
+from connector.tiers.background import BackgroundTier  # noqa: E402
+from connector.tiers.redis_tier import RedisTier  # noqa: E402
+from connector.tiers.remote_url import parse_remote_url  # noqa: E402
+
+MB = 1024 * 1024
+LAYOUT = "bench-layout"
+BATCH = 8
+LAYERS = 8
+BLOCK_BYTES = 32 * 1024  # [2, 16 tokens, 8 heads, 64] float16: one layer's block
+LOADS = ("bare GET", "tier get_many", "background get_many", "redis-py GET")
+STORES = ("bare SET", "tier put_many", "background put")
+
+
+@contextmanager
+def private_server() -> Iterator[str]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        sys.exit("redis-server is not installed (bash scripts/setup.sh), or pass --url")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as workdir:
+        cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        cmd += ["--dir", workdir, "--logfile", os.path.join(workdir, "redis.log")]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        try:
+            client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1)
+            for _ in range(250):
+                try:
+                    client.ping()
+                    break
+                except redis.ConnectionError:
+                    time.sleep(0.02)
+            client.close()
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+class BareClient:
+    """The reference: RESP on one socket, every value read into one buffer allocated once."""
+
+    def __init__(self, host: str, port: int, max_value: int) -> None:
+        self.sock = socket.create_connection((host, port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buffer = memoryview(bytearray(max_value + 2))
+        self.pending = bytearray()
+
+    def get_many(self, keys: list[bytes]) -> int:
+        self.sock.sendall(b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(k), k) for k in keys))
+        total = 0
+        for _ in keys:
+            size = int(self._line()[1:])
+            want = size + 2  # the value and its CRLF
+            have = min(len(self.pending), want)
+            self.buffer[:have] = self.pending[:have]
+            del self.pending[:have]
+            while have < want:
+                got = self.sock.recv_into(self.buffer[have:want])
+                if not got:
+                    raise ConnectionError("server closed the connection")
+                have += got
+            total += size
+        return total
+
+    def set_many(self, items: list[tuple[bytes, bytes]]) -> None:
+        for key, value in items:
+            self.sock.sendall(b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(key), key, len(value)))
+            self.sock.sendall(value)
+            self.sock.sendall(b"\r\n")
+        for _ in items:
+            if self._line() != b"+OK":
+                raise RuntimeError("SET failed")
+
+    def _line(self) -> bytes:
+        while (end := self.pending.find(b"\r\n")) < 0:
+            data = self.sock.recv(4096)
+            if not data:
+                raise ConnectionError("server closed the connection")
+            self.pending += data
+        line = bytes(self.pending[:end])
+        del self.pending[: end + 2]
+        return line
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Case:
+    """One chunk size: its keys stored, every mode ready to run over them."""
+
+    def __init__(self, url: str, chunk_bytes: int, batches: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.blocks = chunk_bytes // (LAYERS * BLOCK_BYTES)
+        kv = torch.zeros(LAYERS, self.blocks, BLOCK_BYTES // 2, dtype=torch.float16)
+        self.copier = BlockCopier({f"layer.{i}": kv[i] for i in range(LAYERS)}, self.blocks)
+        self.tier = RedisTier(parse_remote_url(url, environ={}), LAYOUT, key_prefix="kvbench")
+        self.tier.clear()
+        self.background = BackgroundTier(self.tier, TierHealth("remote"), timeout_s=30.0)
+        generator = torch.Generator().manual_seed(chunk_bytes)
+        self.payloads = [
+            memoryview(torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8, generator=generator).numpy())
+            for _ in range(BATCH)
+        ]
+        tag = chunk_bytes // MB
+        self.names = [[f"{tag}m-{b}-{i}" for i in range(BATCH)] for b in range(batches)]
+        for names in self.names:
+            assert not any(self.tier.put_many(list(zip(names, self.payloads, strict=True))))
+        self.keys = [[self.tier.key(n).encode() for n in names] for names in self.names]
+        record = codec.encode_header(self.names[0][0], LAYOUT, self.payloads[0]) + bytes(self.payloads[0])
+        self.bare_items = [
+            [(b"kvbench-bare:%d-%d" % (b, i), record) for i in range(BATCH)] for b in range(batches)
+        ]
+        host, port = parse_remote_url(url, environ={}).nodes[0]
+        self.bare = BareClient(host, port, len(record))
+        self.redispy = redis.Redis(host=host, port=port, socket_timeout=30)
+        self.parser = "hiredis" if HIREDIS_AVAILABLE else "python"
+        self.bytes_per_pass = chunk_bytes * BATCH * batches
+
+    def modes(self) -> dict[str, Callable[[int], None]]:
+        """Each mode, run over batch ``b`` of the keys."""
+        return {
+            "bare GET": self.bare_get,
+            "tier get_many": self.tier_get,
+            "background get_many": self.background_get,
+            "redis-py GET": self.redispy_get,
+            "bare SET": self.bare_set,
+            "tier put_many": self.tier_put,
+            "background put": self.background_put,
+        }
+
+    def bare_get(self, b: int) -> None:
+        assert self.bare.get_many(self.keys[b]) >= self.chunk_bytes * BATCH
+
+    def tier_get(self, b: int) -> None:
+        self._use(self.tier.get_many(self.names[b]))
+
+    def background_get(self, b: int) -> None:
+        self._use(list(self.background.get_many(self.names[b])))
+
+    def redispy_get(self, b: int) -> None:
+        pipe = self.redispy.pipeline(transaction=False)
+        for key in self.keys[b]:
+            pipe.get(key)
+        records = zip(pipe.execute(), self.names[b], strict=True)
+        self._use([codec.decode(memoryview(r), n, LAYOUT) for r, n in records])
+
+    def _use(self, reads: list) -> None:
+        """What the worker does with a read before copying it: a KV payload view, checked."""
+        for read in reads:
+            if not isinstance(read, memoryview):
+                raise RuntimeError(f"read failed: {read!r}")
+            payload = self.copier.payload_view(read)
+            self.copier.check_payload(payload, self.blocks, 0)
+
+    def bare_set(self, b: int) -> None:
+        self.bare.set_many(self.bare_items[b])
+
+    def tier_put(self, b: int) -> None:
+        errors = self.tier.put_many(list(zip(self.names[b], self.payloads, strict=True)))
+        if any(errors):
+            raise RuntimeError(f"put failed: {errors}")
+
+    def background_put(self, b: int) -> None:
+        for name, payload in zip(self.names[b], self.payloads, strict=True):
+            self.background.put(name, payload)
+        if not self.background.drain(60.0):
+            raise RuntimeError("background writes did not finish")
+        failures = self.background.take_failures()
+        if failures:
+            raise RuntimeError(f"background put failed: {failures}")
+
+    def close(self) -> None:
+        self.background.close()
+        self.tier.clear()
+        self.tier.close()
+        self.redispy.delete(*(key for items in self.bare_items for key, _ in items))
+        self.bare.close()
+        self.redispy.close()
+
+
+def run_case(case: Case, rounds: int) -> dict:
+    """Per round, each batch is run by every mode in turn (the order rotating), so the modes
+    share the machine's moods; a mode's rate for the round is over all its batches."""
+    modes = case.modes()
+    order = list(modes)
+    batches = range(len(case.names))
+    for mode in order:  # a warm-up pass each: connections, buffers, page cache
+        for b in batches:
+            modes[mode](b)
+    rates: dict[str, list[float]] = {mode: [] for mode in order}
+    turn = 0
+    for _ in range(rounds):
+        seconds = dict.fromkeys(order, 0.0)
+        for b in batches:
+            turn += 1
+            for mode in order[turn % len(order) :] + order[: turn % len(order)]:
+                start = time.perf_counter()
+                modes[mode](b)
+                seconds[mode] += time.perf_counter() - start
+        for mode in order:
+            rates[mode].append(case.bytes_per_pass / seconds[mode])
+    ratios = {}
+    for mode in order:
+        reference = "bare GET" if mode in LOADS else "bare SET"
+        if mode != reference:
+            ratios[mode] = statistics.median(
+                a / b for a, b in zip(rates[mode], rates[reference], strict=True)
+            )
+    return {
+        "chunk_mib": case.chunk_bytes / MB,
+        "batch": BATCH,
+        "rounds": rounds,
+        "redis_py_parser": case.parser,
+        "gb_per_s": {mode: statistics.median(v) / 1e9 for mode, v in rates.items()},
+        "ratio_to_bare": ratios,
+        "all_gb_per_s": {mode: [x / 1e9 for x in v] for mode, v in rates.items()},
+    }
+
+
+def print_table(results: list[dict]) -> None:
+    for res in results:
+        print(
+            f"\n{res['chunk_mib']:g} MiB chunks, batches of {res['batch']}, "
+            f"median of {res['rounds']} rounds (redis-py parser: {res['redis_py_parser']})"
+        )
+        print(f"  {'mode':22s} {'GB/s':>7s} {'x bare':>7s}")
+        for mode, rate in res["gb_per_s"].items():
+            ratio = res["ratio_to_bare"].get(mode)
+            print(f"  {mode:22s} {rate:7.2f} {'' if ratio is None else f'{ratio:6.2f}x':>7s}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--url", help="an existing redis-server (default: start a private one)")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--batches", type=int, default=8, help="batches of 8 chunks per round")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 1 batch")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    rounds, batches = (2, 1) if args.quick else (args.rounds, args.batches)
+    with private_server() if args.url is None else _given(args.url) as url:
+        results = []
+        for chunk_bytes in (4 * MB, 1 * MB):
+            case = Case(url, chunk_bytes, batches)
+            try:
+                results.append(run_case(case, rounds))
+            finally:
+                case.close()
+    print_table(results)
+    if args.out:
+        args.out.write_text(json.dumps({"bench": "remote_tier_vs_bare", "results": results}, indent=2) + "\n")
+
+
+@contextmanager
+def _given(url: str) -> Iterator[str]:
+    yield url
+
+
+if __name__ == "__main__":
+    main()
