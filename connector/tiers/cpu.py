@@ -22,7 +22,7 @@ class CpuTier:
     def __len__(self) -> int:
         return len(self._chunks)
 
-    def put(self, name: str, payload: memoryview) -> int:
+    def put(self, name: str, payload: memoryview, namespace: str = "") -> int:
         self.delete(name)
         self._chunks[name] = payload
         self.used_bytes += payload.nbytes

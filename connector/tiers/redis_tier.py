@@ -137,9 +137,9 @@ class RedisTier:
 
     # --- Tier protocol ---------------------------------------------------------------------------
 
-    def put(self, name: str, payload: memoryview) -> int:
+    def put(self, name: str, payload: memoryview, namespace: str = "") -> int:
         """Store ``payload`` under ``name``; returns the bytes of the record written."""
-        record = self._record(name, payload)
+        record = self._record(name, payload, namespace)
         (reply,) = self._run("put", [self._set(name, record)])
         _raise_if_error(self._stored(reply, "put"))
         return record.nbytes
@@ -171,12 +171,19 @@ class RedisTier:
 
     # --- batches ---------------------------------------------------------------------------------
 
-    def put_many(self, items: Sequence[tuple[str, memoryview]]) -> list[Exception | None]:
+    def put_many(
+        self, items: Sequence[tuple[str, memoryview]], namespaces: Sequence[str] = ()
+    ) -> list[Exception | None]:
         """Store every item in one round trip per node; per item, None or the error.
 
         Each item's record (one copy of its payload) is held until the batch is sent.
+        ``namespaces``: per item, as in ``put`` (none given: "").
         """
-        commands = [self._set(name, self._record(name, payload)) for name, payload in items]
+        spaces = namespaces or [""] * len(items)
+        commands = [
+            self._set(name, self._record(name, payload, ns))
+            for (name, payload), ns in zip(items, spaces, strict=True)
+        ]
         return [self._stored(reply, "put_many") for reply in self._run("put_many", commands)]
 
     def get_many(self, names: Sequence[str]) -> list[memoryview | Exception]:
@@ -211,8 +218,8 @@ class RedisTier:
 
     # --- internals -------------------------------------------------------------------------------
 
-    def _record(self, name: str, payload: memoryview) -> memoryview:
-        record = bytearray(codec.encode_header(name, self.layout, payload))
+    def _record(self, name: str, payload: memoryview, namespace: str = "") -> memoryview:
+        record = bytearray(codec.encode_header(name, self.layout, payload, namespace))
         record += payload  # the one copy of the payload: a record must go out in one SET
         return memoryview(record)
 
