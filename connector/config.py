@@ -105,6 +105,11 @@ class ExtraConfig(BaseModel):
     # keys instead of a fingerprint of the checkpoint's content: instances that set the same
     # name share KV, whatever their files. Quantization and dtypes still count.
     model_identity: str | None = Field(None, min_length=1, max_length=256)
+    # --- kvlens-cli (issue 20): the admin endpoint of connector/admin.py -----------------------
+    # Port of a small HTTP endpoint the scheduler process serves for `kvlens clear` (namespace-
+    # scoped clears applied between steps); null: none. Data-parallel engine i listens on port + i.
+    admin_port: int | None = Field(None, ge=1, le=65535)
+    admin_host: str = "127.0.0.1"  # no authentication: keep it on loopback unless fenced off
 
 
 class KVLensConfig(BaseModel):

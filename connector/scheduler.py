@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .admin import CacheAdmin
 from .config import KVLensConfig
 from .engine.facts import EngineFacts
 from .engine.jobs import REMOTE, StepPlan
@@ -61,6 +62,7 @@ class ConnectorScheduler:
             ),
         )
         self.whatif, self.info = self.insight.whatif, self.insight.info
+        self.admin = CacheAdmin(state, clock)  # kvlens clear through a running engine; namespace records
         self._step = 0
         self._draining_since: float | None = None
         self._evictions_seen: dict[str, int] = {}
@@ -98,6 +100,7 @@ class ConnectorScheduler:
             reported_through=self.state.reported_through,
         )
         self.planner.plan(plan, scheduler_output)
+        self.admin.step(plan)
         self.block_events.planned(plan)
         plan.drain = not self.unfinished and self.has_pending_work()
         self.insight.measure_step(scheduler_output, bool(plan.loads))
@@ -125,6 +128,8 @@ class ConnectorScheduler:
 
     def has_pending_work(self) -> bool:
         """Background writes still queued: keep the engine stepping (bounded) until they land."""
+        if self.admin.has_work():
+            return True
         pending = self.feedback.pending_writes
         if pending <= 0 or self.unfinished:
             self._draining_since = None
@@ -150,6 +155,7 @@ class ConnectorScheduler:
         return True
 
     def shutdown(self) -> None:
+        self.admin.shutdown()
         self.insight.shutdown()
         self.state.shutdown()
 

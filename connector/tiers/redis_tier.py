@@ -216,6 +216,21 @@ class RedisTier:
         """Close pooled connections; a later call opens new ones."""
         self._nodes.close()
 
+    # --- for tools over this prefix (connector/store_records.py) ---------------------------------
+
+    def node_clients(self) -> list[Redis]:
+        """A client per master (the server itself when not a cluster), to SCAN this prefix's keys
+        and pipeline single-key commands on them; calls raise redis-py's errors."""
+        try:
+            return self._nodes.masters()
+        except Exception as e:  # noqa: BLE001 - redis-py errors must not escape
+            raise self._unavailable("scan", e) from None
+
+    def execute(self, op: str, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Single-key commands (the key second, under this prefix) routed as the tier's own are,
+        one round trip per node; per command its reply or a RemoteUnavailable."""
+        return [self._done(reply, op) for reply in self._run(op, list(commands))]
+
     # --- internals -------------------------------------------------------------------------------
 
     def _record(self, name: str, payload: memoryview, namespace: str = "") -> memoryview:
