@@ -4,17 +4,20 @@ namespace records written beside the chunks.
 Clears. ``kvlens clear`` reaches a running engine through the admin endpoint
 (``extra_config.admin_port``, served from the scheduler process by ``admin_http.py``). The
 endpoint's thread picks the namespaces (from the records in the stores and the ones this
-engine keys with), finds which disk chunks belong to them (their records' headers), and queues
-the clear; it wakes an idle engine, whose next step applies it (``step``). From that step on no
-lookup finds the chunks: they leave every tier's index, pinned or not. The deletion waits until
-each request that held pins or a pending lookup at that moment has had its load reported (and
-one more step, for asynchronous scheduling), or ``DEFER_LIMIT_S`` has passed: the CPU copies
+engine keys with) and finds which disk chunks belong to them (their records' headers). It
+removes the Redis keys first: the remote tier has no index, so once the index forgets the
+chunks, a lookup must not find them in Redis (nor promote them back into the CPU tier). Then it
+queues the clear and wakes an idle engine, whose next step applies it (``step``): from that step
+on no lookup finds the chunks, pinned or not, in the CPU and disk indexes. Their deletion waits
+until each request that held pins or a pending lookup at that moment has had its load reported
+(and one more step, for asynchronous scheduling), or ``DEFER_LIMIT_S`` has passed: the CPU copies
 are then evicted through the plan, in order with its writes, and the endpoint's thread removes
-the disk files and Redis keys written before the clear was applied. So loads in flight complete
-from the store; a load that still races a deletion (a Redis load under asynchronous scheduling,
-another engine sharing the disk or Redis, or one held past the limit) finds the chunk missing
-and vLLM recomputes those blocks: never wrong KV. A clear of everything is also announced to
-routers as ``AllBlocksCleared``; a namespace-scoped one as ``BlockRemoved`` per chunk.
+the disk files (and Redis keys written meanwhile) stored before the clear was applied. So CPU
+and disk loads in flight complete from the store. A load that races a deletion (a Redis load
+already under way, another engine sharing the disk or Redis, or a load held past the limit)
+finds the chunk missing, as after an eviction, and vLLM recomputes those blocks: never wrong KV.
+Stores after the clear was applied stay. A clear of everything is also announced to routers as
+``AllBlocksCleared``; a namespace-scoped one as ``BlockRemoved`` per chunk and tier.
 
 Namespace records. A chunk's name does not reveal its namespace, so each store names it in its
 record (``StoreJob.namespace``) and this class writes one ``NamespaceRecord`` per namespace
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import store_records
-from .engine.jobs import CPU, DISK, StepPlan, StoreJob
+from .engine.jobs import CPU, DISK, REMOTE, StepPlan, StoreJob
 from .engine.keys import key_fingerprint
 from .engine.namespace_records import NamespaceRecord, Selector, select
 from .scheduler_state import SchedulerState
@@ -209,12 +212,17 @@ class CacheAdmin:
             known = self.records() + self._stores.records()
             selected = select(known, selector)
             digests = frozenset() if selector.everything else self._stores.disk_digests(selector, selected)
+            # Redis first: once the index drops the chunks, a lookup must not find them there
+            # (nor promote them back into the CPU tier). Its loads in flight may fail, as they
+            # may when Redis evicts: vLLM recomputes.
+            done = self._stores.clear(selector, selected, time.time(), only=REMOTE)
             ticket = ClearTicket(selector, frozenset(selected), digests)
             self.submit(ticket)
             applied = ticket.applied.wait(APPLY_WAIT_S)
             if applied:
                 ticket.released.wait(DEFER_LIMIT_S + APPLY_WAIT_S)
             cutoff = ticket.applied_at_s if applied else time.time()
+            later = self._stores.clear(selector, selected, cutoff)  # disk; Redis keys written meanwhile
             out: dict[str, Any] = {
                 "selection": selector.describe(),
                 "namespaces": sorted(selected),
@@ -224,7 +232,15 @@ class CacheAdmin:
                     "waited_for": ticket.waited_for,
                 },
             }
-            out.update(self._stores.clear(selector, selected, cutoff))
+            for name, result in later.items():
+                earlier = done.get(name)
+                if isinstance(earlier, str):  # the first pass failed: say so
+                    result = earlier
+                elif isinstance(earlier, store_records.Cleared) and isinstance(result, store_records.Cleared):
+                    result.add(earlier)
+                out[name] = (
+                    result.to_json() if isinstance(result, store_records.Cleared) else {"error": result}
+                )
             if selector.everything or selected:
                 with self._lock:  # rewritten by the next store under them
                     for fp in list(self._records) if selector.everything else selected:
@@ -277,7 +293,7 @@ class _Stores:
                     tier = RedisTier(
                         config.remote, self._facts.kv_layout, extra.remote_key_prefix, None, timeout
                     )
-                    self._made["remote"] = store_records.RedisRecords(tier)
+                    self._made[REMOTE] = store_records.RedisRecords(tier)
             return self._made
 
     def records(self) -> list[NamespaceRecord]:
@@ -295,13 +311,18 @@ class _Stores:
             return frozenset()
         return frozenset(c.digest for c in disk.chunks() if selector.takes(c.namespace, selected))
 
-    def clear(self, selector: Selector, selected: set[str], cutoff_s: float) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def clear(
+        self, selector: Selector, selected: set[str], cutoff_s: float, only: str | None = None
+    ) -> dict[str, store_records.Cleared | str]:
+        """Per store: what was removed, or why that failed."""
+        out: dict[str, store_records.Cleared | str] = {}
         for name, store in self._all().items():
+            if only is not None and name != only:
+                continue
             try:
-                out[name] = store_records.clear(store, selector, selected, before_s=cutoff_s).to_json()
+                out[name] = store_records.clear(store, selector, selected, before_s=cutoff_s)
             except OSError as e:
-                out[name] = {"error": str(e)}
+                out[name] = str(e)
         return out
 
     def write_records(self, records: list[NamespaceRecord], refresh: bool) -> None:

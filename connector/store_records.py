@@ -72,7 +72,7 @@ class Cleared:
             "records": self.records,
             "chunks": self.chunks,
             "bytes": self.bytes,
-            "namespaces": sorted(self.namespaces),
+            "namespaces": sorted(set(self.namespaces)),
         }
 
 
