@@ -32,7 +32,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +48,7 @@ logger = logging.getLogger("vllm.kvlens")
 DEFER_LIMIT_S = 60.0  # longest a deletion waits for the loads that pinned its chunks
 APPLY_WAIT_S = 30.0  # longest the endpoint waits for the engine to step and apply a clear
 REFRESH_S = 60.0  # a storing namespace's record is rewritten this often
+MAX_RECORDS = 4096  # namespaces remembered (one per cache salt can be many); others are relearned
 
 
 @dataclass(eq=False)
@@ -78,7 +79,7 @@ class CacheAdmin:
         self._handing_over = False
         self._chunk_ns: dict[str, str] = {}  # CPU and disk chunks this engine stored -> fingerprint
         self._lock = threading.Lock()
-        self._records: dict[str, NamespaceRecord] = {}  # namespaces this engine stored under
+        self._records: OrderedDict[str, NamespaceRecord] = OrderedDict()  # namespaces stored under
         self._active: set[str] = set()  # fingerprints that stored since the last refresh
         self._refreshed_at = clock()
         self._stores = _Stores(state)
@@ -151,6 +152,8 @@ class CacheAdmin:
         record = NamespaceRecord.of(policy.namespace, self._s.config.chunk_size)
         with self._lock:
             self._records[fp] = record
+            while len(self._records) > MAX_RECORDS:
+                self._records.popitem(last=False)
         self._stores.write_records([record], refresh=False)
 
     def _apply(self, ticket: ClearTicket) -> None:

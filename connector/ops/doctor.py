@@ -74,16 +74,14 @@ def differences(a: Instance, b: Instance) -> list[str]:
         parts = [
             (label, words)
             for label, words in (
-                ("model_identity", "model weights"),
-                ("quantization", "quantization"),
-                ("kv_cache_dtype", "KV cache dtype"),
+                ("model_identity", "model weights differ"),
+                ("quantization", "quantization differs"),
+                ("kv_cache_dtype", "KV cache dtype differs"),
             )
             if ia.get(label) != ib.get(label)
         ]
         if parts:
-            why += [
-                f"{words} differ ({ia.get(label) or '?'} vs {ib.get(label) or '?'})" for label, words in parts
-            ]
+            why += [f"{words} ({ia.get(label) or '?'} vs {ib.get(label) or '?'})" for label, words in parts]
         else:
             why.append(
                 "keys differ with the same model: KV layout, parallel size (world size), compute dtype, "
@@ -188,7 +186,7 @@ def text(d: Diagnosis) -> str:
     if not d.instances:
         lines.append("no KVLens instance found")
         return "\n".join(lines)
-    lines.append("can share KV:")
+    lines.append("groups that can share KV:")
     for n, group in enumerate(d.groups, 1):
         first = group[0].info
         what = f"fingerprint {first.get('key_fingerprint')}, chunk size {first.get('chunk_size')}"

@@ -61,7 +61,7 @@ def test_instances_group_by_who_can_share_and_each_group_is_explained():
     d = doctor.diagnose([a, b, c])
     assert [[i.url for i in g] for g in d.groups] == [["http://a", "http://b"], ["http://c"]]
     ((x, y, why),) = d.apart
-    assert (x.url, y.url) == ("http://a", "http://c") and "quantization differ (none vs fp8)" in why[0]
+    assert (x.url, y.url) == ("http://a", "http://c") and "quantization differs (none vs fp8)" in why[0]
     text = doctor.text(d)
     assert "group 1" in text and "cannot share" in text
 
