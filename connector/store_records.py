@@ -210,9 +210,10 @@ class RedisRecords:
     def __repr__(self) -> str:
         return f"{self._tier.url.redacted()} prefix {self.prefix!r}"
 
-    def _keys(self) -> Iterator[tuple[Any, list[bytes]]]:
-        """Batches of this prefix's keys, each with the client of the master holding them."""
-        pattern = f"{self.prefix}:*"
+    def _keys(self, under: str = "") -> Iterator[tuple[Any, list[bytes]]]:
+        """Batches of this prefix's keys (those starting ``<prefix>:<under>``), each with the
+        client of the master holding them."""
+        pattern = f"{self.prefix}:{under}*"
         for client in self._tier.node_clients():
             batch: list[bytes] = []
             try:
@@ -304,8 +305,7 @@ class RedisRecords:
         return cleared
 
     def namespaces(self) -> tuple[list[NamespaceRecord], list[str]]:
-        start = f"{self.prefix}:{NAMESPACE_KEY}".encode()
-        keys = [k for _, batch in self._keys() for k in batch if k.startswith(start)]
+        keys = [k for _, batch in self._keys(NAMESPACE_KEY) for k in batch]
         replies = self._tier.execute("namespaces", [("GET", k) for k in keys]) if keys else []
         found, damaged = [], []
         for key, reply in zip(keys, replies, strict=True):

@@ -181,7 +181,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvlens", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="kvlens", description="Inspect and clear KVLens stores; diagnose running instances."
+    )
     sub = p.add_subparsers(dest="command", required=True)
     target = "a disk tier directory, a Redis URL, or a running engine's admin URL (http://...)"
 
