@@ -59,6 +59,10 @@ class ExtraConfig(BaseModel):
     # keys instead of a fingerprint of the checkpoint's content: instances that set the same
     # name share KV, whatever their files. Quantization and dtypes still count.
     model_identity: str | None = Field(None, min_length=1, max_length=256)
+    # The admin endpoint (connector/admin.py; `kvlens clear` of a running server): off unless a
+    # port is set; data-parallel engine i listens on admin_port + i.
+    admin_port: int | None = Field(None, ge=1, le=65535)
+    admin_host: str = "127.0.0.1"  # no authentication: keep it on loopback unless fenced off
     # LMCache's tag_keys: names of kv_transfer_params entries whose values become key tags, as
     # if sent as lmcache.tag.<name> (requests with other values never share KV).
     tag_keys: tuple[str, ...] = ()

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .admin import CacheAdmin
 from .config import KVLensConfig
 from .engine.facts import EngineFacts
 from .engine.jobs import REMOTE, StepPlan
@@ -62,6 +63,7 @@ class ConnectorScheduler:
             ),
         )
         self.whatif, self.info = self.insight.whatif, self.insight.info
+        self.admin = CacheAdmin(state, clock)  # kvlens clear through a running engine; namespace records
         self._step = 0
         self._draining_since: float | None = None
         self._evictions_seen: dict[str, int] = {}
@@ -116,6 +118,7 @@ class ConnectorScheduler:
         )
         state.async_jobs, state.async_cancels = [], []
         self.planner.plan(plan, scheduler_output)
+        self.admin.step(plan)
         self.block_events.planned(plan)
         plan.drain = not self.unfinished and self.has_pending_work()
         plan.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
@@ -144,6 +147,8 @@ class ConnectorScheduler:
 
     def has_pending_work(self) -> bool:
         """Background writes still queued: keep the engine stepping (bounded) until they land."""
+        if self.admin.has_work():
+            return True
         pending = self.feedback.pending_writes
         if pending <= 0 or self.unfinished:
             self._draining_since = None
@@ -169,6 +174,7 @@ class ConnectorScheduler:
         return True
 
     def shutdown(self) -> None:
+        self.admin.shutdown()
         self.insight.shutdown()
         self.state.shutdown()
 

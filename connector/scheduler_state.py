@@ -176,6 +176,7 @@ class SchedulerState:
 
     def reset(self) -> None:
         """Forget every unpinned chunk (vLLM's reset_prefix_cache with reset_connector)."""
+        self.block_events.cleared()
         for tier in self.tiers.values():
             names = tier.clear()
             self.recently_evicted.add(names, tier.name)

@@ -22,7 +22,7 @@ from typing import Any
 
 from .engine.index import TierIndex
 from .engine.jobs import CPU, DISK, REMOTE, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
-from .engine.keys import ChunkKey
+from .engine.keys import ChunkKey, key_fingerprint
 from .engine.policy import trace_headers
 from .engine.suspects import rewritten_blocks
 from .engine.tracker import LookupResult, RequestTracker, StorePolicy, cdiv, plan_chunk_loads
@@ -234,6 +234,7 @@ class StepPlanner:
                             key.num_tokens,
                             tuple(b for i, b in deps if i < end_block),
                             tracker.trace_context,
+                            key_fingerprint(tracker.hasher.namespace),
                         )
                     )
                     tracker.stored_chunks += 1

@@ -6,7 +6,9 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from . import checkpoint_identity
@@ -189,14 +191,18 @@ def worker_rank() -> int:
 
 
 def kv_cache_events(events: list[Any]) -> list[Any]:
-    """KVLens's ``BlocksStored`` / ``BlocksRemoved`` as vLLM's ``BlockStored`` / ``BlockRemoved``."""
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    """KVLens's ``BlocksStored`` / ``BlocksRemoved`` / ``BlocksCleared`` as vLLM's ``BlockStored`` /
+    ``BlockRemoved`` / ``AllBlocksCleared``."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    from .engine.block_events import BlocksStored
+    from .engine.block_events import BlocksCleared, BlocksStored
 
     out: list[Any] = []
     for e in events:
+        if isinstance(e, BlocksCleared):
+            out.append(AllBlocksCleared())
+            continue
         hashes = [maybe_convert_block_hash(h) for h in e.block_hashes]
         if isinstance(e, BlocksStored):
             parent = (
@@ -222,3 +228,25 @@ def block_ids_of(blocks: Any) -> list[int]:
     """The block ids of vLLM's ``KVCacheBlocks`` for the one KV cache group KVLens supports."""
     ids = blocks.get_block_ids()
     return list(ids[0]) if ids else []
+
+
+def engine_wakeup() -> Callable[[], None] | None:
+    """A function that wakes vLLM's engine core loop when it idles, so that it steps and the
+    scheduler half applies queued admin commands; None outside a multiprocess engine core.
+
+    The connector is built inside ``EngineCoreProc.__init__``, whose input queue already exists:
+    an idle engine blocks on that queue, and vLLM wakes it with a ``WAKEUP`` request (as its own
+    shutdown handler does). The engine then steps while ``has_pending_push_work`` says so.
+    """
+    import queue
+
+    from vllm.v1.engine import EngineCoreRequestType
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        inputs = getattr(owner, "input_queue", None)
+        if isinstance(inputs, queue.Queue) and type(owner).__name__.startswith("EngineCore"):
+            return lambda: inputs.put_nowait((EngineCoreRequestType.WAKEUP, None))
+        frame = frame.f_back
+    return None

@@ -553,7 +553,7 @@ class ConnectorWorker:
         name = storage_name(job.name, self.rank)
         for tier_name in usable:
             try:
-                self.tiers[tier_name].put(name, payload)
+                self.tiers[tier_name].put(name, payload, job.namespace)
             except QueueFull as e:
                 failures += self._fail(job, [tier_name], FailureReason.QUEUE_FULL, str(e))
             except OSError as e:

@@ -9,7 +9,8 @@ let it go.
 
 Events follow the plan the scheduler issues: a store is reported for the tiers it is written
 to once its step is planned (a store withdrawn within the same plan is not reported); an
-eviction, a failed chunk dropped, or a reset is reported for each tier that held the chunk.
+eviction, a failed chunk dropped, or a reset is reported for each tier that held the chunk; a
+reset or a clear of every tier is also reported as ``AllBlocksCleared``.
 Only whole vLLM blocks have hashes, so the unfull end of a chunk is not reported. The remote
 tier is evicted by Redis itself: its chunks are reported stored and never removed. Pure logic:
 the facade turns these into vLLM's event types.
@@ -40,6 +41,11 @@ class BlocksRemoved:
     block_hashes: tuple[Any, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class BlocksCleared:
+    """Every tier of this engine was reset or cleared (vLLM's ``AllBlocksCleared``)."""
+
+
 @dataclass(slots=True)
 class _Chunk:
     hashes: tuple[Any, ...]
@@ -56,7 +62,7 @@ class BlockEvents:
         self.enabled = enabled
         self._bs = block_size
         self._chunks: dict[str, _Chunk] = {}
-        self._events: list[BlocksStored | BlocksRemoved] = []
+        self._events: list[BlocksStored | BlocksRemoved | BlocksCleared] = []
         self._max = max_chunks
 
     def __len__(self) -> int:
@@ -114,6 +120,18 @@ class BlockEvents:
         if not chunk.tiers:
             del self._chunks[name]
 
-    def take(self) -> list[BlocksStored | BlocksRemoved]:
+    def cleared(self) -> None:
+        """Every tier was reset or cleared: routers drop what they know of this instance. Chunks
+        still reported removed one by one as their evictions are planned."""
+        if self.enabled:
+            self._events.append(BlocksCleared())
+
+    def removed(self, tier: str, names: Iterable[str]) -> None:
+        """Chunks a tier lost outside a plan's evictions (a clear deletes disk files itself)."""
+        if self.enabled:
+            for name in names:
+                self._removed(tier, name)
+
+    def take(self) -> list[BlocksStored | BlocksRemoved | BlocksCleared]:
         events, self._events = self._events, []
         return events

@@ -44,6 +44,7 @@ class StoreJob:
     # them failed to load, the chunk's KV is wrong and the store is withdrawn.
     after_loads: tuple[int, ...] = ()
     trace_context: Mapping[str, str] | None = None
+    namespace: str = ""  # key fingerprint of the request's namespace, written into disk/remote records
 
 
 @dataclass(frozen=True, slots=True)

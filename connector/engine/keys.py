@@ -206,6 +206,7 @@ def block_aligned_keys(
     return [ChunkKey(d, start, n) for n, d in block_prefixes(parent, chunk_tokens, chunk_size, block_size)]
 
 
+@functools.lru_cache(maxsize=1024)
 def key_fingerprint(namespace: Namespace) -> str:
     """Twelve hex digits, equal for two engines when their chunk keys agree: the namespace and
     the key version (the info gauge's ``key_fingerprint``; v1 engines showed the seed's)."""

@@ -37,10 +37,10 @@ class QueueFull(Exception):
 
 
 class _Op:
-    __slots__ = ("kind", "name", "payload", "done", "started")
+    __slots__ = ("kind", "name", "payload", "namespace", "done", "started")
 
-    def __init__(self, kind: str, name: str, payload: memoryview | None = None) -> None:
-        self.kind, self.name, self.payload = kind, name, payload
+    def __init__(self, kind: str, name: str, payload: memoryview | None = None, namespace: str = "") -> None:
+        self.kind, self.name, self.payload, self.namespace = kind, name, payload, namespace
         self.done = threading.Event()
         self.started = 0.0
 
@@ -91,12 +91,12 @@ class BackgroundTier:
         with self._lock:
             return len(self._ops) + (self._current is not None)
 
-    def put(self, name: str, payload: memoryview) -> int:
+    def put(self, name: str, payload: memoryview, namespace: str = "") -> int:
         """Queue the write (the payload must stay unchanged until written); its size."""
         with self._lock:
             if self._closed or self._pending_bytes + payload.nbytes > self._max_pending_bytes:
                 raise QueueFull(f"{self._pending_bytes} bytes queued for {self.name}")
-            op = _Op("put", name, payload)
+            op = _Op("put", name, payload, namespace)
             self._pending_bytes += payload.nbytes
             self._latest_write[name] = op
             self._ops.append(op)
@@ -174,10 +174,16 @@ class BackgroundTier:
         kind = batch[0].kind
         try:
             if len(batch) > 1:
-                errors = self.inner.put_many([(op.name, op.payload) for op in batch])  # type: ignore[attr-defined]
+                errors = self.inner.put_many(  # type: ignore[attr-defined]
+                    [(op.name, op.payload) for op in batch], [op.namespace for op in batch]
+                )
             elif kind == "put":
-                assert batch[0].payload is not None
-                self.inner.put(batch[0].name, batch[0].payload)
+                op = batch[0]
+                assert op.payload is not None
+                if op.namespace:  # tiers without records (and test fakes) take two arguments
+                    self.inner.put(op.name, op.payload, op.namespace)
+                else:
+                    self.inner.put(op.name, op.payload)
                 errors = [None]
             else:
                 errors = [None]

@@ -26,8 +26,11 @@ class ChunkCorrupt(ValueError):
 class Tier(Protocol):
     name: str
 
-    def put(self, name: str, payload: memoryview) -> int:
-        """Store ``payload`` under ``name``; returns the bytes written. Raises OSError on failure."""
+    def put(self, name: str, payload: memoryview, namespace: str = "") -> int:
+        """Store ``payload`` under ``name``; returns the bytes written. Raises OSError on failure.
+
+        ``namespace``: the key fingerprint of the namespace storing it, kept in the record by
+        tiers that write records (for ``kvlens inspect`` and namespace-scoped clears)."""
 
     def get(self, name: str) -> memoryview:
         """The exact payload stored under ``name``, or ChunkMissing / ChunkCorrupt / OSError."""

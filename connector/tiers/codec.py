@@ -1,13 +1,21 @@
 """Self-checking chunk records for tiers that leave the process (disk, remote).
 
-Record = magic, header length, JSON header (name, layout, payload size, xxh3 checksum),
-payload. A truncated, bit-flipped or misnamed record is rejected, never loaded.
+Record = magic, header length, JSON header, payload. The header holds the chunk's name, the KV
+layout, the payload size and its xxh3 checksum; a truncated, bit-flipped or misnamed record is
+rejected, never loaded. Two optional header fields describe the record for tools (``kvlens
+inspect`` and ``kvlens clear``): ``ns``, the key fingerprint of the namespace that stored
+the chunk (a chunk's name, a chained hash, does not reveal it; "" when unknown), and ``t``, when
+it was written (whole Unix seconds); ``hx`` checks both, so a flipped bit there is caught like
+one anywhere else. The payload checksum is unchanged: records written before these fields
+existed load as before, and readers that predate them load new records (they ignore them).
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import time
+from dataclasses import dataclass
 
 import xxhash
 
@@ -15,40 +23,119 @@ from .base import ChunkCorrupt
 
 MAGIC = b"KVLENS1\n"
 _LEN = struct.Struct("<I")
+PREFIX_BYTES = len(MAGIC) + _LEN.size  # what precedes the JSON header
+HEADER_PEEK_BYTES = 1024  # enough to read a whole header of any record KVLens writes
 
 
 def checksum(payload: memoryview | bytes) -> str:
     return xxhash.xxh3_128_hexdigest(payload)
 
 
-def encode_header(name: str, layout: str, payload: memoryview) -> bytes:
-    header = json.dumps(
-        {"name": name, "layout": layout, "nbytes": payload.nbytes, "xxh3": checksum(payload)},
-        separators=(",", ":"),
-    ).encode()
+def encode_header(name: str, layout: str, payload: memoryview, namespace: str = "") -> bytes:
+    written = int(time.time())
+    fields = {
+        "name": name,
+        "layout": layout,
+        "nbytes": payload.nbytes,
+        "xxh3": checksum(payload),
+        "ns": namespace,
+        "t": written,
+        "hx": _about_checksum(namespace, written),
+    }
+    header = json.dumps(fields, separators=(",", ":")).encode()
     return MAGIC + _LEN.pack(len(header)) + header
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeader:
+    """A record's header as read by tools, without its payload."""
+
+    name: str
+    layout: str
+    nbytes: int  # payload bytes the header announces
+    header_bytes: int  # bytes before the payload (magic, length and JSON)
+    namespace: str  # "" when the record predates namespace fingerprints
+    written_s: int | None  # None when the record predates write times
+
+    @property
+    def record_bytes(self) -> int:
+        return self.header_bytes + self.nbytes
+
+
+def header_length(prefix: bytes | memoryview) -> int:
+    """Bytes of the whole header (magic, length, JSON) of a record starting with ``prefix``."""
+    view = memoryview(prefix)
+    if view.nbytes < PREFIX_BYTES or bytes(view[: len(MAGIC)]) != MAGIC:
+        raise ChunkCorrupt("not a KVLens chunk record")
+    return PREFIX_BYTES + _LEN.unpack(view[len(MAGIC) : PREFIX_BYTES])[0]
+
+
+def read_header(prefix: bytes | memoryview) -> RecordHeader:
+    """The header of a record whose first bytes are ``prefix`` (at least the whole header)."""
+    view = memoryview(prefix)
+    end = header_length(view)
+    if view.nbytes < end:
+        raise ChunkCorrupt("truncated header")
+    header = _parse(view[PREFIX_BYTES:end], "record")
+    name, layout, nbytes = header.get("name"), header.get("layout"), header.get("nbytes")
+    if not isinstance(name, str) or not isinstance(layout, str) or not _count(nbytes):
+        raise ChunkCorrupt("header lacks name, layout or size")
+    ns, written = _about(header, name)
+    return RecordHeader(name, layout, nbytes, end, ns, written)
 
 
 def decode(record: bytearray | memoryview, name: str, layout: str) -> memoryview:
     """The payload inside ``record`` after checking it is the chunk asked for, intact."""
     view = memoryview(record)
-    fixed = len(MAGIC) + _LEN.size
-    if view.nbytes < fixed or bytes(view[: len(MAGIC)]) != MAGIC:
+    if view.nbytes < PREFIX_BYTES or bytes(view[: len(MAGIC)]) != MAGIC:
         raise ChunkCorrupt(f"{name}: not a KVLens chunk record")
-    (hlen,) = _LEN.unpack(view[len(MAGIC) : fixed])
-    if view.nbytes < fixed + hlen:
+    (hlen,) = _LEN.unpack(view[len(MAGIC) : PREFIX_BYTES])
+    if view.nbytes < PREFIX_BYTES + hlen:
         raise ChunkCorrupt(f"{name}: truncated header")
-    try:
-        header = json.loads(bytes(view[fixed : fixed + hlen]))
-    except (ValueError, RecursionError) as e:  # RecursionError: a header of nested brackets
-        raise ChunkCorrupt(f"{name}: unreadable header") from e
-    if not isinstance(header, dict):
-        raise ChunkCorrupt(f"{name}: header is not a JSON object")
+    header = _parse(view[PREFIX_BYTES : PREFIX_BYTES + hlen], name)
+    _about(header, name)
     if header.get("name") != name or header.get("layout") != layout:
         raise ChunkCorrupt(f"{name}: record is for another chunk or KV layout")
-    payload = view[fixed + hlen :]
+    payload = view[PREFIX_BYTES + hlen :]
     if payload.nbytes != header.get("nbytes"):
         raise ChunkCorrupt(f"{name}: payload is {payload.nbytes} bytes, expected {header.get('nbytes')}")
     if checksum(payload) != header.get("xxh3"):
         raise ChunkCorrupt(f"{name}: checksum mismatch")
     return payload
+
+
+def _parse(raw: memoryview, what: str) -> dict:
+    try:
+        header = json.loads(bytes(raw))
+    except (ValueError, RecursionError) as e:  # RecursionError: a header of nested brackets
+        raise ChunkCorrupt(f"{what}: unreadable header") from e
+    if not isinstance(header, dict):
+        raise ChunkCorrupt(f"{what}: header is not a JSON object")
+    return header
+
+
+_ABOUT = ("ns", "t", "hx")
+
+
+def _about_checksum(namespace: str, written: int) -> str:
+    return xxhash.xxh3_64_hexdigest(f"{namespace}|{written}".encode())
+
+
+def _about(header: dict, what: str) -> tuple[str, int | None]:
+    """The descriptive fields (namespace, write time), checked; ("", None) in an older record."""
+    present = [key in header for key in _ABOUT]
+    if not any(present):
+        return "", None
+    ns, written = header.get("ns"), header.get("t")
+    if (
+        not all(present)
+        or not isinstance(ns, str)
+        or not _count(written)
+        or header["hx"] != _about_checksum(ns, written)
+    ):
+        raise ChunkCorrupt(f"{what}: damaged namespace or write time")
+    return ns, written
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -24,7 +24,7 @@ class CpuTier:
     def __len__(self) -> int:
         return len(self._chunks)
 
-    def put(self, name: str, payload: memoryview) -> int:
+    def put(self, name: str, payload: memoryview, namespace: str = "") -> int:
         old = self._chunks.get(name)
         if old is not None and _same_memory(old, payload):
             return payload.nbytes  # already held: dropping it would hand a buffer in use to reuse

@@ -57,8 +57,8 @@ class DiskTier:
     def path(self, name: str) -> str:
         return os.path.join(self.root, name + SUFFIX)
 
-    def put(self, name: str, payload: memoryview) -> int:
-        header = codec.encode_header(name, self._layout, payload)
+    def put(self, name: str, payload: memoryview, namespace: str = "") -> int:
+        header = codec.encode_header(name, self._layout, payload, namespace)
         try:
             fd, tmp = tempfile.mkstemp(prefix=_TEMP_PREFIX, dir=self.root)
         except FileNotFoundError:  # the directory was removed under us: recreate it once

@@ -44,7 +44,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from . import codec
 from .base import ChunkCorrupt, ChunkMissing
 from .read_buffers import DEFAULT_MAX_BYTES
-from .redis_batches import Exchange, NodeBatches, commands
+from .redis_batches import Exchange, NodeBatches, commands, pipeline
 from .redis_nodes import Nodes, nodes_for
 from .remote_url import RemoteURL
 
@@ -143,9 +143,9 @@ class RedisTier:
 
     # --- Tier protocol ---------------------------------------------------------------------------
 
-    def put(self, name: str, payload: memoryview) -> int:
+    def put(self, name: str, payload: memoryview, namespace: str = "") -> int:
         """Store ``payload`` under ``name``; returns the bytes of the record written."""
-        header = codec.encode_header(name, self.layout, payload)
+        header = codec.encode_header(name, self.layout, payload, namespace)
         keys = [self.key(name)]
         (reply,) = self._run("put", keys, self._batches.sets(keys, [header], [payload]))
         _raise_if_error(self._stored(reply, "put"))
@@ -180,12 +180,19 @@ class RedisTier:
 
     # --- batches ---------------------------------------------------------------------------------
 
-    def put_many(self, items: Sequence[tuple[str, memoryview]]) -> list[Exception | None]:
+    def put_many(
+        self, items: Sequence[tuple[str, memoryview]], namespaces: Sequence[str] = ()
+    ) -> list[Exception | None]:
         """Store every item in one round trip per node; per item, None or the error.
 
         Payloads are sent as they are (only a RESP3 connection copies each into a record first).
+        ``namespaces``: per item, as in ``put`` (none given: "").
         """
-        headers = [codec.encode_header(name, self.layout, payload) for name, payload in items]
+        spaces = namespaces or [""] * len(items)
+        headers = [
+            codec.encode_header(name, self.layout, payload, ns)
+            for (name, payload), ns in zip(items, spaces, strict=True)
+        ]
         keys = [self.key(name) for name, _ in items]
         replies = self._run(
             "put_many", keys, self._batches.sets(keys, headers, [payload for _, payload in items])
@@ -224,6 +231,24 @@ class RedisTier:
         """Close pooled connections and forget the read buffers; a later call opens new ones."""
         self._nodes.close()
         self._batches.close()
+
+    # --- for tools over this prefix (connector/store_records.py) ---------------------------------
+
+    def node_clients(self) -> list[Redis]:
+        """A client per master (the server itself when not a cluster), to SCAN this prefix's keys
+        and pipeline single-key commands on them; calls raise redis-py's errors."""
+        try:
+            return self._nodes.masters()
+        except Exception as e:  # noqa: BLE001 - redis-py errors must not escape
+            raise self._unavailable("scan", e) from None
+
+    def execute(self, op: str, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Single-key commands (the key second, under this prefix) routed as the tier's own are,
+        one round trip per node; per command its reply or a RemoteUnavailable."""
+        commands = list(commands)
+        keys = [str(c[1]) if not isinstance(c[1], bytes) else c[1].decode() for c in commands]
+        exchange: Exchange = lambda client, indices: pipeline(client, [commands[i] for i in indices])  # noqa: E731
+        return [self._done(reply, op) for reply in self._run(op, keys, exchange)]
 
     # --- internals -------------------------------------------------------------------------------
 

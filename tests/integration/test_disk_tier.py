@@ -38,8 +38,19 @@ def test_disk_tier_supplies_prefixes_with_identical_outputs(disk_run, baseline):
 
 
 def test_chunk_files_are_whole_records(disk_run, disk_dir):
+    from connector.store_records import NAMESPACE_DIR
+
     files = os.listdir(disk_dir)
-    assert files and all(f.endswith(".kvlens") for f in files)  # no temp files left
+    assert files and all(f.endswith(".kvlens") for f in files if f != NAMESPACE_DIR)  # no temp files left
+    assert os.listdir(os.path.join(disk_dir, NAMESPACE_DIR)) == [
+        f"{s}.json" for s in _stored_namespaces(disk_dir)
+    ]
+
+
+def _stored_namespaces(disk_dir):
+    from connector.store_records import DiskRecords
+
+    return sorted({r.namespace for r in DiskRecords(disk_dir).chunks()})
 
 
 def test_failed_loads_are_reported_and_recomputed_without_leaks(disk_run, baseline):

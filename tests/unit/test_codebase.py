@@ -35,6 +35,7 @@ PURE = (
     "connector.engine.suspects",
     "connector.engine.facts",
     "connector.engine.whatif",
+    "connector.engine.namespace_records",
 )
 
 

@@ -214,7 +214,7 @@ def _hashed(rid, tokens):
 
 
 def test_stores_and_evictions_are_block_events_with_vllms_block_hashes(tmp_path):
-    from connector.engine.block_events import BlocksRemoved, BlocksStored
+    from connector.engine.block_events import BlocksCleared, BlocksRemoved, BlocksStored
 
     chunk = 2 * BLOCK_BYTES * LAYERS
     s = _events_scheduler(
@@ -242,7 +242,8 @@ def test_stores_and_evictions_are_block_events_with_vllms_block_hashes(tmp_path)
     ]
     s.reset()
     s.build_plan(step())
-    cleared = s.block_events.take()
+    first, *cleared = s.block_events.take()
+    assert isinstance(first, BlocksCleared)  # routers drop the instance's blocks, then each chunk
     assert {(e.medium, e.block_hashes) for e in cleared} == {
         ("disk", tuple(a.block_hashes[0:2])),
         ("disk", tuple(a.block_hashes[2:4])),

@@ -1,0 +1,229 @@
+"""The ``kvlens`` command: inspect and clear KVLens stores, and diagnose running instances.
+
+    kvlens inspect DISK_DIR | REDIS_URL | ADMIN_URL      what is stored, by namespace and age
+    kvlens clear   DISK_DIR | REDIS_URL | ADMIN_URL  (--all | --namespace FP | --model M |
+                   --salt S | --tag NAME=VALUE ...)     remove it, all or one namespace
+    kvlens doctor  URL [URL ...]                        who can share KV, tier health, sizing
+
+A disk directory or a Redis URL (``redis://``, ``rediss://``, ``redis-cluster://``, ...; the
+password may come from ``$KVLENS_REDIS_PASSWORD``) is worked on directly; a running engine is
+cleared through its admin endpoint (``http://127.0.0.1:<extra_config.admin_port>``), which
+applies the clear between steps. ``--json`` prints machine-readable output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+from ..engine.namespace_records import Selector
+from ..store_records import DiskRecords, RedisRecords, Store, clear
+from . import doctor, inspect_report
+
+HTTP_TIMEOUT_S = 180.0  # a clear through an engine waits for loads in flight (at most 60 s)
+
+
+class UsageError(Exception):
+    """A wrong argument, said in one line."""
+
+
+def _store(target: str, prefix: str) -> Store:
+    if "://" not in target:
+        return DiskRecords(target)
+    from ..tiers.redis_tier import RedisTier
+    from ..tiers.remote_url import parse_remote_url
+
+    try:
+        url = parse_remote_url(target)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return RedisRecords(RedisTier(url, "", prefix, None, timeout_s=10.0, connect_timeout_s=5.0))
+
+
+def _is_http(target: str) -> bool:
+    return target.startswith(("http://", "https://"))
+
+
+def _http(url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
+    request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            why = json.loads(e.read()).get("error", "")
+        except ValueError:
+            why = ""
+        raise UsageError(f"{url}: HTTP {e.code} {why}".strip()) from None
+    except (urllib.error.URLError, OSError) as e:
+        raise UsageError(f"{url}: {getattr(e, 'reason', e)}") from None
+
+
+def _selector(args: argparse.Namespace) -> Selector:
+    salt = args.salt
+    if args.salt_env:
+        salt = os.environ.get(args.salt_env)
+        if salt is None:
+            raise UsageError(f"--salt-env: ${args.salt_env} is not set")
+    tags = []
+    for tag in args.tag or []:
+        name, sep, value = tag.partition("=")
+        if not sep or not name:
+            raise UsageError(f"--tag {tag!r}: write NAME=VALUE")
+        tags.append((name, value))
+    fingerprints = frozenset(args.namespace or [])
+    selector = Selector(fingerprints, args.model, salt, tuple(sorted(tags)))
+    if selector.everything != bool(args.all):
+        raise UsageError("say what to clear: --all, or one of --namespace, --model, --salt, --tag (not both)")
+    try:  # the same checks the admin endpoint makes
+        Selector.from_json({**selector.to_json(), "all": bool(args.all)})
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return selector
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    if _is_http(args.target):
+        reply = _http(args.target.rstrip("/") + "/kvlens/namespaces")
+        print(json.dumps(reply, indent=2) if args.json else _namespaces_text(reply))
+        return 0
+    store = _store(args.target, args.prefix)
+    records, damaged = store.namespaces()
+    report = inspect_report.summarise(
+        repr(store), store.chunks(verify=args.verify), records, damaged, time.time()
+    )
+    print(json.dumps(report.to_json(), indent=2) if args.json else inspect_report.text(report))
+    return 0
+
+
+def _namespaces_text(reply: dict[str, Any]) -> str:
+    lines = ["namespaces known to the engine and its stores:"]
+    for ns in reply.get("namespaces", []):
+        mark = " (stored by this engine)" if ns.get("this_engine") else ""
+        tags = ",".join(ns.get("tag_names", [])) or "-"
+        salted = "yes" if ns.get("salted") else "no"
+        lines.append(f"  {ns['fingerprint']}  salted {salted}  tags {tags}  model {ns['model'][:60]}{mark}")
+    return "\n".join(lines)
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    selector = _selector(args)
+    if _is_http(args.target):
+        body = {**selector.to_json(), "all": selector.everything}
+        result = _http(args.target.rstrip("/") + "/kvlens/clear", body)
+    else:
+        store = _store(args.target, args.prefix)
+        result = {"where": repr(store), "selection": selector.describe(), **clear(store, selector).to_json()}
+    print(json.dumps(result, indent=2) if args.json else _clear_text(result))
+    return 0
+
+
+def _clear_text(result: dict[str, Any]) -> str:
+    if "engine" not in result:
+        return (
+            f"{result['where']}: cleared {result['selection']}: {result['chunks']} chunks, "
+            f"{result['records']} records, {inspect_report.human_bytes(result['bytes'])}; "
+            f"namespace records removed: {len(result['namespaces'])}"
+        )
+    engine = result["engine"]
+    lines = [f"cleared {result['selection']} through the engine"]
+    if not engine.get("applied"):
+        lines.append("  the engine did not step within 30 s: its index drops the chunks when it next does")
+    dropped = ", ".join(f"{t} {n}" for t, n in engine.get("index_dropped", {}).items()) or "nothing"
+    lines.append(
+        f"  index: dropped {dropped} chunks (waited for {engine.get('waited_for', 0)} requests' loads)"
+    )
+    for tier in ("disk", "remote"):
+        if tier in result:
+            r = result[tier]
+            if "error" in r:
+                lines.append(f"  {tier}: failed: {r['error']}")
+            else:
+                lines.append(
+                    f"  {tier}: removed {r['chunks']} chunks, {inspect_report.human_bytes(r['bytes'])}"
+                )
+    return "\n".join(lines)
+
+
+def _scrape(url: str) -> list[doctor.Sample]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    target = url if url.rstrip("/").endswith("/metrics") else url.rstrip("/") + "/metrics"
+    with urllib.request.urlopen(target, timeout=10) as r:
+        body = r.read().decode()
+    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(body) for s in f.samples]
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    found: list[doctor.Instance] = []
+    unreachable: dict[str, str] = {}
+    for url in args.urls:
+        try:
+            engines = doctor.instances(url, _scrape(url))
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            unreachable[url] = str(getattr(e, "reason", e))
+            continue
+        if not engines:
+            unreachable[url] = "no vllm:kvlens_info series: KVLens is not loaded there"
+        found += engines
+    result = doctor.diagnose(found, unreachable)
+    print(json.dumps(result.to_json(), indent=2) if args.json else doctor.text(result))
+    return 2 if unreachable else 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvlens", description="Inspect and clear KVLens stores; diagnose running instances."
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    target = "a disk tier directory, a Redis URL, or a running engine's admin URL (http://...)"
+
+    ins = sub.add_parser("inspect", help="what a store holds: chunks, bytes, namespaces, ages, damage")
+    ins.add_argument("target", help=target)
+    ins.add_argument("--prefix", default="kvlens", help="Redis key prefix (extra_config.remote_key_prefix)")
+    ins.add_argument("--verify", action="store_true", help="read whole records and check their checksums")
+    ins.add_argument("--json", action="store_true")
+    ins.set_defaults(run=cmd_inspect)
+
+    clr = sub.add_parser("clear", help="remove stored KV: everything, or one model / tag / salt namespace")
+    clr.add_argument("target", help=target)
+    clr.add_argument("--prefix", default="kvlens", help="Redis key prefix (extra_config.remote_key_prefix)")
+    clr.add_argument("--all", action="store_true", help="everything under the directory or prefix")
+    clr.add_argument("--namespace", action="append", metavar="FP", help="a key fingerprint (kvlens inspect)")
+    clr.add_argument("--model", help="model weights: ckpt:<digest> or a digest prefix, named:<name>, ...")
+    clr.add_argument("--salt", help="the namespace of this cache_salt (see --salt-env)")
+    clr.add_argument("--salt-env", metavar="VAR", help="read the salt from this environment variable")
+    clr.add_argument("--tag", action="append", metavar="NAME=VALUE", help="lmcache.tag.NAME=VALUE (repeat)")
+    clr.add_argument("--json", action="store_true")
+    clr.set_defaults(run=cmd_clear)
+
+    doc = sub.add_parser("doctor", help="which instances can share KV, tier health, what-if advice")
+    doc.add_argument("urls", nargs="+", metavar="URL", help="vLLM server URLs (their /metrics is read)")
+    doc.add_argument("--json", action="store_true")
+    doc.set_defaults(run=cmd_doctor)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except UsageError as e:
+        print(f"kvlens {args.command}: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"kvlens {args.command}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Which KVLens instances can share KV, why others cannot, how their tiers are, and what the
+what-if curves advise: the analysis behind ``kvlens doctor``, from the series each instance
+serves on ``/metrics``. Pure (parsed samples in, findings out), so the dashboard can use it.
+
+Two engines exchange KV only when their chunk keys agree (``key_fingerprint``: model, weights,
+dtype, KV layout, parallel size, key version), they cut prompts into the same chunks
+(``chunk_size``) and they reach a common store (``storage``: the same disk directory on the
+same host, or the same Redis under the same key prefix). ``vllm:kvlens_info`` carries each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+INFO = "vllm:kvlens_info"
+TIER_HEALTH = "vllm:kvlens_tier_health"
+WHATIF = "vllm:kvlens_whatif_hit_ratio"
+HEALTH_WORDS = {2: "healthy", 1: "failing (still used)", 0: "skipped (unusable)"}
+GROW_GAIN = 0.05  # a doubled tier that hits this much more is worth growing
+SHRINK_LOSS = 0.01  # a halved tier that hits at most this much less could be smaller
+
+Sample = tuple[str, Mapping[str, str], float]  # name, labels, value
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """One engine behind one URL (a data-parallel server has one per engine)."""
+
+    url: str
+    engine: str
+    info: Mapping[str, str]  # vllm:kvlens_info's labels
+    health: Mapping[str, float] = field(default_factory=dict)  # tier -> 2 / 1 / 0
+    whatif: Mapping[str, Mapping[float, float]] = field(default_factory=dict)  # tier -> factor -> ratio
+
+    @property
+    def name(self) -> str:
+        return self.url if self.engine in ("", "0") else f"{self.url} (engine {self.engine})"
+
+    @property
+    def stores(self) -> set[str]:
+        return {s for s in self.info.get("storage", "").split(",") if s}
+
+
+def instances(url: str, samples: Iterable[Sample]) -> list[Instance]:
+    """The KVLens engines one URL's samples describe (none: KVLens is not running there)."""
+    info: dict[str, dict[str, str]] = {}
+    health: dict[str, dict[str, float]] = {}
+    whatif: dict[str, dict[str, dict[float, float]]] = {}
+    for name, labels, value in samples:
+        engine = labels.get("engine", "")
+        if name == INFO and value:
+            info[engine] = {k: v for k, v in labels.items() if k not in ("engine", "model_name")}
+        elif name == TIER_HEALTH and "tier" in labels:
+            health.setdefault(engine, {})[labels["tier"]] = value
+        elif name == WHATIF and "tier" in labels and "budget_factor" in labels:
+            try:
+                factor = float(labels["budget_factor"])
+            except ValueError:
+                continue
+            whatif.setdefault(engine, {}).setdefault(labels["tier"], {})[factor] = value
+    return [
+        Instance(url, engine, labels, health.get(engine, {}), whatif.get(engine, {}))
+        for engine, labels in sorted(info.items())
+    ]
+
+
+def differences(a: Instance, b: Instance) -> list[str]:
+    """Why ``a`` and ``b`` cannot share KV; empty when they can."""
+    why = []
+    ia, ib = a.info, b.info
+    if ia.get("key_fingerprint") != ib.get("key_fingerprint"):
+        parts = [
+            (label, words)
+            for label, words in (
+                ("model_identity", "model weights differ"),
+                ("quantization", "quantization differs"),
+                ("kv_cache_dtype", "KV cache dtype differs"),
+            )
+            if ia.get(label) != ib.get(label)
+        ]
+        if parts:
+            why += [f"{words} ({ia.get(label) or '?'} vs {ib.get(label) or '?'})" for label, words in parts]
+        else:
+            why.append(
+                "keys differ with the same model: KV layout, parallel size (world size), compute dtype, "
+                "LoRA or key version (KVLens " + f"{ia.get('version', '?')} vs {ib.get('version', '?')})"
+            )
+    if ia.get("chunk_size") != ib.get("chunk_size"):
+        why.append(f"chunk sizes differ ({ia.get('chunk_size')} vs {ib.get('chunk_size')})")
+    if not a.stores & b.stores:
+        why.append(
+            "no common store ("
+            + (",".join(sorted(a.stores)) or "CPU only")
+            + " vs "
+            + (",".join(sorted(b.stores)) or "CPU only")
+            + ")"
+        )
+    return why
+
+
+def sharing_groups(found: list[Instance]) -> list[list[Instance]]:
+    """Instances connected by pairs that can share (through a common store), in order found."""
+    groups: list[list[Instance]] = []
+    for inst in found:
+        joined = [g for g in groups if any(not differences(inst, other) for other in g)]
+        merged = [inst] + [i for g in joined for i in g]
+        groups = [g for g in groups if g not in joined] + [merged]
+    return [
+        sorted(g, key=lambda i: found.index(i))
+        for g in sorted(groups, key=lambda g: min(map(found.index, g)))
+    ]
+
+
+def tier_findings(inst: Instance) -> list[str]:
+    return [
+        f"{tier} tier: {HEALTH_WORDS.get(int(level), f'health {level:g}')}"
+        for tier, level in sorted(inst.health.items())
+    ]
+
+
+def whatif_advice(inst: Instance) -> list[str]:
+    out = []
+    for tier, curve in sorted(inst.whatif.items()):
+        now = curve.get(1.0)
+        if now is None:
+            continue
+        bigger = [(f, r) for f, r in sorted(curve.items()) if f > 1 and r - now >= GROW_GAIN]
+        half = curve.get(0.5)
+        if bigger:
+            factor, ratio = bigger[0]
+            out.append(
+                f"{tier} tier: {factor:g}x its size would hit {ratio:.0%} of tokens, not {now:.0%}; grow it"
+            )
+        elif half is not None and now - half <= SHRINK_LOSS and now > 0:
+            out.append(
+                f"{tier} tier: half its size would still hit {half:.0%} (now {now:.0%}); it could shrink"
+            )
+        else:
+            out.append(
+                f"{tier} tier: sized about right (hits {now:.0%}; a larger one would gain < {GROW_GAIN:.0%})"
+            )
+    return out
+
+
+@dataclass(slots=True)
+class Diagnosis:
+    instances: list[Instance]
+    unreachable: dict[str, str]  # url -> why
+    groups: list[list[Instance]]
+    apart: list[tuple[Instance, Instance, list[str]]]  # pairs in different groups, and why
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "instances": [
+                {
+                    "url": i.url,
+                    "engine": i.engine,
+                    "info": dict(i.info),
+                    "tiers": tier_findings(i),
+                    "advice": whatif_advice(i),
+                }
+                for i in self.instances
+            ],
+            "unreachable": self.unreachable,
+            "share_groups": [[i.name for i in g] for g in self.groups],
+            "cannot_share": [{"a": a.name, "b": b.name, "why": why} for a, b, why in self.apart],
+        }
+
+
+def diagnose(found: list[Instance], unreachable: Mapping[str, str] | None = None) -> Diagnosis:
+    groups = sharing_groups(found)
+    apart = []
+    heads = [g[0] for g in groups]
+    for i, a in enumerate(heads):
+        for b in heads[i + 1 :]:
+            apart.append((a, b, differences(a, b)))
+    return Diagnosis(found, dict(unreachable or {}), groups, apart)
+
+
+def text(d: Diagnosis) -> str:
+    lines = []
+    for url, why in d.unreachable.items():
+        lines.append(f"{url}: not read ({why})")
+    if not d.instances:
+        lines.append("no KVLens instance found")
+        return "\n".join(lines)
+    lines.append("groups that can share KV:")
+    for n, group in enumerate(d.groups, 1):
+        first = group[0].info
+        what = f"fingerprint {first.get('key_fingerprint')}, chunk size {first.get('chunk_size')}"
+        lines.append(f"  group {n} ({what}): " + ", ".join(i.name for i in group))
+    if d.apart:
+        lines.append("cannot share:")
+        for a, b, why in d.apart:
+            lines.append(f"  {a.name} / {b.name}: " + "; ".join(why))
+    for inst in d.instances:
+        findings = tier_findings(inst) + whatif_advice(inst)
+        lines.append(f"{inst.name}: tiers {inst.info.get('tiers', '?')}, role {inst.info.get('role', '?')}")
+        lines += [f"  {f}" for f in findings]
+    return "\n".join(lines)
