@@ -19,7 +19,6 @@ Writes hit_profile-layerwise-<value>.json (see --out).
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib import models  # noqa: E402
+from bench.lib.offline import CallTimer, kvlens_llm  # noqa: E402
 from bench.lib.runner import Benchmark, Case, Figure, Side, main  # noqa: E402
 from connector.cpu_affinity import run_beside_worker  # noqa: E402
 
@@ -46,19 +46,6 @@ SCHEDULER_HOOKS = (
     "request_finished",
 )
 HOOKS_PANEL = "time per request in KVLens's hooks"
-
-
-def timed_method(obj: object, name: str, into: list[float]) -> None:
-    original = getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            into[-1] += time.perf_counter() - started
-
-    setattr(obj, name, wrapper)
 
 
 def copy_beside(megabytes: float) -> threading.Thread | None:
@@ -116,9 +103,7 @@ class HitProfile(Benchmark):
 
     @contextlib.contextmanager
     def setup(self) -> Iterator[None]:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from vllm import LLM, SamplingParams
-        from vllm.config import KVTransferConfig
+        from vllm import SamplingParams
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         a = self.args
@@ -131,41 +116,25 @@ class HitProfile(Benchmark):
                     "lmcache.local_disk": disk,
                     "lmcache.max_local_disk_size": 4,
                 }
-            ktc = KVTransferConfig(
-                kv_connector="KVLensConnector",
-                kv_connector_module_path="connector",
-                kv_role="kv_both",
-                kv_connector_extra_config=extra,
-            )
             max_len = max(4096, a.tokens + 16)
-            self.llm = LLM(
-                self.model,
-                skip_tokenizer_init=True,
-                enforce_eager=True,
-                max_model_len=max_len,
-                enable_prefix_caching=True,
-                kv_transfer_config=ktc,
-            )
+            self.llm = kvlens_llm(self.model, extra, max_model_len=max_len, enable_prefix_caching=True)
             self.connector = get_kv_transfer_group()
             core = self.llm.llm_engine.engine_core.engine_core
-            self.blocked = {h: [0.0] for h in (*WORKER_HOOKS, "scheduler_hooks", "model_forward")}
-            for hook in WORKER_HOOKS:
-                timed_method(self.connector, hook, self.blocked[hook])
-            for hook in SCHEDULER_HOOKS:
-                timed_method(core.scheduler.connector, hook, self.blocked["scheduler_hooks"])
-            timed_method(core.model_executor, "execute_model", self.blocked["model_forward"])
+            self.timers = {hook: CallTimer().wrap(self.connector, hook) for hook in WORKER_HOOKS}
+            self.timers["scheduler_hooks"] = CallTimer().wrap(core.scheduler.connector, *SCHEDULER_HOOKS)
+            self.timers["model_forward"] = CallTimer().wrap(core.model_executor, "execute_model")
             self.greedy = SamplingParams(max_tokens=1, temperature=0.0)
             self.rng, self.vocab = random.Random(7), models.vocab_size(Path(self.model))
             self.prompts: dict[int, Any] = {}
             yield
 
     def ttft(self, prompt: Any) -> dict[str, float]:
-        for into in self.blocked.values():
-            into.append(0.0)
+        """Time to first token, and the time spent in each hook meanwhile."""
+        before = {hook: timer.seconds for hook, timer in self.timers.items()}
         started = time.perf_counter()
         (out,) = self.llm.generate([prompt], self.greedy, use_tqdm=False)
         rec = {"ttft_ms": (time.perf_counter() - started) * 1e3, "cached_tokens": out.num_cached_tokens or 0}
-        return rec | {f"{hook}_ms": into[-1] * 1e3 for hook, into in self.blocked.items()}
+        return rec | {f"{hook}_ms": (t.seconds - before[hook]) * 1e3 for hook, t in self.timers.items()}
 
     def prompt(self, rep: int) -> Any:
         """The repetition's prompt, computed cold (KVLens stores it) the first time it is asked for."""

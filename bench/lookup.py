@@ -59,16 +59,6 @@ def request(rid: str, tokens: list[int]) -> SimpleNamespace:
     return fake_requests.request(rid, tokens, ConstantList(tokens))
 
 
-def prefill(tokens: list[int], rid: str) -> SimpleNamespace:
-    """A scheduler output that prefills the whole prompt in one step."""
-    blocks = list(range(-(-len(tokens) // BLOCK)))
-    new = SimpleNamespace(req_id=rid, prompt_token_ids=tokens, block_ids=(blocks,), num_computed_tokens=0)
-    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
-    return SimpleNamespace(
-        scheduled_new_reqs=[new], scheduled_cached_reqs=cached, num_scheduled_tokens={rid: len(tokens)}
-    )
-
-
 def package(ref: str | None, into: Path) -> ModuleType:
     """The working tree's ``connector``, or revision ``ref``'s under another package name."""
     if ref is None:
@@ -101,7 +91,11 @@ def store(sched: Any, tokens: list[int]) -> None:
     req = request("writer", tokens)
     sched.lookup(req, 0)
     sched.after_alloc(req, 0)
-    sched.build_plan(prefill(tokens, "writer"))
+    sched.build_plan(
+        fake_requests.scheduler_output(
+            [(req, list(range(-(-len(tokens) // BLOCK))))], (), {"writer": len(tokens)}
+        )
+    )
     sched.finish(req)
     sched.take_done()
 

@@ -16,12 +16,11 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.lib.fake_requests import request  # noqa: E402
+from bench.lib.fake_requests import request, scheduler_output  # noqa: E402
 from bench.lib.runner import Benchmark, Case, Figure, Side, main  # noqa: E402
 from connector.config import load_config  # noqa: E402
 from connector.engine.facts import EngineFacts  # noqa: E402
@@ -29,27 +28,6 @@ from connector.scheduler import ConnectorScheduler  # noqa: E402
 
 BLOCK = 16  # GPU block size: the worst case for per-block work
 MAX_TOKENS_RUNNING = 4 * 1024 * 1024  # prompt x running requests in one case
-
-
-def output(new=(), cached=(), scheduled=None) -> SimpleNamespace:
-    return SimpleNamespace(
-        scheduled_new_reqs=[
-            SimpleNamespace(
-                req_id=r.request_id,
-                prompt_token_ids=r.prompt_token_ids,
-                block_ids=(b,),
-                num_computed_tokens=0,
-            )
-            for r, b in new
-        ],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[c[0] for c in cached],
-            resumed_req_ids=set(),
-            new_block_ids=[c[1] for c in cached],
-            num_computed_tokens=[c[2] for c in cached],
-        ),
-        num_scheduled_tokens=scheduled or {},
-    )
 
 
 class Engine:
@@ -73,7 +51,7 @@ class Engine:
             n = -(-prompt_len // BLOCK)
             blocks = list(range(self.next_block, self.next_block + n))
             self.next_block += n
-            self.sched.build_plan(output(new=[(r, blocks)], scheduled={r.request_id: prompt_len}))
+            self.sched.build_plan(scheduler_output(new=[(r, blocks)], scheduled={r.request_id: prompt_len}))
 
     def decode_step(self, step: int) -> float:
         """Seconds ``build_plan`` takes for one decode step of every request."""
@@ -84,7 +62,7 @@ class Engine:
             grow = (r.num_tokens - 1) % BLOCK == 0
             cached.append((r.request_id, ([self.next_block],) if grow else None, r.num_tokens - 1))
             self.next_block += grow
-        out = output(cached=cached, scheduled={r.request_id: 1 for r in self.reqs})
+        out = scheduler_output(cached=cached, scheduled={r.request_id: 1 for r in self.reqs})
         t0 = time.perf_counter()
         self.sched.build_plan(out)
         return time.perf_counter() - t0

@@ -94,27 +94,21 @@ def rss_by_process(pgid: int) -> dict[str, int]:
     return out
 
 
-class RssSampler(threading.Thread):
-    def __init__(self, pgid: int, interval_s: float = 0.5) -> None:
-        super().__init__(name="soak-rss", daemon=True)
-        self.pgid, self.interval_s = pgid, interval_s
-        self.peak = self.first = tree_rss_bytes(pgid)
-        self.first_by_process = {k: round(v / 2**20) for k, v in rss_by_process(pgid).items()}
-        self.history = [self.first]  # every sample, to tell growth that levels off from a leak
+class Repeat(threading.Thread):
+    """Calls ``step`` every ``interval_s`` (0: back to back) until ``stop``, or until it returns False."""
+
+    def __init__(self, step: Callable[[], object], interval_s: float = 0.0) -> None:
+        super().__init__(daemon=True)
+        self.step, self.interval_s = step, interval_s
         self._halt = threading.Event()
 
     def run(self) -> None:
-        while not self._halt.wait(self.interval_s):
-            self.history.append(tree_rss_bytes(self.pgid))
-            self.peak = max(self.peak, self.history[-1])
+        while not self._halt.wait(self.interval_s) and self.step() is not False:
+            pass
 
-    def timeline_mb(self, points: int = 10) -> list[int]:
-        step = max(1, len(self.history) // points)
-        return [round(b / 2**20) for b in self.history[::step] if b]
-
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 300.0) -> None:
         self._halt.set()
-        self.join(timeout=10)
+        self.join(timeout=timeout_s)
 
 
 def kvlens_metrics(client: Client) -> dict[str, Any]:
@@ -151,36 +145,16 @@ def leaks_drained(client: Client, timeout_s: float = 30.0) -> dict[str, Any]:
         time.sleep(0.5)
 
 
-class Clients:
-    """``n`` threads sending drawn requests until ``stop``; outcomes are kept per request."""
+def clients(port: int, workload: Workload, n: int, seed: int, alive: Callable[[], bool]) -> tuple[list, list]:
+    """``n`` threads sending drawn requests while the server lives (a dead one would only add
+    refusals), not started; and the list their outcomes go to."""
+    outcomes: list[Outcome] = []
+    unique = itertools.count()
 
-    def __init__(self, port: int, workload: Workload, n: int, seed: int, alive: Callable[[], bool]) -> None:
-        self.port, self.workload, self.alive = port, workload, alive
-        self.outcomes: list[Outcome] = []
-        self._lock = threading.Lock()
-        self._unique = itertools.count()
-        self._halt = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._run, args=(random.Random(seed * 1000 + i),), daemon=True)
-            for i in range(n)
-        ]
+    def client(rng: random.Random) -> Callable[[], bool]:
+        return lambda: outcomes.append(send(port, workload.draw(rng, next(unique)))) or alive()
 
-    def start(self) -> None:
-        for t in self._threads:
-            t.start()
-
-    def stop(self) -> None:
-        self._halt.set()
-        for t in self._threads:
-            t.join(timeout=200)
-
-    def _run(self, rng: random.Random) -> None:
-        while not self._halt.is_set() and self.alive():  # a dead server would only add refusals
-            with self._lock:
-                unique = next(self._unique)
-            outcome = send(self.port, self.workload.draw(rng, unique))
-            with self._lock:
-                self.outcomes.append(outcome)
+    return [Repeat(client(random.Random(seed * 1000 + i))) for i in range(n)], outcomes
 
 
 def ask_probes(port: int, probes: list[Request], reference: list[str] | None) -> tuple[list[str], list[dict]]:
@@ -193,25 +167,6 @@ def ask_probes(port: int, probes: list[Request], reference: list[str] | None) ->
         elif reference is not None and out.text != reference[i]:
             mismatches.append({"probe": i, "got": out.text, "want": reference[i], "kv": out.kv})
     return answers, mismatches
-
-
-class ProbeLoop(threading.Thread):
-    def __init__(self, port: int, probes: list[Request], reference: list[str], interval_s: float) -> None:
-        super().__init__(name="soak-probes", daemon=True)
-        self.port, self.probes, self.reference, self.interval_s = port, probes, reference, interval_s
-        self.asked = 0
-        self.mismatches: list[dict] = []
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        while not self._halt.wait(self.interval_s):
-            _, bad = ask_probes(self.port, self.probes, self.reference)
-            self.asked += len(self.probes)
-            self.mismatches += bad
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(timeout=300)
 
 
 def latency_ms(outcomes: list[Outcome], q: float) -> float | None:
@@ -305,29 +260,31 @@ class Soak(ServedBenchmark):
         workload = Workload(self.work["docs"], self.work["chat_docs"], self.work["max_tokens"])
         probes = workload.probes()
         reference, rec["reference_errors"] = ask_probes(port, probes, None)
-        rss = RssSampler(lm.server.proc.pid)
-        rss.start()
+        pgid = lm.server.proc.pid
+        rss_at_start = {k: round(v / 2**20) for k, v in rss_by_process(pgid).items()}
+        rss = [tree_rss_bytes(pgid)]  # every sample, to tell growth that levels off from a leak
+        sampler = Repeat(lambda: rss.append(tree_rss_bytes(pgid)), 0.5)
+        sampler.start()
+        rounds: list[list[dict]] = []  # the probes' mismatches, per round
+        threads, outcomes = clients(port, workload, self.args.clients, self.args.seed, lm.server.alive)
+        probe_every = max(2.0, self.seconds / 10)
+        threads.append(Repeat(lambda: rounds.append(ask_probes(port, probes, reference)[1]), probe_every))
         chaos = None
         if kvlens:
             restart = self.restart_redis if self.redis is not None else None
             disk = self.settings.storage_dir / "kvlens-disk"
             chaos = Chaos(disk, self.seconds, seed=self.args.seed, restart_remote=restart)
-        load = Clients(port, workload, self.args.clients, self.args.seed, lm.server.alive)
-        prober = ProbeLoop(port, probes, reference, interval_s=max(2.0, self.seconds / 10))
+            threads.append(chaos)
         began = time.monotonic()
         try:
-            load.start()
-            prober.start()
-            if chaos:
-                chaos.start()
+            for t in threads:
+                t.start()
             time.sleep(self.seconds)
         finally:
-            if chaos:
-                chaos.stop()  # the folder is writable again before anything else
-            load.stop()
-            prober.stop()
-        outcomes = load.outcomes
+            for t in [*threads[-1:], *threads[:-1]] if chaos else threads:
+                t.stop()  # chaos first: the folder is writable again before anything else
         failures = [o for o in outcomes if not o.ok]
+        timeline = rss[:: max(1, len(rss) // 10)]
         rec |= {
             "soak_s": round(time.monotonic() - began, 1),
             "requests": len(outcomes),
@@ -336,9 +293,9 @@ class Soak(ServedBenchmark):
             "failure_samples": sorted({o.error for o in failures})[:5],
             "p50_ms": latency_ms(outcomes, 50),
             "p99_ms": latency_ms(outcomes, 99),
-            "rss_at_start_mb": round(rss.first / 2**20),
-            "rss_timeline_mb": rss.timeline_mb(),
-            "rss_by_process_mb_at_start": rss.first_by_process,
+            "rss_at_start_mb": round(rss[0] / 2**20),
+            "rss_timeline_mb": [round(b / 2**20) for b in timeline if b],
+            "rss_by_process_mb_at_start": rss_at_start,
             "cpu_budget_mb": cpu_budget_bytes() // 2**20 if kvlens else None,
             "faults": dict(chaos.faults) if chaos else {},
             "faults_injected": sum(chaos.faults.values()) if chaos else 0,
@@ -347,16 +304,16 @@ class Soak(ServedBenchmark):
         }
         lm.client.reset_prefix_cache()  # the last probes are served by KVLens (or recomputed), not vLLM
         _, after = ask_probes(port, probes, reference)
-        rec["probes_asked"] = len(probes) * 2 + prober.asked
-        rec["probe_mismatches"] = prober.mismatches + after
+        rec["probes_asked"] = len(probes) * (2 + len(rounds))
+        rec["probe_mismatches"] = [m for r in rounds for m in r] + after
         rec["probe_mismatch_count"] = len(rec["probe_mismatches"])
         if kvlens:
             rec["leak_gauges_after_drain"] = leaks_drained(lm.client)
             rec["leaks_after_drain"] = sum(v or 0 for v in rec["leak_gauges_after_drain"].values())
             rec["metrics"] = kvlens_metrics(lm.client)
             rec["failed_load_requests"] = rec["metrics"]["failed_load_requests"] or 0
-        rss.stop()
-        rec["peak_rss_mb"] = round(rss.peak / 2**20)
+        sampler.stop()
+        rec["peak_rss_mb"] = round(max(rss) / 2**20)
         rec["rss_growth_mb"] = rec["peak_rss_mb"] - rec["rss_at_start_mb"]
         rec["rss_by_process_mb_at_end"] = {
             k: round(v / 2**20) for k, v in rss_by_process(lm.server.proc.pid).items()

@@ -35,7 +35,6 @@ ratio is on a small shared machine. Target: overhead below 1% of end-to-end time
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import random
 import subprocess
@@ -50,6 +49,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib import models  # noqa: E402
+from bench.lib.offline import CallTimer, kvlens_llm  # noqa: E402
 from bench.lib.runner import Benchmark, Case, Figure, Side, Target, main  # noqa: E402
 
 _SINK = textwrap.dedent("""
@@ -75,48 +75,6 @@ def start_sink() -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     return proc, int(proc.stdout.readline())
-
-
-class Accounting:
-    """Time spent inside the given functions (for the accounting passes only).
-
-    ``clock`` is wall time for code on the step loop (waiting there delays the engine) and the
-    thread's CPU time for background threads (their waits on I/O or the GIL cost nothing).
-    """
-
-    def __init__(self, clock=time.perf_counter) -> None:
-        self.clock = clock
-        self.seconds = 0.0
-        self.by_name: dict[str, float] = {}
-        self._patched: list[tuple[object, str, object, bool]] = []
-
-    def wrap(self, obj: object, names: list[str]) -> None:
-        for name in names:
-            own = name in vars(obj)  # a module's or class's own attribute, else a method via the class
-            original = vars(obj)[name] if own else getattr(obj, name)
-            target = getattr(obj, name)
-            label = getattr(target, "__qualname__", name)
-
-            @functools.wraps(target)
-            def timed(*args, __target=target, __label=label, **kwargs):
-                t = self.clock()
-                try:
-                    return __target(*args, **kwargs)
-                finally:
-                    dt = self.clock() - t
-                    self.seconds += dt
-                    self.by_name[__label] = self.by_name.get(__label, 0.0) + dt
-
-            setattr(obj, name, timed)
-            self._patched.append((obj, name, original, own))
-
-    def unwrap(self) -> None:
-        for obj, name, original, own in reversed(self._patched):
-            if own:
-                setattr(obj, name, original)
-            else:
-                delattr(obj, name)
-        self._patched.clear()
 
 
 class TelemetryOverhead(Benchmark):
@@ -179,7 +137,6 @@ class TelemetryOverhead(Benchmark):
         self.model = a.model or str(models.ensure_model(models.TINY))
         os.environ.update(
             {
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                 "KVLENS_TRACING": "1",
                 "KVLENS_METRICS": "1",
                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{sink_port}/v1/traces",
@@ -187,26 +144,15 @@ class TelemetryOverhead(Benchmark):
                 "OTEL_BSP_SCHEDULE_DELAY": "1000",
             }
         )
-        from vllm import LLM, SamplingParams
-        from vllm.config import KVTransferConfig
+        from vllm import SamplingParams
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         from telemetry.request_log import RequestLog
 
-        self.llm = LLM(
-            model=self.model,
-            skip_tokenizer_init=True,
-            enforce_eager=True,
-            dtype="bfloat16",
-            seed=0,
-            max_model_len=a.prefix + a.suffix + a.max_tokens + 64,
-            disable_log_stats=False,
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KVLensConnector",
-                kv_connector_module_path="connector",
-                kv_role="kv_both",
-                kv_connector_extra_config={"lmcache.chunk_size": 256, "lmcache.max_local_cpu_size": 2},
-            ),
+        max_len = a.prefix + a.suffix + a.max_tokens + 64
+        extra = {"lmcache.chunk_size": 256, "lmcache.max_local_cpu_size": 2}
+        self.llm = kvlens_llm(
+            self.model, extra, dtype="bfloat16", seed=0, max_model_len=max_len, disable_log_stats=False
         )
         self.scheduler_connector = self.llm.llm_engine.engine_core.engine_core.scheduler.connector
         self.worker_connector = get_kv_transfer_group()
@@ -305,17 +251,16 @@ class TelemetryOverhead(Benchmark):
         return {"model": self.model, **sizes, "max_tokens": a.max_tokens, **getattr(self, "breakdown", {})}
 
 
-def accounting(llm: Any, scheduler_connector: Any, worker_connector: Any) -> tuple[Accounting, Accounting]:
+def accounting(llm: Any, scheduler_connector: Any, worker_connector: Any) -> tuple[CallTimer, CallTimer]:
     """Time inside KVLens telemetry from now on: on the step loop (wall) and on background
     threads (CPU time of span building and OTLP export)."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     from telemetry import tracing
 
-    acct = Accounting()
-    acct.wrap(
+    acct = CallTimer().wrap(
         scheduler_connector._scheduler_telemetry,
-        [
+        *(
             "lookup",
             "after_alloc",
             "on_plan",
@@ -323,24 +268,22 @@ def accounting(llm: Any, scheduler_connector: Any, worker_connector: Any) -> tup
             "finished",
             "on_worker_stats",
             "_lookup_done",
-        ],
+        ),
     )
-    acct.wrap(worker_connector._worker_telemetry, ["now", "loaded", "saved", "finished"])
+    acct.wrap(worker_connector._worker_telemetry, "now", "loaded", "saved", "finished")
     # Stats: built by both halves, then handled by vLLM's loggers in this process.
-    acct.wrap(scheduler_connector, ["get_kv_connector_stats"])
-    acct.wrap(worker_connector, ["get_kv_connector_stats"])
+    acct.wrap(scheduler_connector, "get_kv_connector_stats")
+    acct.wrap(worker_connector, "get_kv_connector_stats")
     for stat_logger in getattr(llm.llm_engine.logger_manager, "stat_loggers", []):
         prom = getattr(getattr(stat_logger, "kv_connector_prom", None), "prom_metrics", None)
         if prom is not None:
-            acct.wrap(prom, ["observe"])
+            acct.wrap(prom, "observe")
         for sub_logger in getattr(stat_logger, "per_engine_stat_loggers", {}).values():
             for one in sub_logger if isinstance(sub_logger, list) else [sub_logger]:
                 logging_ = getattr(one, "kv_connector_logging", None)
                 if logging_ is not None:
-                    acct.wrap(logging_, ["observe"])
-    background = Accounting(clock=time.thread_time)
-    background.wrap(tracing, ["_build"])
-    background.wrap(OTLPSpanExporter, ["export"])
+                    acct.wrap(logging_, "observe")
+    background = CallTimer(clock=time.thread_time).wrap(tracing, "_build").wrap(OTLPSpanExporter, "export")
     tracing.flush()
     return acct, background
 

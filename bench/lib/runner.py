@@ -192,8 +192,9 @@ class Benchmark:
         print(f"NOTE: {text}", flush=True)
 
     def skip(self, side: Any, why: str) -> None:
+        """The mode has no (more) figures: the report lists it as unavailable, and why."""
         self.skipped[side.name] = why
-        self.note(f"mode {side.name} skipped: {why}")
+        print(f"   mode {side.name} skipped: {why}", flush=True)
 
     def drop(self, batch: list[Any], side: Any, why: str) -> None:
         batch.remove(side)

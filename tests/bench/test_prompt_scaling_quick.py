@@ -33,7 +33,16 @@ def test_quick_prompt_scaling_reports_every_length_and_kvlens_serves_the_hits(tm
     assert "unavailable: LMCache's virtualenv is not usable" in run.stdout
     assert "target KVLens hit <= 1.01 x floor at every length, kvlens-cpu" in run.stdout
     data = json.loads((tmp_path / "prompt_scaling.json").read_text())
-    assert set(data) >= {"meta", "settings", "workload", "cases", "summary", "ratios", "targets", "unavailable"}
+    assert set(data) >= {
+        "meta",
+        "settings",
+        "workload",
+        "cases",
+        "summary",
+        "ratios",
+        "targets",
+        "unavailable",
+    }
     assert data["meta"]["modes"] == ["none", "kvlens-cpu", "lmcache"]
     assert data["workload"]["lengths"] == [500, 1500]
     assert data["cases"] == LENGTHS
