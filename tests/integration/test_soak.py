@@ -27,7 +27,8 @@ RSS_MARGIN_MB = 800
 @pytest.fixture(scope="module")
 def soak(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("soak") / "soak.json"
-    cmd = [sys.executable, str(REPO / "bench" / "soak.py"), "--quick", "--model", tiny_model, "--out", str(out)]
+    cmd = [sys.executable, str(REPO / "bench" / "soak.py"), "--quick"]
+    cmd += ["--model", tiny_model, "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-4000:]
     data = json.loads(out.read_text())
