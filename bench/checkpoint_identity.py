@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.lib.runner import Benchmark, Case, Figure, Side, main  # noqa: E402
+from bench.lib.runner import Benchmark, Case, Figure, Option, Side, main  # noqa: E402
 from connector.checkpoint_identity import fingerprint  # noqa: E402
 
 HIDDEN, INTER, LAYERS, VOCAB, KV = 4096, 14336, 32, 128256, 1024
@@ -117,14 +117,12 @@ class CheckpointIdentity(Benchmark):
     baselines = ("full-read",)
     case_label = "page cache"
     repeat_flags = ("--repeat",)
-    full, quick = {"gb": 16.0}, {"gb": 0.2}
-
-    @staticmethod
-    def add_options(p: Any) -> None:
-        p.add_argument("--gb", type=float, help="checkpoint size (default 16; --quick 0.2)")
-        p.add_argument("--dir", help="where to build it (default: a temporary folder)")
-        p.add_argument("--keep", action="store_true", help="keep the checkpoint")
-        p.add_argument("--skip-full", action="store_true", help="do not time the full read")
+    options = {
+        "gb": Option(16.0, 0.2, "checkpoint size"),
+        "dir": Option(None, help="where to build it (default: a temporary folder)"),
+        "keep": Option(False, help="keep the checkpoint"),
+        "skip_full": Option(False, help="do not time the full read"),
+    }
 
     def sides(self) -> list[Side]:
         full = [] if self.args.skip_full else [Side("full-read", "hash of every byte")]

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib import models  # noqa: E402
 from bench.lib.offline import CallTimer, kvlens_llm  # noqa: E402
-from bench.lib.runner import Benchmark, Case, Figure, Side, main  # noqa: E402
+from bench.lib.runner import Benchmark, Case, Figure, Option, Side, main  # noqa: E402
 from connector.cpu_affinity import run_beside_worker  # noqa: E402
 
 WORKER_HOOKS = ("start_load_kv", "wait_for_layer_load", "wait_for_save")
@@ -77,22 +77,18 @@ class HitProfile(Benchmark):
     baselines = ("floor",)
     repeats = (15, 3)
     repeat_flags = ("--pairs",)
-    full = {"tokens": 3000}
-    quick = {"tokens": 1000}
-
-    @staticmethod
-    def add_options(p: Any) -> None:
-        p.add_argument("--tokens", type=int, help="prompt length (default 3000; --quick 1000)")
-        p.add_argument("--layerwise", choices=("true", "false"), default="true")
-        p.add_argument("--tier", choices=("cpu", "disk"), default="cpu", help="the tier KVLens loads from")
-        p.add_argument(
-            "--floor-beside-copy-mb",
-            type=float,
-            default=0.0,
-            help="the control: during each floor request, copy this many MB (in 8 pieces, one thread, "
-            "no GIL) beside it, as KVLens's copy thread does during a hit",
-        )
-        p.add_argument("--model", help="model directory (default: the benchmark model, built once)")
+    options = {
+        "tokens": Option(3000, 1000, "prompt length"),
+        "layerwise": Option("true", help="KVLens's lmcache.use_layerwise", choices=("true", "false")),
+        "tier": Option("cpu", help="the tier KVLens loads from", choices=("cpu", "disk")),
+        "floor_beside_copy_mb": Option(
+            0.0,
+            help="the control: during each floor request, copy this many MB "
+            "(in 8 pieces, one thread, no GIL) beside it, as KVLens's copy thread does "
+            "during a hit",
+        ),
+        "model": Option(None, help="model directory (default: the benchmark model, built once)"),
+    }
 
     @property
     def result_name(self) -> str:

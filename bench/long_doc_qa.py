@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib import ttft  # noqa: E402
 from bench.lib import workload as wl  # noqa: E402
-from bench.lib.runner import Figure, main  # noqa: E402
+from bench.lib.runner import Figure, Option, main  # noqa: E402
 from bench.lib.served import LiveMode  # noqa: E402
 
 WARMUP = Figure("warmup_duration", "warm-up s", "{:.2f}", ratio=True, panel="round wall time")
@@ -94,28 +94,18 @@ class LongDocQA(wl.ThroughputBenchmark):
     )
     legend = ("TTFT and the warm-up round (every request a miss: the cost of storing): lower is better.",)
     seed = 31
-    full = {
-        "documents": 8,
-        "doc_len": 3000,
-        "questions": 2,
-        "question_len": 32,
-        "answer_len": 16,
-        "inflight": 2,
+    options = {
+        "documents": Option(8, 4, "documents per repetition"),
+        "doc_len": Option(3000, 600, "tokens per document"),
+        "questions": Option(2, help="questions per document"),
+        "question_len": Option(32, help="tokens per question"),
+        "answer_len": Option(16, 8, "generated tokens per answer"),
+        "inflight": Option(2, help="requests in flight at once"),
+        "order": Option("random", help="order of the questions", choices=("random", "tile")),
+        "kv_blocks": Option(
+            None, help="vLLM KV blocks in every mode (default: a third of the documents)", type=int
+        ),
     }
-    quick = {**full, "documents": 4, "doc_len": 600, "answer_len": 8}
-
-    @staticmethod
-    def add_options(g: Any) -> None:
-        g.add_argument("--documents", type=int, help="documents per repetition (default 8; --quick 4)")
-        g.add_argument("--doc-len", type=int, help="tokens per document (default 3000; --quick 600)")
-        g.add_argument("--questions", type=int, help="questions per document (default 2)")
-        g.add_argument("--question-len", type=int, help="tokens per question (default 32)")
-        g.add_argument("--answer-len", type=int, help="generated tokens per answer (default 16; --quick 8)")
-        g.add_argument("--inflight", type=int, help="requests in flight at once (default 2)")
-        g.add_argument("--order", choices=("random", "tile"), default="random", help="order of the questions")
-        g.add_argument(
-            "--kv-blocks", type=int, help="vLLM KV blocks in every mode (default: a third of the documents)"
-        )
 
     @property
     def title(self) -> str:

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.lib import fake_requests  # noqa: E402
-from bench.lib.runner import Benchmark, Case, Figure, Side, main  # noqa: E402
+from bench.lib.runner import Benchmark, Case, Figure, Option, Side, main  # noqa: E402
 
 BLOCK = 16
 VOCAB = 128_256  # a Llama-3 vocabulary: ids above 2^16
@@ -115,10 +115,7 @@ class Lookup(Benchmark):
     case_label = "case prompt others"
     repeats = (300, 20)
     repeat_flags = ("--reps",)
-
-    @staticmethod
-    def add_options(p: Any) -> None:
-        p.add_argument("--compare", metavar="REF", help="also run this git revision, side by side")
+    options = {"compare": Option(None, help="also run this git revision, side by side")}
 
     def sides(self) -> list[Side]:
         ref = self.args.compare

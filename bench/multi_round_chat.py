@@ -36,7 +36,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib import workload as wl  # noqa: E402
-from bench.lib.runner import main  # noqa: E402
+from bench.lib.runner import Option, main  # noqa: E402
 from bench.lib.served import LiveMode  # noqa: E402
 
 
@@ -79,31 +79,17 @@ class MultiRoundChat(wl.ThroughputBenchmark):
     )
     legend = ("TTFT: lower is better.",)
     seed = 23
-    full = {
-        "users": 6,
-        "rounds": 5,
-        "system_len": 256,
-        "history_len": 512,
-        "question_len": 32,
-        "answer_len": 16,
+    options = {
+        "users": Option(6, help="users talking at once"),
+        "rounds": Option(5, 3, "questions per user"),
+        "system_len": Option(256, 128, "shared system prompt tokens"),
+        "history_len": Option(512, 384, "each user's own context tokens"),
+        "question_len": Option(32, help="tokens per question"),
+        "answer_len": Option(16, 8, "generated tokens per answer"),
+        "kv_blocks": Option(
+            None, help="vLLM KV blocks in every mode (default: a third of the users)", type=int
+        ),
     }
-    quick = {**full, "rounds": 3, "system_len": 128, "history_len": 384, "answer_len": 8}
-
-    @staticmethod
-    def add_options(g: Any) -> None:
-        g.add_argument("--users", type=int, help="users talking at once (default 6)")
-        g.add_argument("--rounds", type=int, help="questions per user (default 5; --quick 3)")
-        g.add_argument(
-            "--system-len", type=int, help="shared system prompt tokens (default 256; --quick 128)"
-        )
-        g.add_argument(
-            "--history-len", type=int, help="each user's own context tokens (default 512; --quick 384)"
-        )
-        g.add_argument("--question-len", type=int, help="tokens per question (default 32)")
-        g.add_argument("--answer-len", type=int, help="generated tokens per answer (default 16; --quick 8)")
-        g.add_argument(
-            "--kv-blocks", type=int, help="vLLM KV blocks in every mode (default: a third of the users)"
-        )
 
     @property
     def title(self) -> str:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib import workload as wl  # noqa: E402
 from bench.lib.report import first_line  # noqa: E402
-from bench.lib.runner import SideFailed, Target, main  # noqa: E402
+from bench.lib.runner import Option, SideFailed, Target, main  # noqa: E402
 from bench.lib.served import LiveMode  # noqa: E402
 from bench.lib.servers import SERVED_MODEL_NAME, ManagedProcess, server_env  # noqa: E402
 
@@ -78,30 +78,18 @@ class PrefixRepetition(wl.ThroughputBenchmark):
     quick_modes = default_modes
     seed = 11
     repeats = (3, 2)  # the same sizes otherwise: the tiny model is ~10x faster
-
-    @staticmethod
-    def add_options(g: Any) -> None:
-        g.add_argument("--prefixes", type=int, default=8, help="distinct prefixes (default 8)")
-        g.add_argument(
-            "--prefix-len",
-            type=int,
-            default=528,
-            help="tokens per prefix (default 528: two KVLens chunks + 16)",
-        )
-        g.add_argument("--suffix-len", type=int, default=48, help="tokens per suffix (default 48)")
-        g.add_argument("--output-len", type=int, default=8, help="generated tokens per request (default 8)")
-        g.add_argument("--prompts-per-prefix", type=int, default=3, help="requests per prefix (default 3)")
-        g.add_argument(
-            "--concurrency", type=int, default=2, help="requests in flight (--max-concurrency; default 2)"
-        )
-        g.add_argument(
-            "--kv-blocks",
-            type=int,
-            help="vLLM KV blocks in every mode but the ceiling (default: in-flight + 1)",
-        )
-        g.add_argument(
-            "--run-timeout", type=float, default=900.0, help="seconds for one vllm bench serve run"
-        )
+    options = {
+        "prefixes": Option(8, help="distinct prefixes"),
+        "prefix_len": Option(528, help="tokens per prefix: two KVLens chunks + 16"),
+        "suffix_len": Option(48, help="tokens per suffix"),
+        "output_len": Option(8, help="generated tokens per request"),
+        "prompts_per_prefix": Option(3, help="requests per prefix"),
+        "concurrency": Option(2, help="requests in flight: --max-concurrency"),
+        "kv_blocks": Option(
+            None, help="vLLM KV blocks in every mode but the ceiling (default: in-flight + 1)", type=int
+        ),
+        "run_timeout": Option(900.0, help="seconds for one vllm bench serve run"),
+    }
 
     def sizes(self) -> tuple[int, int, int]:
         a = self.args

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib import ttft  # noqa: E402
 from bench.lib.models import BENCH_32K, kv_bytes_per_token  # noqa: E402
-from bench.lib.runner import Case, main  # noqa: E402
+from bench.lib.runner import Case, Option, main  # noqa: E402
 from bench.lib.served import LiveMode, ServedBenchmark, ServerShape  # noqa: E402
 from bench.lib.workload import VLLM_CPU_BLOCK  # noqa: E402
 
@@ -64,17 +64,12 @@ class PromptScaling(ServedBenchmark):
     quick_modes = "none,kvlens,lmcache"
     full_spec = BENCH_32K
     seed = 11
-    full = {"lengths": "1000,2000,4000,8000,16100,32100", "pairs": 3}
-    quick = {"lengths": "500,1500", "pairs": 1}
-
-    @staticmethod
-    def add_options(p: Any) -> None:
-        p.add_argument(
-            "--lengths",
-            help="comma-separated prompt lengths in tokens (default 1000,2000,4000,"
-            "8000,16100,32100; --quick 500,1500)",
-        )
-        p.add_argument("--pairs", type=int, help="floor/hit pairs per length and mode (default 3; --quick 1)")
+    options = {
+        "lengths": Option(
+            "1000,2000,4000,8000,16100,32100", "500,1500", "comma-separated prompt lengths in tokens"
+        ),
+        "pairs": Option(3, 1, "floor/hit pairs per length and mode"),
+    }
 
     @functools.cached_property
     def lengths(self) -> list[int]:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import redis  # noqa: E402
 
-from bench.lib.runner import Benchmark, Figure, Side, each, main  # noqa: E402
+from bench.lib.runner import Benchmark, Figure, Option, Side, each, main  # noqa: E402
 from bench.lib.servers import RedisServer  # noqa: E402
 from connector.tiers.disk import DiskTier  # noqa: E402
 from connector.tiers.redis_tier import RedisTier  # noqa: E402
@@ -61,18 +61,15 @@ class RedisTierCost(Benchmark):
     baselines = ("copy",)
     repeats = (5, 2)
     repeat_flags = ("--rounds",)
-    full = {"chunks": 32, "lookups": 200}
-    quick = {"chunks": 8, "lookups": 20}
-
-    @staticmethod
-    def add_options(p: Any) -> None:
-        p.add_argument(
-            "--url", help="benchmark this server instead of starting one (its prefix kvlens-bench is cleared)"
-        )
-        p.add_argument("--chunks", type=int, help="payloads per round (default 32; --quick 8)")
-        p.add_argument("--chunk-mb", type=int, default=4)
-        p.add_argument("--batch", type=int, default=8, help="items per put_many/get_many call")
-        p.add_argument("--lookups", type=int, help="calls per lookup figure (default 200; --quick 20)")
+    options = {
+        "url": Option(
+            None, help="benchmark this server instead of starting one (its prefix kvlens-bench is cleared)"
+        ),
+        "chunks": Option(32, 8, "payloads per round"),
+        "chunk_mb": Option(4),
+        "batch": Option(8, help="items per put_many/get_many call"),
+        "lookups": Option(200, 20, "calls per lookup figure"),
+    }
 
     def sides(self) -> list[Side]:
         return [

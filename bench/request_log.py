@@ -21,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.lib.runner import Benchmark, Figure, Side, main  # noqa: E402
+from bench.lib.runner import Benchmark, Figure, Option, Side, main  # noqa: E402
 from telemetry.request_log import RequestLog, request_record  # noqa: E402
 
 
@@ -50,11 +50,7 @@ class RequestLogCost(Benchmark):
     figures = (Figure("us_per_request", "µs per finished request", "{:.2f}", ratio=True, log=True),)
     baselines = ("off",)
     repeats = (5, 2)
-    full, quick = {"n": 20000}, {"n": 2000}
-
-    @staticmethod
-    def add_options(p: Any) -> None:
-        p.add_argument("--n", type=int, help="finished requests per repetition (default 20000; --quick 2000)")
+    options = {"n": Option(20000, 2000, "finished requests per repetition")}
 
     def sides(self) -> list[Side]:
         return [Side("off", "log off"), Side("on", "every request"), Side("sampled", "sample rate 0.1")]

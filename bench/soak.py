@@ -47,7 +47,7 @@ from soak_client import Outcome, Request, Workload, send  # noqa: E402
 
 from bench.lib.client import Client, metric_samples  # noqa: E402
 from bench.lib.models import TINY  # noqa: E402
-from bench.lib.runner import Figure, main  # noqa: E402
+from bench.lib.runner import Figure, Option, main  # noqa: E402
 from bench.lib.served import LiveMode, ServedBenchmark, ServerShape  # noqa: E402
 from bench.lib.servers import RedisServer  # noqa: E402
 
@@ -63,8 +63,8 @@ CHUNK_BYTES = 1024**2  # float32 tiny model: 256 tokens x 4 layers x 2 x 2 heads
 CPU_CHUNKS = 8  # the CPU tier holds 8 chunks; the documents alone are ~30
 VLLM_BLOCKS = 48  # vLLM's own KV: 48 blocks of 128 tokens, ~4 prompts at once
 WORKLOADS = {
-    "quick": {"seconds": 30, "docs": (1300, 1500, 1700), "chat_docs": (300,), "max_tokens": 8},
-    "long": {"seconds": 600, "docs": (1100, 1300, 1500, 1700), "chat_docs": (250, 350), "max_tokens": 12},
+    "quick": {"docs": (1300, 1500, 1700), "chat_docs": (300,), "max_tokens": 8},
+    "long": {"docs": (1100, 1300, 1500, 1700), "chat_docs": (250, 350), "max_tokens": 12},
 }
 
 
@@ -188,6 +188,7 @@ def root_cause(log: str) -> dict[str, Any]:
 
 class Soak(ServedBenchmark):
     name = "soak"
+    title = "soak and chaos: concurrent clients while the connector's storage is damaged"
     figures = (
         Figure("requests", "requests", "{:.0f}"),
         Figure("failures", "failed", "{:.0f}"),
@@ -208,17 +209,16 @@ class Soak(ServedBenchmark):
     startup_timeout_s = 600.0  # shared 2-core machines have taken over 4 minutes
     full_spec = TINY
     repeats = (1, 1)
-
-    @staticmethod
-    def add_options(p: Any) -> None:
-        p.add_argument("--seconds", type=float, help="length of the load phase (default 600; --quick 30)")
-        p.add_argument("--remote", action="store_true", help="add a private redis-server as remote tier")
-        p.add_argument("--clients", type=int, default=32)
+    options = {
+        "seconds": Option(600.0, 30.0, "length of the load phase"),
+        "remote": Option(False, help="add a private redis-server as remote tier"),
+        "clients": Option(32),
+    }
 
     def __init__(self, args: Any) -> None:
         super().__init__(args)
         self.work = WORKLOADS["quick" if self.quick else "long"]
-        self.seconds = args.seconds or self.work["seconds"]
+        self.seconds = args.seconds
         extra = {"tier_timeout_s": 2.0}
         self.settings = dataclasses.replace(self.settings, kvlens_disk_gb=0.25, kvlens_extra_config=extra)
         self.redis: RedisServer | None = None

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib import models  # noqa: E402
 from bench.lib.offline import CallTimer, kvlens_llm  # noqa: E402
-from bench.lib.runner import Benchmark, Case, Figure, Side, Target, main  # noqa: E402
+from bench.lib.runner import Benchmark, Case, Figure, Option, Side, Target, main  # noqa: E402
 
 _SINK = textwrap.dedent("""
     import sys
@@ -81,6 +81,7 @@ class TelemetryOverhead(Benchmark):
     name = "telemetry_overhead"
     figures = (
         Figure("pass_ms", "ms per pass", "{:.1f}", ratio=True),
+        Figure("whatif_references", "what-if references", "{:.0f}", plot=False),
         Figure("end_to_end_ms_per_request", "ms per request", "{:.1f}", plot=False),
         Figure("step_loop_us_per_request", "step loop µs/request", "{:.0f}", panel="telemetry per request"),
         Figure(
@@ -93,22 +94,18 @@ class TelemetryOverhead(Benchmark):
     targets = (Target("KVLens telemetry on the step loop <= 1% of end-to-end time", "step_loop_share", 0.01),)
     repeats = (16, 2)
     repeat_flags = ("--rounds",)
-    full = {"requests": 16, "max_tokens": 32}
-    quick = {"requests": 4, "max_tokens": 8}
-
-    @staticmethod
-    def add_options(p: Any) -> None:
-        p.add_argument("--model", help="model directory (default: the tiny model, built once)")
-        p.add_argument("--requests", type=int, help="requests per pass (default 16; --quick 4)")
-        p.add_argument("--prefix", type=int, default=1024, help="shared prefix tokens (loaded from KVLens)")
-        p.add_argument("--suffix", type=int, default=256, help="new tokens per request (computed and stored)")
-        p.add_argument("--max-tokens", type=int, help="generated tokens per request (default 32; --quick 8)")
-        p.add_argument(
-            "--compare",
-            choices=("telemetry", "request_log", "whatif"),
-            default="telemetry",
+    options = {
+        "model": Option(None, help="model directory (default: the tiny model, built once)"),
+        "requests": Option(16, 4, "requests per pass"),
+        "prefix": Option(1024, help="shared prefix tokens (loaded from KVLens)"),
+        "suffix": Option(256, help="new tokens per request (computed and stored)"),
+        "max_tokens": Option(32, 8, "generated tokens per request"),
+        "compare": Option(
+            "telemetry",
             help="what is switched on and off between passes",
-        )
+            choices=("telemetry", "request_log", "whatif"),
+        ),
+    }
 
     def sides(self) -> list[Side]:
         return [Side("on", f"{self.args.compare} on"), Side("off", f"{self.args.compare} off")]
@@ -126,7 +123,7 @@ class TelemetryOverhead(Benchmark):
         try:
             self.start_engine(port)
             self.set_mode(True)
-            self.one_pass()  # stores the prefixes
+            self.one_pass(served=False)  # stores the prefixes
             yield
         finally:
             sink.terminate()
@@ -156,7 +153,8 @@ class TelemetryOverhead(Benchmark):
         )
         self.scheduler_connector = self.llm.llm_engine.engine_core.engine_core.scheduler.connector
         self.worker_connector = get_kv_transfer_group()
-        self.whatif = self.scheduler_connector._scheduler.whatif
+        self.insight = self.scheduler_connector._scheduler.insight  # records what-if references
+        self.whatif = self.insight.whatif
         self.request_log = RequestLog(str(Path(tempfile.mkdtemp(prefix="kvlens-bench-")) / "requests.jsonl"))
         self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
         self.rng = random.Random(0)
@@ -176,10 +174,10 @@ class TelemetryOverhead(Benchmark):
             scheduler_tel._requests = self.request_log if on else None
             scheduler_tel.configure(tracing=True, metrics=True)
         else:
-            self.scheduler_connector._scheduler.whatif = self.whatif if on else None
+            self.insight.whatif = self.whatif if on else None
 
-    def one_pass(self) -> float:
-        """Seconds for one pass; its prefixes must come from KVLens."""
+    def one_pass(self, served: bool = True) -> float:
+        """Seconds for one pass; with ``served``, its prefixes must have come from KVLens."""
         from vllm.inputs import TokensPrompt
 
         from telemetry import tracing
@@ -199,13 +197,15 @@ class TelemetryOverhead(Benchmark):
         tracing.flush()
         elapsed = time.perf_counter() - t
         cached = sum(o.num_cached_tokens for o in outs)
-        assert cached >= a.requests * (a.prefix - 256), f"prefixes not served by KVLens: {cached}"
+        assert not served or cached >= a.requests * (a.prefix - 256), (
+            f"prefixes not served by KVLens: {cached}"
+        )
         return elapsed
 
     def warm_up(self, side: Side) -> None:
         self.set_mode(side.name == "on")
-        self.one_pass()
-        self.one_pass()
+        self.one_pass(served=False)
+        self.one_pass(served=False)
 
     def start_case(self, case: Case, sides: list[Side]) -> None:
         if case.name == "accounting":
@@ -217,7 +217,11 @@ class TelemetryOverhead(Benchmark):
     def measure(self, side: Side, case: Case, rep: int) -> dict[str, float]:
         if case.name == "A/B":
             self.set_mode(side.name == "on")
-            return {"pass_ms": self.one_pass() * 1e3}
+            refs = self.whatif.processed + self.whatif.pending if self.whatif else 0
+            rec = {"pass_ms": self.one_pass() * 1e3}
+            if self.args.compare == "whatif":  # what the feature did in this pass
+                rec["whatif_references"] = self.whatif.processed + self.whatif.pending - refs
+            return rec
         step, background, n = self.step_loop.seconds, self.background.seconds, self.args.requests
         wall = self.one_pass()
         step, background = self.step_loop.seconds - step, self.background.seconds - background
@@ -256,22 +260,13 @@ def accounting(llm: Any, scheduler_connector: Any, worker_connector: Any) -> tup
     threads (CPU time of span building and OTLP export)."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-    from telemetry import tracing
+    from telemetry import scheduler_recorder, tracing
 
-    acct = CallTimer().wrap(
-        scheduler_connector._scheduler_telemetry,
-        *(
-            "lookup",
-            "after_alloc",
-            "on_plan",
-            "on_worker_report",
-            "finished",
-            "on_worker_stats",
-            "_lookup_done",
-        ),
-    )
+    hooks = ("lookup", "lookup_final", "loads_reported", "finished", "requests_done", "on_worker_stats")
+    acct = CallTimer().wrap(scheduler_connector._scheduler_telemetry, *hooks)
+    acct.wrap(scheduler_recorder._LookupTimer, "__enter__", "__exit__")  # around each lookup
     acct.wrap(worker_connector._worker_telemetry, "now", "loaded", "saved", "finished")
-    # Stats: built by both halves, then handled by vLLM's loggers in this process.
+    # Stats: built by both halves (the recorders' ``stats``), then handled by vLLM's loggers here.
     acct.wrap(scheduler_connector, "get_kv_connector_stats")
     acct.wrap(worker_connector, "get_kv_connector_stats")
     for stat_logger in getattr(llm.llm_engine.logger_manager, "stat_loggers", []):

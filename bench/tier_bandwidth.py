@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.lib.runner import Benchmark, Figure, Side, Target, each, main, timed  # noqa: E402
+from bench.lib.runner import Benchmark, Figure, Option, Side, Target, each, main, timed  # noqa: E402
 from connector.config import load_config  # noqa: E402
 from connector.engine.facts import EngineFacts  # noqa: E402
 from connector.engine.jobs import CPU, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob  # noqa: E402
@@ -104,17 +104,14 @@ class TierBandwidth(Benchmark):
     )
     repeats = (7, 2)
     repeat_flags = ("--rounds",)
-    full = {"chunks": 32, "layers": 8, "heads": 8}
-    quick = {"chunks": 4, "layers": 2, "heads": 2}
-
-    @staticmethod
-    def add_options(p: Any) -> None:
-        p.add_argument("--chunks", type=int, help="chunks per round (default 32; --quick 4)")
-        p.add_argument("--layers", type=int, help="default 8; --quick 2")
-        p.add_argument("--heads", type=int, help="KV heads (default 8; --quick 2)")
-        p.add_argument("--head", type=int, default=128)
-        p.add_argument("--block-size", type=int, default=16)
-        p.add_argument("--chunk-tokens", type=int, default=256)
+    options = {
+        "chunks": Option(32, 4, "chunks per round"),
+        "layers": Option(8, 2),
+        "heads": Option(8, 2, "KV heads"),
+        "head": Option(128, help="head size"),
+        "block_size": Option(16),
+        "chunk_tokens": Option(256),
+    }
 
     def sides(self) -> list[Side]:
         return [Side(n) for n in ("memcpy", "memcpy-new", "cpu", "cpu-in-step", "file", "disk")]

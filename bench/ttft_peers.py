@@ -28,7 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib import ttft  # noqa: E402
-from bench.lib.runner import Case, Check, Figure, Target, main  # noqa: E402
+from bench.lib.runner import Case, Check, Figure, Option, Target, main  # noqa: E402
 from bench.lib.served import LiveMode, ServedBenchmark, ServerShape  # noqa: E402
 
 
@@ -57,23 +57,15 @@ class TtftPeers(ServedBenchmark):
     repeats = (3, 1)
     repeat_flags = ("--prompts",)  # each repetition is a prompt of its own
     seed = 5
-    full = {"tokens": 3000, "pairs": 5, "store_pairs": 6}
-    quick = {"tokens": 1000, "pairs": 2, "store_pairs": 2}
-
-    @staticmethod
-    def add_options(p: Any) -> None:
-        p.add_argument(
-            "--tokens",
-            type=int,
-            help="prompt length (default 3000; --quick 1000; not a multiple of 128, so that vLLM and the "
-            "connectors reuse the same whole blocks)",
-        )
-        p.add_argument("--pairs", type=int, help="floor/hit pairs per prompt (default 5; --quick 2)")
-        p.add_argument(
-            "--store-pairs",
-            type=int,
-            help="stored/skip-save cold pairs per KVLens mode (default 6; --quick 2)",
-        )
+    options = {
+        "tokens": Option(
+            3000,
+            1000,
+            "prompt length (not a multiple of 128: vLLM and the connectors then reuse the same whole blocks)",
+        ),
+        "pairs": Option(5, 2, "floor/hit pairs per prompt"),
+        "store_pairs": Option(6, 2, "stored/skip-save cold pairs per KVLens mode"),
+    }
 
     def server_shape(self) -> ServerShape:
         a = self.args

@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.lib.runner import Benchmark, Case, Figure, Side, main  # noqa: E402
+from bench.lib.runner import Benchmark, Case, Figure, Option, Side, main  # noqa: E402
 from connector.engine.keys import chain  # noqa: E402
 from connector.engine.whatif import WhatIfTracker  # noqa: E402
 from tests.unit.whatif_traces import CHUNK, zipf_trace  # noqa: E402
@@ -98,20 +98,15 @@ class WhatIfCost(Benchmark):
     baselines = ("off",)
     repeats = (5, 3)
     repeat_flags = ("--rounds",)
-    full = {"n": 300_000, "count": 400, "passes": 8}
-    quick = {"n": 50_000, "count": 100, "passes": 2}
+    options = {
+        "n": Option(300_000, 50_000, "record calls and feeder trace length"),
+        "count": Option(400, 100, "prompts in the lookup loop"),
+        "passes": Option(8, 2, "passes over them per measurement"),
+    }
     legend = (
         "modes: off (no recording), per-tier (record x3 tiers), once (record(None) once), "
         "live (record(None) with the feeder thread running); per-tier in 'record': one call",
     )
-
-    @staticmethod
-    def add_options(p: Any) -> None:
-        p.add_argument(
-            "--n", type=int, help="record calls and feeder trace length (default 300000; --quick 50000)"
-        )
-        p.add_argument("--count", type=int, help="prompts in the lookup loop (default 400; --quick 100)")
-        p.add_argument("--passes", type=int, help="passes over them per measurement (default 8; --quick 2)")
 
     def sides(self) -> list[Side]:
         return [Side("off"), Side("per-tier"), Side("once"), Side("live")]

@@ -8,19 +8,22 @@ or anything in this process (a tier, a package revision, telemetry on or off). E
 repetition measures every mode once, in an order reversed every repetition, so that whatever
 else the machine does weighs on every mode alike; a ratio to a baseline mode is taken per
 repetition. A case is one point of a sweep (a prompt length, a grid cell) with its own
-repetitions. A complete benchmark::
+repetitions. A complete benchmark, ``bench/copy_cost.py``::
 
-    class CopyCost(Benchmark):
+    import sys
+    import time
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+    from bench.lib.runner import Benchmark, Figure, Option, Side, main
+
+
+    class CopyCost(Benchmark):  # what copying a buffer costs
         name = "copy_cost"
+        options = {"mb": Option(64, 4, "buffer size")}  # full run, --quick, help: --mb
         figures = (Figure("ms", "ms per copy", "{:.2f}", ratio=True),)
         baselines = ("none",)  # every other mode's ratios are to this one
         repeats = (7, 2)  # full run, --quick
-
-        @staticmethod
-        def add_options(p):
-            p.add_argument("--mb", type=int, help="buffer size (default 64; --quick 4)")
-
-        full, quick = {"mb": 64}, {"mb": 4}
 
         def sides(self):
             return [Side("none"), Side("copy")]
@@ -35,12 +38,13 @@ repetitions. A complete benchmark::
     if __name__ == "__main__":
         sys.exit(main(CopyCost))
 
-``python bench/copy_cost.py [--quick] [--repeats 9] [--modes none,copy] [--out DIR]`` prints
-the medians (min..max) and the ratios to ``none`` as Markdown and writes ``DIR/copy_cost.json``
-and ``.png``. Other hooks: ``cases`` (a sweep), ``setup`` (a context around the whole run),
-``warm_up``, ``start_case``/``end_case``, ``workload`` (what the JSON records about it),
-``targets``, ``checks``, ``legend``. With servers: subclass ``ServedBenchmark``, define
-``server_shape``; ``measure`` then gets a ``LiveMode`` with its ``client``.
+``python bench/copy_cost.py [--quick] [--mb 8] [--repeats 9] [--modes none,copy] [--out DIR]``
+prints the medians (min..max) and the ratios to ``none`` as Markdown and writes
+``DIR/copy_cost.json`` and ``.png`` (tests/bench/test_runner.py runs this example). Other
+hooks: ``cases`` (a sweep), ``setup`` (a context around the whole run), ``warm_up``,
+``start_case``/``end_case``, ``workload`` (what the JSON records about it), ``targets``,
+``checks``, ``legend``. With servers: subclass ``ServedBenchmark``, define ``server_shape``;
+``measure`` then gets a ``LiveMode`` with its ``client``.
 """
 
 from __future__ import annotations
@@ -61,7 +65,19 @@ from .paths import RUN_DIR
 from .report import Check, Figure, Record, Records, Target
 from .results import Results
 
-__all__ = ["Benchmark", "Case", "Check", "Figure", "Side", "SideFailed", "Target", "each", "main", "timed"]
+__all__ = [
+    "Benchmark",
+    "Case",
+    "Check",
+    "Figure",
+    "Option",
+    "Side",
+    "SideFailed",
+    "Target",
+    "each",
+    "main",
+    "timed",
+]
 
 NOISE_NOTE = (
     "Timings come from a small shared machine: compare the ratios measured side by side in this run, "
@@ -79,6 +95,32 @@ class Side:
 
     name: str  # as given to --modes and used in the JSON
     label: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """A workload option ``--name``: its default in a full run and with --quick (``...``: the
+    same), its help; a bool default makes a flag."""
+
+    default: Any
+    quick: Any = ...
+    help: str = ""
+    type: Callable[[str], Any] | None = None  # default: the default's type (str for None)
+    choices: tuple[str, ...] | None = None
+    aliases: tuple[str, ...] = ()  # other names of the option ("--rounds" for --repeats)
+
+    def add_to(self, g: argparse._ArgumentGroup, name: str) -> None:
+        flags = ("--" + name.replace("_", "-"), *self.aliases)
+        if isinstance(self.default, bool):
+            g.add_argument(*flags, dest=name, action="store_true", help=self.help)
+            return
+        quick = "" if self.quick is ... or self.quick == self.default else f"; --quick {self.quick}"
+        shown = f" (default {self.default}{quick})" if self.default is not None else ""
+        kind = self.type or (str if self.default is None else type(self.default))
+        g.add_argument(*flags, dest=name, type=kind, choices=self.choices, help=f"{self.help}{shown}".strip())
+
+    def value(self, quick: bool) -> Any:
+        return self.quick if quick and self.quick is not ... else self.default
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +147,7 @@ class Benchmark:
     repeat_flags: tuple[str, ...] = ()  # the script's own names for --repeats (--rounds, --pairs)
     mode_flags: tuple[str, ...] = ()  # ... and for --modes
     seed = 0
-    full: dict[str, Any] = {}  # workload option defaults of a full run
-    quick: dict[str, Any] = {}  # ... and of --quick
+    options: dict[str, Option] = {}  # the workload's own options
     default_modes: str | None = None  # None: every mode ``sides`` lists
     quick_modes: str | None = None
     failures: tuple[type[BaseException], ...] = (SideFailed,)  # what drops a mode, not the run
@@ -121,10 +162,6 @@ class Benchmark:
         self.load_before = os.getloadavg()
 
     # ---- what a script declares ------------------------------------------------------------
-    @staticmethod
-    def add_options(p: argparse._ArgumentGroup) -> None:
-        """The workload's own options (defaults in ``full`` and ``quick`` when they differ)."""
-
     def sides(self) -> Sequence[Any]:
         raise NotImplementedError
 
@@ -277,7 +314,11 @@ class Benchmark:
         print(f"   {os.cpu_count()} CPUs, load average {load}", flush=True)
 
     def _doc_title(self) -> str:
-        doc = sys.modules[type(self).__module__].__doc__ or self.name
+        doc = (
+            getattr(sys.modules.get(type(self).__module__), "__doc__", None)
+            or type(self).__doc__
+            or self.name
+        )
         return doc.strip().splitlines()[0].rstrip(".")
 
     def report(self, records: Records) -> None:
@@ -348,42 +389,36 @@ class Benchmark:
 
     # ---- the command line -----------------------------------------------------------------------
     @classmethod
-    def add_common_options(cls, g: argparse._ArgumentGroup) -> None:
-        full, quick = cls.repeats
-        g.add_argument("--quick", action="store_true", help="small and fast: keeps the script working")
-        g.add_argument(
-            "--modes",
-            *cls.mode_flags,
-            dest="modes",
-            help=f"comma-separated modes to compare (default {cls.default_modes or 'all'})",
-        )
-        g.add_argument(
-            "--repeats",
-            *cls.repeat_flags,
-            dest="repeats",
-            type=int,
-            help=f"repetitions, modes in turns (default {full}; --quick {quick})",
-        )
-        g.add_argument("--seed", type=int, default=cls.seed)
-        g.add_argument(
-            "--out",
-            type=Path,
-            default=RUN_DIR / "results",
-            help="a folder for NAME.json and .png, or a .json path",
-        )
+    def common_options(cls) -> dict[str, Option]:
+        """The options every benchmark has (the workload's own are in ``options``)."""
+        return {
+            "quick": Option(False, help="small and fast: keeps the script working"),
+            "modes": Option(
+                None,
+                help=f"comma-separated modes to compare ({cls.default_modes or 'all'})",
+                aliases=cls.mode_flags,
+            ),
+            "repeats": Option(*cls.repeats, "repetitions, modes in turns", aliases=cls.repeat_flags),
+            "seed": Option(cls.seed),
+            "out": Option(
+                RUN_DIR / "results", help="a folder for NAME.json and .png, or a .json path", type=Path
+            ),
+        }
 
     @classmethod
     def parse_args(cls, argv: list[str] | None = None) -> argparse.Namespace:
-        doc = sys.modules[cls.__module__].__doc__
+        doc = getattr(sys.modules.get(cls.__module__), "__doc__", None) or cls.__doc__
         p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-        cls.add_options(p.add_argument_group("workload"))
-        cls.add_common_options(p.add_argument_group("run (shared by every benchmark)"))
+        groups = {"workload": cls.options, "run (shared by every benchmark)": cls.common_options()}
+        for title, options in groups.items():
+            g = p.add_argument_group(title)
+            for name, opt in options.items():
+                opt.add_to(g, name)
         args = p.parse_args(argv)
-        for key, value in (cls.quick if args.quick else cls.full).items():
-            if getattr(args, key, None) is None:
-                setattr(args, key, value)
-        if args.repeats is None:
-            args.repeats = cls.repeats[1 if args.quick else 0]
+        for options in groups.values():
+            for name, opt in options.items():
+                if getattr(args, name) is None:
+                    setattr(args, name, opt.value(args.quick))
         if args.repeats < 1:
             p.error("--repeats must be at least 1")
         return args

@@ -24,7 +24,7 @@ from .client import Client
 from .models import BENCH, TINY, ModelSpec, ensure_model, vocab_size
 from .modes import Mode, Settings, kv_transfer_config, lmcache_venv_problem, parse_modes
 from .paths import RUN_DIR, peers_tmp
-from .runner import Benchmark, SideFailed
+from .runner import Benchmark, Option, SideFailed
 from .servers import LMCACHE_ENV, LMCacheServer, VllmServer, server_env
 
 GB = 1e9
@@ -235,46 +235,30 @@ class ServedBenchmark(Benchmark):
         server.start()
         return LiveMode(mode, server, Client(server.url), sidecar)
 
-    # ---- the command line -----------------------------------------------------------------------
     @classmethod
-    def add_common_options(cls, g: argparse._ArgumentGroup) -> None:
-        super().add_common_options(g)
-        g.add_argument(
-            "--kvlens-tiers",
-            default=cls.kvlens_tiers,
-            help=f"KVLens tiers, one mode each for 'kvlens' in --modes (default {cls.kvlens_tiers})",
-        )
-        g.add_argument("--kvlens-chunk-size", type=int, default=256)
-        g.add_argument(
-            "--kvlens-cpu-gb", type=float, default=cls.kvlens_cpu_gb, help="KVLens CPU tier budget"
-        )
-        g.add_argument("--kvlens-remote-url", help="remote tier URL for --kvlens-tiers remote")
-        g.add_argument(
-            "--lmcache-chunk-size",
-            type=int,
-            default=128,
-            help="LMCache chunk size (128 = vLLM's CPU block: its best case here; 256 is its default)",
-        )
-        g.add_argument(
-            "--lmcache-setup",
-            choices=("auto", "yes", "no"),
-            default="auto",
-            help="build LMCache's virtualenv when missing (auto: yes in full runs, no with --quick)",
-        )
-        g.add_argument("--lmcache-venv", type=Path, default=peers_tmp() / "venv-lmcache")
-        g.add_argument("--model", type=Path, help="model directory (default: built under .run/bench/models)")
-        g.add_argument(
-            "--max-live", type=int, help="servers running at once (default: as many as memory allows)"
-        )
-        g.add_argument(
-            "--startup-timeout",
-            type=float,
-            default=cls.startup_timeout_s,
-            help="seconds for one server to start",
-        )
-        g.add_argument(
-            "--keep-storage", action="store_true", help="keep the disk tier and ExampleConnector files"
-        )
+    def common_options(cls) -> dict[str, Option]:
+        lmcache_chunk = "LMCache chunk size (128 = vLLM's CPU block: its best case here; 256 is its default)"
+        return super().common_options() | {
+            "kvlens_tiers": Option(
+                cls.kvlens_tiers, help="KVLens tiers, one mode each for 'kvlens' in --modes"
+            ),
+            "kvlens_chunk_size": Option(256),
+            "kvlens_cpu_gb": Option(cls.kvlens_cpu_gb, help="KVLens CPU tier budget"),
+            "kvlens_remote_url": Option(None, help="remote tier URL for --kvlens-tiers remote"),
+            "lmcache_chunk_size": Option(128, help=lmcache_chunk),
+            "lmcache_setup": Option(
+                "auto",
+                help="build LMCache's virtualenv when missing (auto: yes in full runs, no with --quick)",
+                choices=("auto", "yes", "no"),
+            ),
+            "lmcache_venv": Option(peers_tmp() / "venv-lmcache", type=Path),
+            "model": Option(None, help="model directory (default: built under .run/bench/models)", type=Path),
+            "max_live": Option(
+                None, help="servers running at once (default: as many as memory allows)", type=int
+            ),
+            "startup_timeout": Option(cls.startup_timeout_s, help="seconds for one server to start"),
+            "keep_storage": Option(False, help="keep the disk tier and ExampleConnector files"),
+        }
 
 
 def _mem_available_gb() -> float:

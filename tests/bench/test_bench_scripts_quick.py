@@ -48,3 +48,19 @@ def test_hit_profile_quick_times_a_real_kvlens_hit(tmp_path):
     assert hit["cached_tokens"]["median"] == floor["cached_tokens"]["median"] > 0  # the hit came from KVLens
     assert hit["model_forward_ms"]["median"] > 0
     assert hit["start_load_kv_ms"]["median"] > floor["start_load_kv_ms"]["median"]  # KVLens read the chunks
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_telemetry_overhead_quick_accounts_for_kvlens_telemetry_and_switches_it(tmp_path):
+    run("telemetry_overhead.py", "--out", str(tmp_path / "telemetry.json"), timeout=600)
+    data = json.loads((tmp_path / "telemetry.json").read_text())
+    assert data["ratios"]["A/B"]["on"]["off"]["pass_ms"]["n"] == 2
+    on = data["summary"]["accounting"]["on"]
+    assert on["step_loop_us_per_request"]["median"] > 0 and on["background_us_per_request"]["median"] > 0
+    assert data["workload"]["step_loop_wall"], "no telemetry function was timed"
+
+    run("telemetry_overhead.py", "--compare", "whatif", "--out", str(tmp_path / "whatif.json"), timeout=600)
+    ab = json.loads((tmp_path / "whatif.json").read_text())["summary"]["A/B"]
+    assert ab["on"]["whatif_references"]["min"] > 0  # the feature recorded in every "on" pass
+    assert ab["off"]["whatif_references"]["max"] == 0  # and in no "off" pass

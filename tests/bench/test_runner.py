@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
+from pathlib import Path
 
 import pytest
 
-from bench.lib.runner import Benchmark, Case, Check, Figure, Side, SideFailed, Target, main
+from bench.lib import runner
+from bench.lib.runner import Benchmark, Case, Check, Figure, Option, Side, SideFailed, Target, main
 
 PER_MODE_MS = {"base": 10.0, "fast": 5.0, "flaky": 20.0}
 
@@ -23,12 +26,8 @@ class Toy(Benchmark):
     checks = (Check("ok", "answered wrong"),)
     repeats = (4, 2)
     repeat_flags = ("--rounds",)
-    full, quick = {"size": 100}, {"size": 1}
+    options = {"size": Option(100, 1, "cases: one when 1, else small and large")}
     turns: list[tuple[str, int, str]] = []
-
-    @staticmethod
-    def add_options(p):
-        p.add_argument("--size", type=int)
 
     def sides(self):
         return [Side(name) for name in PER_MODE_MS]
@@ -98,6 +97,15 @@ def test_targets_checks_and_tables_are_reported(run):
     assert data["settings"]["size"] == 1 and data["settings"]["repeats"] == 2
 
 
+def test_options_take_their_quick_defaults_and_show_both(run, capsys):
+    data, _ = run("--quick", "--size", "7")
+    assert data["settings"]["size"] == 7 and data["cases"] == ["small", "large"]
+    with pytest.raises(SystemExit):
+        main(Toy, ["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default 100; --quick 1)" in out and "--repeats REPEATS, --rounds REPEATS" in out
+
+
 def test_out_may_name_the_json_file(tmp_path):
     Toy.turns = []
     assert main(Toy, ["--quick", "--modes", "base", "--out", str(tmp_path / "elsewhere.json")]) == 0
@@ -107,3 +115,13 @@ def test_out_may_name_the_json_file(tmp_path):
 def test_unknown_modes_are_refused_with_the_known_ones():
     with pytest.raises(SystemExit, match="unknown slow; known: base, fast, flaky"):
         main(Toy, ["--quick", "--modes", "base,slow"])
+
+
+def test_the_example_in_the_runners_docstring_runs(tmp_path):
+    doc = runner.__doc__
+    code = textwrap.dedent(doc[doc.index("::\n") + 3 : doc.index("``python bench/copy_cost.py")])
+    example = {"__name__": "copy_cost", "__file__": str(Path(runner.__file__).parents[1] / "copy_cost.py")}
+    exec(compile(code, "copy_cost.py", "exec"), example)
+    assert example["main"](example["CopyCost"], ["--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "copy_cost.json").read_text())
+    assert data["ratios"]["all"]["copy"]["none"]["ms"]["n"] == 2 and data["settings"]["mb"] == 4
