@@ -67,7 +67,7 @@ class PrefixRepetition(wl.ThroughputBenchmark):
             THROUGHPUT_TARGET,
             at_most=False,
             baseline="ceiling",
-            sides="kvlens",
+            mode_prefix="kvlens",
         ),
     )
     legend = (

@@ -89,7 +89,7 @@ class TierBandwidth(Benchmark):
             TARGET,
             at_most=False,
             baseline="memcpy",
-            sides="cpu",
+            mode_prefix="cpu",
         ),
         Target(
             f"CPU store >= {TARGET} x memcpy into new memory",
@@ -97,7 +97,7 @@ class TierBandwidth(Benchmark):
             TARGET,
             at_most=False,
             baseline="memcpy-new",
-            sides="cpu",
+            mode_prefix="cpu",
         ),
         Target(f"disk write >= {TARGET} x plain write", "store_gbps", TARGET, at_most=False, baseline="file"),
         Target(f"disk read >= {TARGET} x plain read", "load_gbps", TARGET, at_most=False, baseline="file"),

@@ -50,7 +50,7 @@ class TtftPeers(ServedBenchmark):
             f"cold with stores <= {ttft.STORE_TARGET} x without",
             "store_over_skip",
             ttft.STORE_TARGET,
-            sides="kvlens",
+            mode_prefix="kvlens",
         ),
     )
     legend = ttft.LEGEND

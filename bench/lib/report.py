@@ -1,7 +1,7 @@
 """Statistics of a benchmark's records, and the one report format: a JSON file, Markdown tables
 and an optional PNG.
 
-Records are dicts, one per side, case and repetition. A number, a list of numbers (several
+Records are dicts, one per mode, case and repetition. A number, a list of numbers (several
 samples in one repetition), a bool or a list of bools is summarised; anything else stays in the
 raw records only. Figures are medians with their spread (min..max), because on a small shared
 machine a single number hides how much the next run may differ; a ratio to a baseline is taken
@@ -25,7 +25,7 @@ from typing import Any
 from .paths import REPO
 
 Record = dict[str, Any]
-Records = dict[str, dict[str, list[Record]]]  # case -> side -> one record per repetition
+Records = dict[str, dict[str, list[Record]]]  # case -> mode -> one record per repetition
 Stat = dict[str, Any]  # {median, min, max, n, sum} of numbers; {all, n} of bools
 
 
@@ -50,8 +50,8 @@ class Target:
     figure: str
     limit: float
     at_most: bool = True
-    baseline: str | None = None  # the ratio to this side, not the figure itself
-    sides: str = ""  # only sides whose name starts with this
+    baseline: str | None = None  # the ratio to this mode, not the figure itself
+    mode_prefix: str = ""  # only modes whose name starts with this
 
     def met(self, value: float) -> bool:
         return value <= self.limit if self.at_most else value >= self.limit
@@ -141,17 +141,17 @@ def _median(value: object) -> float:
 def ratios(
     records: Records, keys: Sequence[str], bases_of: Callable[[str], Sequence[str]]
 ) -> dict[str, dict[str, dict[str, dict[str, Stat]]]]:
-    """case -> side -> baseline -> figure -> ``paired_ratios``."""
+    """case -> mode -> baseline -> figure -> ``paired_ratios``."""
     out: dict[str, dict[str, dict[str, dict[str, Stat]]]] = {}
-    for case, by_side in records.items():
-        for side, recs in by_side.items():
-            for base in bases_of(side):
-                if base == side or base not in by_side:
+    for case, by_mode in records.items():
+        for mode, recs in by_mode.items():
+            for base in bases_of(mode):
+                if base == mode or base not in by_mode:
                     continue
-                got = {k: paired_ratios(recs, by_side[base], k) for k in keys}
+                got = {k: paired_ratios(recs, by_mode[base], k) for k in keys}
                 got = {k: s for k, s in got.items() if s["n"]}
                 if got:
-                    out.setdefault(case, {}).setdefault(side, {})[base] = got
+                    out.setdefault(case, {}).setdefault(mode, {})[base] = got
     return out
 
 

@@ -59,7 +59,7 @@ class Results:
         """Per target and mode: the JSON entry and the printed line (the worst case decides)."""
         out = []
         for t in targets:
-            for mode in (m for m in self.modes if m.startswith(t.sides)):
+            for mode in (m for m in self.modes if m.startswith(t.mode_prefix)):
                 got = {
                     c: s["median"] for c in self.cases if (s := self.get(c, mode, t.figure, t.baseline))["n"]
                 }

@@ -43,7 +43,7 @@ LEGEND = (
     "recomputed).",
     "no connector: the 'hit' after the flush is a recompute. load ms: KVLens's own load time of the hit.",
 )
-HIT_GOAL = Target(f"KVLens hit <= {HIT_TARGET} x floor", "pair_ratio", HIT_TARGET, sides="kvlens")
+HIT_GOAL = Target(f"KVLens hit <= {HIT_TARGET} x floor", "pair_ratio", HIT_TARGET, mode_prefix="kvlens")
 
 
 def prompt(seed: int, n: int, vocab: int) -> list[int]:

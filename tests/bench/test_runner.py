@@ -22,7 +22,7 @@ class Toy(Benchmark):
     name = "toy"
     figures = (Figure("ms", "ms", "{:.1f}", ratio=True), Figure("ok", "ok"))
     baselines = ("base",)
-    targets = (Target("fast <= 0.6 x base", "ms", 0.6, baseline="base", sides="fast"),)
+    targets = (Target("fast <= 0.6 x base", "ms", 0.6, baseline="base", mode_prefix="fast"),)
     checks = (Check("ok", "answered wrong"),)
     repeats = (4, 2)
     repeat_flags = ("--rounds",)
