@@ -1,17 +1,17 @@
 """What the model identity costs at start-up, against reading the whole checkpoint.
 
+    python bench/checkpoint_identity.py [--quick] [--gb 16] [--dir DIR] [--keep] [--skip-full] [--repeat 3]
+
 Builds a checkpoint shaped like Llama-3-8B in bf16 (4 safetensors shards, 291 tensors,
 16 GB by default; values are random bytes), then times, side by side on the same files,
 KVLens's content fingerprint (``connector.checkpoint_identity.fingerprint``) and a plain hash
 of every byte (what "fingerprint the checkpoint" would cost without sampling): warm (files in
 the page cache) and cold (pages dropped with ``posix_fadvise(DONTNEED)`` before each run).
-
-    python bench/checkpoint_identity.py [--gb 16] [--dir DIR] [--keep] [--skip-full]
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -20,13 +20,17 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.lib.runner import Benchmark, Case, Figure, Option, Side, main  # noqa: E402
 from connector.checkpoint_identity import fingerprint  # noqa: E402
 
 HIDDEN, INTER, LAYERS, VOCAB, KV = 4096, 14336, 32, 128256, 1024
+SHARDS = 4
 
 
 def llama_tensors(scale: float) -> list[tuple[str, tuple[int, ...]]]:
@@ -103,53 +107,66 @@ def full_hash(folder: Path) -> str:
     return h.hexdigest()
 
 
-def timed(fn, folder: Path, cold: bool) -> float:
-    if cold:
-        drop_cache(folder)
-    started = time.perf_counter()
-    fn(folder)
-    return time.perf_counter() - started
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gb", type=float, default=16.0)
-    ap.add_argument("--dir", help="where to build it (default: a temporary folder)")
-    ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
-    ap.add_argument("--skip-full", action="store_true", help="do not time the full read")
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
-    folder = Path(args.dir or tempfile.mkdtemp(prefix="kvlens-ckpt-"))
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        started = time.perf_counter()
-        size = write_checkpoint(folder, args.gb)
-        os.sync()  # dirty pages cannot be dropped
-        took = time.perf_counter() - started
-        print(f"checkpoint: {size / 1e9:.1f} GB in 4 shards, 291 tensors (written in {took:.0f} s)")
-        found = fingerprint(str(folder))
-        print(f"fingerprint reads {found.read_bytes / 1e3:.1f} KB of {found.total_bytes / 1e9:.1f} GB")
-        rows = []
-        for cold in (False, True):
-            fp = sorted(timed(fingerprint_of, folder, cold) for _ in range(args.repeat))
-            full = (
-                None if args.skip_full else sorted(timed(full_hash, folder, cold) for _ in range(args.repeat))
-            )
-            rows.append((cold, fp[len(fp) // 2], full[len(full) // 2] if full else None))
-        print("| page cache | fingerprint | full read | fingerprint / full read |")
-        print("|---|---|---|---|")
-        for cold, fp, full in rows:
-            ratio = f"{fp / full:.5f}" if full else "-"
-            full_s = f"{full:.2f} s" if full else "-"
-            print(f"| {'cold' if cold else 'warm'} | {fp * 1000:.1f} ms | {full_s} | {ratio} |")
-    finally:
-        if not args.keep:
-            shutil.rmtree(folder, ignore_errors=True)
-
-
 def fingerprint_of(folder: Path) -> None:
     fingerprint(str(folder))
 
 
+class CheckpointIdentity(Benchmark):
+    name = "checkpoint_identity"
+    figures = (Figure("ms", "ms", "{:.1f}", ratio=True, log=True),)
+    baselines = ("full-read",)
+    case_label = "page cache"
+    repeat_flags = ("--repeat",)
+    options = {
+        "gb": Option(16.0, 0.2, "checkpoint size"),
+        "dir": Option(None, help="where to build it (default: a temporary folder)"),
+        "keep": Option(False, help="keep the checkpoint"),
+        "skip_full": Option(False, help="do not time the full read"),
+    }
+
+    def sides(self) -> list[Side]:
+        full = [] if self.args.skip_full else [Side("full-read", "hash of every byte")]
+        return [Side("fingerprint", "KVLens's content fingerprint"), *full]
+
+    def cases(self) -> list[Case]:
+        return [Case("warm", False), Case("cold", True)]
+
+    @contextlib.contextmanager
+    def setup(self) -> Iterator[None]:
+        self.folder = Path(self.args.dir or tempfile.mkdtemp(prefix="kvlens-ckpt-"))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            started = time.perf_counter()
+            self.size = write_checkpoint(self.folder, self.args.gb, SHARDS)
+            os.sync()  # dirty pages cannot be dropped
+            found = fingerprint(str(self.folder))
+            self.read_bytes, self.total_bytes = found.read_bytes, found.total_bytes
+            print(
+                f"   checkpoint: {self.size / 1e9:.1f} GB in {SHARDS} shards, written in "
+                f"{time.perf_counter() - started:.0f}"
+                f" s; the fingerprint reads {self.read_bytes / 1e3:.1f} KB",
+                flush=True,
+            )
+            yield
+        finally:
+            if not self.args.keep:
+                shutil.rmtree(self.folder, ignore_errors=True)
+
+    def measure(self, side: Side, case: Case, rep: int) -> dict[str, float]:
+        if case.params:
+            drop_cache(self.folder)
+        started = time.perf_counter()
+        (fingerprint_of if side.name == "fingerprint" else full_hash)(self.folder)
+        return {"ms": (time.perf_counter() - started) * 1e3}
+
+    def workload(self) -> dict[str, Any]:
+        return {
+            "checkpoint_bytes": self.size,
+            "shards": SHARDS,
+            "fingerprint_read_bytes": self.read_bytes,
+            "fingerprint_total_bytes": self.total_bytes,
+        }
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main(CheckpointIdentity))

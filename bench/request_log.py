@@ -1,28 +1,31 @@
 """What the request log costs per finished request, on the thread that finishes requests.
 
-    python bench/request_log.py [--n 20000]
+    python bench/request_log.py [--quick] [--n 20000] [--repeats 5]
 
 Side by side in one process: building a record and appending it (one ``O_APPEND`` write of
 one JSON line, rotation included) with the log on; the same call with the log off (the one
 flag check the scheduler makes); and a sampled log at rate 0.1 (the hash decides, most
-requests write nothing). Reported in microseconds per request, median of 5 rounds.
+requests write nothing). Reported in microseconds per request, median over repetitions.
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
+import contextlib
+import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.lib.runner import Benchmark, Figure, Option, Side, main  # noqa: E402
 from telemetry.request_log import RequestLog, request_record  # noqa: E402
 
 
-def one(log: RequestLog | None, i: int) -> None:
+def finish(log: RequestLog | None, i: int) -> None:
     if log is None or not log.wants(f"cmpl-{i}"):
         return
     log.append(
@@ -42,26 +45,33 @@ def one(log: RequestLog | None, i: int) -> None:
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=20000)
-    args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="kvlens-reqlog-"))
-    modes = {
-        "off": None,
-        "on": RequestLog(str(tmp / "all.jsonl")),
-        "sampled 0.1": RequestLog(str(tmp / "some.jsonl"), sample=0.1),
-    }
-    results: dict[str, list[float]] = {m: [] for m in modes}
-    for _ in range(5):
-        for mode, log in modes.items():
-            start = time.perf_counter()
-            for i in range(args.n):
-                one(log, i)
-            results[mode].append((time.perf_counter() - start) / args.n * 1e6)
-    for mode, times in results.items():
-        print(f"{mode:12s} {statistics.median(times):8.2f} us per finished request")
+class RequestLogCost(Benchmark):
+    name = "request_log"
+    figures = (Figure("us_per_request", "µs per finished request", "{:.2f}", ratio=True, log=True),)
+    baselines = ("off",)
+    repeats = (5, 2)
+    options = {"n": Option(20000, 2000, "finished requests per repetition")}
+
+    def sides(self) -> list[Side]:
+        return [Side("off", "log off"), Side("on", "every request"), Side("sampled", "sample rate 0.1")]
+
+    @contextlib.contextmanager
+    def setup(self) -> Iterator[None]:
+        tmp = Path(tempfile.mkdtemp(prefix="kvlens-reqlog-"))
+        self.logs = {"off": None, "on": RequestLog(str(tmp / "all.jsonl"))}
+        self.logs["sampled"] = RequestLog(str(tmp / "some.jsonl"), sample=0.1)
+        try:
+            yield
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def measure(self, side: Side, case: Any, rep: int) -> dict[str, float]:
+        log, n = self.logs[side.name], self.args.n
+        start = time.perf_counter()
+        for i in range(n):
+            finish(log, i)
+        return {"us_per_request": (time.perf_counter() - start) / n * 1e6}
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(RequestLogCost))

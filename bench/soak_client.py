@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.lib.servers import SERVED_MODEL_NAME
+
 TIMEOUT_S = 180.0
 _WORDS = (
     "cache block chunk prefix token layer model engine server request tier disk memory "
@@ -46,7 +48,7 @@ class Request:
     hang_up_after: int = 0  # streaming: close the connection after this many events (0: never)
 
     def body(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": "tiny", "max_tokens": self.max_tokens, "temperature": 0.0}
+        body: dict[str, Any] = {"model": SERVED_MODEL_NAME, "max_tokens": self.max_tokens, "temperature": 0.0}
         body["ignore_eos"] = True
         if self.chat:
             system, user = self.prompt

@@ -1,9 +1,11 @@
-"""What the benchmark commands in ``bench/`` share.
+"""What the benchmark commands in ``bench/`` share. A new benchmark starts at ``runner.py``.
 
-``models``: the benchmark model, built once under ``.run/bench/models``; ``modes``: what each
-side-by-side mode configures (no connector, KVLens per tier, vLLM's ExampleConnector, LMCache
-in its multiprocess mode); ``servers``: vLLM servers (and LMCache's server) in their own process
-groups with bounded waits; ``client``: HTTP requests and their timings; ``report``: statistics,
-the printed table, the JSON file and the PNG plot; ``runner``: the command-line options every
-benchmark shares and the loop that starts the modes' servers and measures them side by side.
+``runner``: the one runner (shared options, modes measured in turns, repetitions, ratios to the
+baselines) and the ``Benchmark`` base every script subclasses; ``served``: modes that are vLLM
+servers; ``results`` and ``report``: the one report format (summaries, targets, Markdown tables,
+the JSON file, the PNG); ``modes``: what each server mode configures (no connector, KVLens per
+tier, vLLM's ExampleConnector, LMCache in its multiprocess mode); ``servers``: vLLM, LMCache and
+Redis servers in their own process groups; ``client``: HTTP requests and their timings;
+``models``: the benchmark models, built once; ``ttft``, ``workload``, ``offline`` and
+``fake_requests``: what several scripts measure alike.
 """

@@ -109,19 +109,22 @@ class Client:
         return metric_sum(self.metrics_text(), name, **labels)
 
 
+def metric_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of a /metrics page: (name, labels, value)."""
+    out = []
+    for line in text.splitlines():
+        m = None if line.startswith("#") else re.match(r"^([^\s{]+)(\{[^}]*\})?\s+(\S+)", line)
+        if m:
+            out.append(
+                (m.group(1), dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")), float(m.group(3)))
+            )
+    return out
+
+
 def metric_sum(text: str, name: str, **labels: str) -> float:
     """``Client.metric_sum`` over a /metrics page already fetched (several metrics, one fetch)."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name) or line.startswith("#"):
-            continue
-        m = re.match(r"^([^\s{]+)(\{[^}]*\})?\s+(\S+)", line)
-        if not m or m.group(1) != name:
-            continue
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
+    samples = metric_samples(text)
+    return sum((v for n, have, v in samples if n == name and labels.items() <= have.items()), 0.0)
 
 
 async def stream(

@@ -38,26 +38,8 @@ class ModelSpec:
     vocab: int = 2000
     seed: int = 0
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV bytes one token takes in vLLM's cache (K and V, every layer, bf16)."""
-        return 2 * self.kv_heads * self.head_dim * BYTES_PER_ELEMENT * self.layers
-
     def builder_args(self) -> list[str]:
-        return [
-            f"--layers={self.layers}",
-            f"--hidden={self.hidden}",
-            f"--heads={self.heads}",
-            f"--kv-heads={self.kv_heads}",
-            f"--intermediate={self.intermediate}",
-            f"--max-pos={self.max_pos}",
-            f"--vocab={self.vocab}",
-            f"--seed={self.seed}",
-        ]
+        return [f"--{k.replace('_', '-')}={v}" for k, v in asdict(self).items() if k != "name"]
 
 
 # --quick: the test suite's tiny model (3M parameters); a 1,000-token prefill takes ~0.3 s.
@@ -89,13 +71,9 @@ def _locked(root: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def model_dir(spec: ModelSpec, root: Path = RUN_DIR / "models") -> Path:
-    return root / spec.name
-
-
 def ensure_model(spec: ModelSpec, root: Path = RUN_DIR / "models") -> Path:
     """The model's directory, built first if missing or stale."""
-    out = model_dir(spec, root)
+    out = root / spec.name
     stamp = _stamp(spec)
     with _locked(root):
         if (out / "model.safetensors").exists() and _read(out / STAMP) == stamp:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ class Settings:
     lmcache_chunk_size: int = 128
     lmcache_l1_gb: float = 2.0
     lmcache_venv: Path = peers_tmp() / "venv-lmcache"
+    kvlens_extra_config: dict[str, Any] = field(default_factory=dict)  # lmcache.extra_config
 
 
 def _kvlens_cpu(s: Settings) -> dict[str, Any]:
@@ -72,11 +73,18 @@ def _kvlens_cpu_in_step(s: Settings) -> dict[str, Any]:
     return {**_kvlens_cpu(s), "lmcache.use_layerwise": False}
 
 
+def _kvlens_cpu_disk(s: Settings) -> dict[str, Any]:
+    """A CPU tier over a disk tier, over a remote tier when --kvlens-remote-url is given."""
+    remote = {"lmcache.remote_url": s.kvlens_remote_url} if s.kvlens_remote_url else {}
+    return {**_kvlens_cpu(s), **_kvlens_disk(s), "lmcache.local_cpu": True, **remote}
+
+
 # KVLens tiers by name: the hook for new tiers (--kvlens-tiers cpu,disk,remote).
 KVLENS_TIERS: dict[str, Callable[[Settings], dict[str, Any]]] = {
     "cpu": _kvlens_cpu,
     "cpu-in-step": _kvlens_cpu_in_step,
     "disk": _kvlens_disk,
+    "cpu-disk": _kvlens_cpu_disk,
     "remote": _kvlens_remote,
 }
 
@@ -121,6 +129,8 @@ def kv_transfer_config(mode: Mode, s: Settings, lmcache_port: int | None = None)
     if mode.connector == "kvlens":
         assert mode.tier is not None
         extra = {"lmcache.chunk_size": s.kvlens_chunk_size, **KVLENS_TIERS[mode.tier](s)}
+        if s.kvlens_extra_config:
+            extra["lmcache.extra_config"] = dict(s.kvlens_extra_config)
         return {
             "kv_connector": "KVLensConnector",
             "kv_connector_module_path": "connector",

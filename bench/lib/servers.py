@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -205,12 +206,13 @@ class VllmServer(ManagedProcess):
         server_args: Sequence[str],
         env: dict[str, str],
         log_path: Path,
+        dtype: str = "bfloat16",
     ) -> None:
         self.port = free_ports(1)[0]
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [python, "-m", "connector.launcher", "serve", str(model)]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
-        cmd += ["--served-model-name", SERVED_MODEL_NAME, "--enforce-eager", "--dtype", "bfloat16"]
+        cmd += ["--served-model-name", SERVED_MODEL_NAME, "--enforce-eager", "--dtype", dtype]
         cmd += ["--max-model-len", str(max_model_len), "--seed", "0", "--enable-prompt-tokens-details"]
         # One prompt, one prefill step, in every mode: vLLM's ExampleConnector saves what each
         # step computed and reloads it as one tensor, so a prompt split by chunked prefill
@@ -260,3 +262,32 @@ class LMCacheServer(ManagedProcess):
         seg.close()
         seg.unlink()
         return code
+
+
+class RedisServer(ManagedProcess):
+    """A private redis-server on a free loopback port, without persistence; ``start`` after
+    ``stop`` brings it back on the same port (the soak's Redis restart)."""
+
+    def __init__(self, workdir: Path) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise SystemExit("redis-server is not installed (bash scripts/setup.sh), or pass a URL")
+        self.port = free_ports(1)[0]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        workdir.mkdir(parents=True, exist_ok=True)
+        cmd = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        cmd += ["--dir", str(workdir)]
+        super().__init__(cmd, dict(os.environ), workdir / "redis.log")
+        self.name = "redis-server"
+
+    def start(self) -> None:
+        super().start()
+        self.wait_until(self.ready, time.monotonic() + 30)
+
+    def ready(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False

@@ -30,20 +30,24 @@ def test_quick_ttft_peers_writes_ratios_and_reports_lmcache_unavailable(tmp_path
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
 
     assert "unavailable: LMCache's virtualenv is not usable" in run.stdout
+    assert "target KVLens hit <= 1.01 x floor, kvlens-cpu:" in run.stdout
     data = json.loads((tmp_path / "ttft_peers.json").read_text())
-    assert set(data) >= {"meta", "settings", "ratios", "unavailable", "summary", "raw", "store_raw"}
+    assert set(data) >= {"meta", "settings", "modes", "summary", "ratios", "targets", "unavailable", "raw"}
     assert data["meta"]["modes"] == ["none", "kvlens-cpu", "lmcache"]
     assert set(data["unavailable"]) == {"lmcache"}
-    assert set(data["summary"]) == {"none", "kvlens-cpu"}
-    assert set(data["ratios"]["hit_over_floor"]) == {"kvlens-cpu"}
-    assert set(data["ratios"]["stored_over_unstored_cold"]) == {"kvlens-cpu"}
+    summary = data["summary"]["all"]
+    assert set(summary) == {"none", "kvlens-cpu"}
+    targets = {(t["figure"], t["mode"]) for t in data["targets"]}
+    assert targets == {("pair_ratio", "kvlens-cpu"), ("store_over_skip", "kvlens-cpu")}
 
-    kv = data["summary"]["kvlens-cpu"]
-    for key in ("cold_s", "floor_s", "hit_s", "pair_ratio", "hit_cached_tokens", "store_cost"):
+    kv = summary["kvlens-cpu"]
+    for key in ("cold_s", "floor_s", "hit_s", "pair_ratio", "hit_cached_tokens", "store_over_skip"):
         assert key in kv, key
-    assert kv["connector"] == "kvlens"
+    assert data["modes"]["kvlens-cpu"]["connector"] == "kvlens"
     assert kv["pair_ratio"]["n"] >= 1
     # The connector served the prefix that vLLM's flushed cache no longer had (a count, not a time).
     assert kv["hit_cached_tokens"]["median"] > 0
-    assert kv["store_cost"]["skip_save_honoured"] is True
-    assert data["summary"]["none"]["connector"] is None
+    assert kv["hit_served_all"]["all"] is True
+    assert kv["skip_save_honoured"] == {"all": True, "n": 2}
+    assert data["modes"]["none"]["connector"] is None
+    assert "pair_ratio" not in summary["none"]  # without a connector the "hit" is a recompute

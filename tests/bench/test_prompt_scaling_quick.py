@@ -33,23 +33,33 @@ def test_quick_prompt_scaling_reports_every_length_and_kvlens_serves_the_hits(tm
     assert "unavailable: LMCache's virtualenv is not usable" in run.stdout
     assert "target KVLens hit <= 1.01 x floor at every length, kvlens-cpu" in run.stdout
     data = json.loads((tmp_path / "prompt_scaling.json").read_text())
-    assert set(data) >= {"meta", "settings", "lengths", "results", "ratios", "cold_over_hit", "unavailable"}
+    assert set(data) >= {
+        "meta",
+        "settings",
+        "workload",
+        "cases",
+        "summary",
+        "ratios",
+        "targets",
+        "unavailable",
+    }
     assert data["meta"]["modes"] == ["none", "kvlens-cpu", "lmcache"]
-    assert data["lengths"] == [500, 1500]
+    assert data["workload"]["lengths"] == [500, 1500]
+    assert data["cases"] == LENGTHS
     assert set(data["unavailable"]) == {"lmcache"}
-    assert set(data["results"]) == {"none", "kvlens-cpu"}
-    assert set(data["ratios"]) == {"kvlens-cpu"}
-    assert set(data["ratios"]["kvlens-cpu"]) == set(LENGTHS)
+    (target,) = data["targets"]
+    assert (target["mode"], set(target["values"])) == ("kvlens-cpu", set(LENGTHS))
 
     for length in LENGTHS:
-        kv = data["results"]["kvlens-cpu"][length]
-        assert len(kv["raw"]["pair_ratio"]) == kv["summary"]["pair_ratio"]["n"] == 1
-        assert kv["summary"]["connector"] == "kvlens"
+        assert set(data["summary"][length]) == {"none", "kvlens-cpu"}
+        kv = data["summary"][length]["kvlens-cpu"]
+        (raw,) = data["raw"][length]["kvlens-cpu"]
+        assert len(raw["pair_ratio"]) == kv["pair_ratio"]["n"] == 1
         # The connector served the prefix that vLLM's flushed cache no longer had (a count, not a time).
-        assert kv["summary"]["hit_cached_tokens"]["median"] > 0
-        assert kv["summary"]["outputs_match"] is True
-        assert kv["raw"]["kvlens_load_ms"], "KVLens reported no load time for its hit"
-        none = data["results"]["none"][length]["summary"]
+        assert kv["hit_cached_tokens"]["median"] > 0
+        assert kv["first_token_matches"]["all"] is True
+        assert raw["kvlens_load_ms"], "KVLens reported no load time for its hit"
+        none = data["summary"][length]["none"]
         assert none["hit_cached_tokens"]["median"] == 0  # without a connector the flush loses it all
         assert none["floor_cached_tokens"]["median"] > 0
     assert (tmp_path / "prompt_scaling.png").exists()

@@ -16,11 +16,10 @@ def test_quick_tier_bandwidth_writes_every_ratio(tmp_path):
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     data = json.loads((tmp_path / "tier_bandwidth.json").read_text())
-    assert set(data["ratios"]) >= {
-        "cpu_load_vs_memcpy",
-        "cpu_store_vs_memcpy_fresh",
-        "disk_put_vs_plain_write",
-        "disk_get_vs_plain_read",
-    }
-    assert all(v > 0 for v in data["gb_per_s"].values())
-    assert "cpu_load_vs_memcpy" in run.stdout
+    ratios = data["ratios"]["all"]
+    assert set(ratios["cpu"]) == set(ratios["cpu-in-step"]) == {"memcpy", "memcpy-new"}
+    assert set(ratios["cpu"]["memcpy"]) == {"store_gbps", "load_gbps"}
+    assert set(ratios["disk"]["file"]) == {"store_gbps", "load_gbps"}
+    assert len(data["targets"]) == 6
+    assert all(s["store_gbps"]["median"] > 0 for s in data["summary"]["all"].values())
+    assert "target CPU load >= 0.8 x memcpy, cpu:" in run.stdout
