@@ -79,13 +79,20 @@ def _kvlens_cpu_disk(s: Settings) -> dict[str, Any]:
     return {**_kvlens_cpu(s), **_kvlens_disk(s), "lmcache.local_cpu": True, **remote}
 
 
+def _asynchronously(tier: Callable[[Settings], dict[str, Any]]) -> Callable[[Settings], dict[str, Any]]:
+    """The tier with asynchronous loads (the request waits outside the batch while it loads)."""
+    return lambda s: {**tier(s), "lmcache.enable_async_loading": True}
+
+
 # KVLens tiers by name: the hook for new tiers (--kvlens-tiers cpu,disk,remote).
 KVLENS_TIERS: dict[str, Callable[[Settings], dict[str, Any]]] = {
     "cpu": _kvlens_cpu,
     "cpu-in-step": _kvlens_cpu_in_step,
     "disk": _kvlens_disk,
+    "disk-async": _asynchronously(_kvlens_disk),
     "cpu-disk": _kvlens_cpu_disk,
     "remote": _kvlens_remote,
+    "remote-async": _asynchronously(_kvlens_remote),
 }
 
 FIXED_MODES = {

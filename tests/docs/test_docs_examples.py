@@ -183,6 +183,11 @@ def check_command(where: str, words: list[str], helps: dict[tuple[str, ...], str
             k for k in body.get("kv_transfer_params", {}) if not known_request_param(k) and k not in tag_keys
         ]
         assert not unknown, f"{where}: KVLens ignores {unknown}"
+    elif program == "kvlens":
+        sub = [a for a in args if not a.startswith("-")][:1]
+        usage = help_text(("-m", "connector.ops.cli", *sub), helps)
+        for flag in (a.split("=")[0] for a in args if a.startswith("--")):
+            assert flag in usage, f"{where}: kvlens {' '.join(sub)} has no {flag}"
     elif program == "kvlens-vllm":
         scripts = (md.REPO / "pyproject.toml").read_text()
         assert 'kvlens-vllm = "connector.launcher:main"' in scripts, where
