@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import random
@@ -146,7 +147,7 @@ class AsyncLoads(wl.ThroughputBenchmark):
             from tests.redis.servers import RedisServer
 
             redis = RedisServer(self.work_dir / "redis").start()
-            self.settings = type(self.settings)(**{**self.settings.__dict__, "kvlens_remote_url": redis.url})
+            self.settings = dataclasses.replace(self.settings, kvlens_remote_url=redis.url)
             try:
                 yield
             finally:

@@ -10,8 +10,11 @@ questions on a few long shared documents (completions with token ids, chat with 
 streaming or not, and 10% of streams hang up mid-way. A chaos thread deletes and corrupts chunk
 files, makes the folder read-only once for a few seconds, and with ``--remote`` stops and
 restarts a private redis-server. Probe prompts answered cold before the soak are asked again
-during and after it: greedy answers must be identical. After the clients drain, KVLens's leak
-gauges must read 0. ``--connector example`` (an alias of --modes) runs the same workload with
+during and after it; every answer that differs from the cold one is asked again once the load is
+gone, cold and then as vLLM's own prefix hit: an answer vLLM's own hit gives too is a near tie
+(a hit and a one-pass prefill compute in another order), one it does not is wrong KV
+(``wrong_kv``, which must be 0). After the clients drain, KVLens's leak gauges must read 0.
+``--connector example`` (an alias of --modes) runs the same workload with
 vLLM's ExampleConnector (no chaos), for comparison; its failures are reported, not raised.
 ``--connector none`` runs it on vLLM alone (the baseline for latency and memory growth);
 several modes run one after the other.
@@ -169,6 +172,30 @@ def ask_probes(port: int, probes: list[Request], reference: list[str] | None) ->
     return answers, mismatches
 
 
+def verdict(port: int, probe: Request, mismatch: dict[str, Any]) -> dict[str, Any]:
+    """Why a probe answered otherwise than cold, asked again once the load is gone.
+
+    A hit computes only the prompt's tail over cached KV; a one-pass cold prefill computes
+    everything at once, in another order, and where the top two tokens nearly tie the two can
+    pick differently. vLLM's own prefix hit on the same prompt (its KV computed cold, just now)
+    computes exactly as a KVLens hit does, so: an answer that vLLM's own hit gives too is a near
+    tie; one it does not give is wrong KV. The mismatch's ``kv`` says what KVLens loaded for it.
+    """
+    cold = send(port, dataclasses.replace(probe, stream=False, hang_up_after=0, prompt_logprobs=1))
+    own_hit = send(port, dataclasses.replace(probe, stream=False, hang_up_after=0))
+    usage = (own_hit.kv or {}).get("kvlens") or {}
+    out = {
+        "probe": mismatch["probe"],
+        "cold_again_is_reference": cold.ok and cold.text == mismatch["want"],
+        "vllm_hit_answer": own_hit.text,
+        "vllm_hit_cached_tokens": usage.get("vllm_cached_tokens"),
+        "vllm_hit_loaded_tokens": usage.get("loaded_tokens"),
+        "kvlens_usage_of_the_mismatch": (mismatch.get("kv") or {}).get("kvlens"),
+    }
+    out["verdict"] = "near_tie" if own_hit.ok and own_hit.text == mismatch["got"] else "wrong_kv"
+    return out
+
+
 def latency_ms(outcomes: list[Outcome], q: float) -> float | None:
     times = sorted(o.seconds for o in outcomes if o.ok and not o.hung_up)
     if not times:
@@ -198,6 +225,7 @@ class Soak(ServedBenchmark):
         Figure("rss_growth_mb", "RSS growth MiB", "{:.0f}"),
         Figure("peak_rss_mb", "peak RSS MiB", "{:.0f}", plot=False),
         Figure("probe_mismatch_count", "probe mismatches", "{:.0f}", plot=False),
+        Figure("wrong_kv", "mismatches vLLM's own hit does not give", "{:.0f}", plot=False),
         Figure("faults_injected", "faults", "{:.0f}", plot=False),
         Figure("failed_load_requests", "failed loads", "{:.0f}", plot=False),
         Figure("leaks_after_drain", "leak gauges", "{:.0f}", plot=False),
@@ -307,6 +335,9 @@ class Soak(ServedBenchmark):
         rec["probes_asked"] = len(probes) * (2 + len(rounds))
         rec["probe_mismatches"] = [m for r in rounds for m in r] + after
         rec["probe_mismatch_count"] = len(rec["probe_mismatches"])
+        answered = [m for m in rec["probe_mismatches"] if "got" in m]
+        rec["probe_verdicts"] = [verdict(port, probes[m["probe"]], m) for m in answered]
+        rec["wrong_kv"] = sum(v["verdict"] == "wrong_kv" for v in rec["probe_verdicts"])
         if kvlens:
             rec["leak_gauges_after_drain"] = leaks_drained(lm.client)
             rec["leaks_after_drain"] = sum(v or 0 for v in rec["leak_gauges_after_drain"].values())

@@ -46,6 +46,7 @@ class Request:
     max_tokens: int
     stream: bool = False
     hang_up_after: int = 0  # streaming: close the connection after this many events (0: never)
+    prompt_logprobs: int | None = None  # set: vLLM reads no cache for it (a one-pass cold prefill)
 
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"model": SERVED_MODEL_NAME, "max_tokens": self.max_tokens, "temperature": 0.0}
@@ -57,6 +58,8 @@ class Request:
             body["prompt"] = self.prompt
         if self.stream:
             body["stream"] = True
+        if self.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs
         return body
 
     @property
