@@ -59,6 +59,9 @@ class ExtraConfig(BaseModel):
     # keys instead of a fingerprint of the checkpoint's content: instances that set the same
     # name share KV, whatever their files. Quantization and dtypes still count.
     model_identity: str | None = Field(None, min_length=1, max_length=256)
+    # Load a chunk only when its tier (as measured) loads it faster than the engine (as
+    # measured) computes its tokens; false: load whatever is found.
+    load_only_if_faster: bool = True
     # The admin endpoint (connector/admin.py; `kvlens clear` of a running server): off unless a
     # port is set; data-parallel engine i listens on admin_port + i.
     admin_port: int | None = Field(None, ge=1, le=65535)

@@ -10,6 +10,7 @@ chunks found are pinned until the load that uses them is reported.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from .checkpoint_identity import AdapterFingerprints
@@ -35,6 +36,8 @@ class PrefixLookup:
         self._chunk_size = state.config.chunk_size
         self._block_size = state.facts.block_size
         self._adapters = AdapterFingerprints()
+        # The engine's measured prefill seconds per token (None: not measured yet).
+        self.compute_cost: Callable[[], float | None] = lambda: None
 
     def policy(self, request: Any) -> RequestPolicy:
         """The request's policy (namespace, save rules), decided on its first lookup."""
@@ -91,13 +94,16 @@ class PrefixLookup:
         tokens = request.all_token_ids
         upto = max(len(tokens) - s.config.skip_last_n_tokens, 0)
         hits, first_missing, unhealthy, calls = self._find_hits(rid, tokens, upto)
+        slow = self._drop_slower_than_recompute(hits, num_computed_tokens)
         hit_tokens = hits[-1].key.end if hits else 0
         need = external_tokens(hit_tokens, num_computed_tokens, request.num_tokens)
         reason = miss_reason(
             upto, hit_tokens, num_computed_tokens, first_missing, s.recently_evicted, unhealthy
         )
         detail = None
-        if reason is MissReason.EVICTED and first_missing is not None:
+        if slow is not None:
+            reason, detail = MissReason.SLOWER_THAN_RECOMPUTE, slow
+        elif reason is MissReason.EVICTED and first_missing is not None:
             detail = s.recently_evicted.detail(first_missing)
         elif reason is MissReason.NOT_STORED and not hits:
             reason, detail = self._other_namespace(rid, tokens, policy, reason)
@@ -123,6 +129,36 @@ class PrefixLookup:
         else:
             s.pins.release(rid)
         return need
+
+    def _drop_slower_than_recompute(self, hits: list[ChunkHit], vllm_cached: int) -> dict[str, Any] | None:
+        """Cut the hits at the first chunk whose tier loads it slower than the engine computes its
+        tokens (both as measured); what the cut chunk would have cost, or None when nothing is cut."""
+        s = self._s
+        if not s.config.extra_config.load_only_if_faster:
+            return None
+        cost = self.compute_cost()
+        if cost is None:
+            return None
+        rechecking: dict[str, bool] = {}  # a tier loaded from anyway, for this whole lookup
+        for i, hit in enumerate(hits):
+            tokens = hit.key.end - max(hit.key.start, vllm_cached)
+            if tokens <= 0:
+                continue
+            load_s = s.tier_speeds.seconds(hit.tier, s.facts.chunk_nbytes(hit.key.num_tokens))
+            compute_s = tokens * cost
+            if load_s is None or load_s <= compute_s:
+                continue
+            if hit.tier not in rechecking:
+                rechecking[hit.tier] = s.tier_speeds.recheck(hit.tier)
+            if rechecking[hit.tier]:
+                continue
+            del hits[i:]
+            return {
+                "tier": hit.tier,
+                "load_ms": round(load_s * 1e3, 3),
+                "compute_ms": round(compute_s * 1e3, 3),
+            }
+        return None
 
     def _other_namespace(
         self, rid: str, tokens: Any, policy: RequestPolicy, reason: MissReason

@@ -50,6 +50,7 @@ class ConnectorScheduler:
         self.tails, self.block_events, self.remote = state.tails, state.block_events, state.remote
         self.prefix = PrefixLookup(state)
         self.insight = InsightFeed(state)
+        self.prefix.compute_cost = lambda: self.insight.prefill_cost.seconds_per_token
         self.responses = Responses(state, self.prefix)
         self.feedback = WorkerFeedback(state, self.responses, self.insight)
         self.planner = StepPlanner(

@@ -21,6 +21,7 @@ from .engine.facts import EngineFacts
 from .engine.index import PinTable, TierIndex
 from .engine.jobs import CPU, DISK, REMOTE, Eviction, LoadJob
 from .engine.keys import PrefixHasher
+from .engine.load_speed import TierSpeeds
 from .engine.namespaces import FirstChunkNamespaces
 from .engine.outcomes import FailureReason, LoadOutcome, TierState
 from .engine.policy import RecentlyEvicted, RequestPolicy
@@ -80,6 +81,7 @@ class SchedulerState:
         self.recently_evicted = RecentlyEvicted()
         self.suspects = SuspectBlocks()
         self.first_chunks = FirstChunkNamespaces()
+        self.tier_speeds = TierSpeeds()  # how fast each tier loaded, as measured
         self.block_events = BlockEvents(facts.block_size, facts.kv_events and facts.stores)
         self._pending_evictions: list[Eviction] = []
         # Asynchronous loads: planned (for the next plan), in flight (until every rank reported),

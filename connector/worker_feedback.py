@@ -36,6 +36,7 @@ class WorkerFeedback:
             if rid in s.async_loading:
                 self._async_reported(rid, outcome, recomputed)
                 continue
+            self._measure(outcome)
             s.pins.release(rid)
             self._forget_failed_load(outcome)
             tracker = s.trackers.get(rid) or self._responses.late_tracker(rid)
@@ -67,6 +68,7 @@ class WorkerFeedback:
             self._partial[rid] = outcome
             return
         s.async_loading.discard(rid)
+        self._measure(outcome)
         s.pins.release(rid)
         self._forget_failed_load(outcome)
         s.suspects.add(outcome.failed_block_ids)
@@ -81,6 +83,13 @@ class WorkerFeedback:
             s.async_outcomes[rid] = (planned, outcome)
         if outcome.failed and not outcome.cancelled:
             recomputed[rid] = max(planned - sum(loaded.values()), 0)
+
+    def _measure(self, outcome: LoadOutcome) -> None:
+        """A load served by one tier tells how fast it loads (per rank: ranks load in parallel)."""
+        tiers = {c.tier for c in outcome.chunks if c.tier is not None}
+        if len(tiers) == 1 and not outcome.failed and not outcome.cancelled:
+            ranks = max(self._s.facts.world_size, 1)
+            self._s.tier_speeds.observe(tiers.pop(), outcome.nbytes / ranks, outcome.seconds)
 
     def _forget_failed_load(self, outcome: LoadOutcome) -> None:
         """A failed chunk and every later chunk of that prefix in the same tier leave the index."""

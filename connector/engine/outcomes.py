@@ -43,6 +43,7 @@ class MissReason(str, Enum):
     UNSUPPORTED_INPUT = "unsupported_input"  # multimodal, prompt embeddings, DP padding
     INVALID_PARAMS = "invalid_params"  # malformed lmcache.* request parameters
     LOAD_FAILED = "load_failed"  # found at lookup, but the load failed (blocks recomputed)
+    SLOWER_THAN_RECOMPUTE = "slower_than_recompute"  # its tier loads slower than vLLM computes
 
 
 class SaveSkipReason(str, Enum):

@@ -38,3 +38,31 @@ def test_cache_policy_chooses_what_the_tiers_evict():
     assert survivors("lfu") == [True, False, True, True]
     assert survivors("FIFO") == [False, True, True, True]  # the first stored went, read or not
     assert survivors("MRU") == [False, True, True, True]  # the most recently used went
+
+
+def test_a_tier_measured_slower_than_recompute_is_not_loaded_from():
+    from connector.engine.jobs import CPU
+
+    from .test_insight import Clock
+
+    prompt = list(range(4000, 4600))
+
+    def looked_up(**extra):
+        s = scheduler(**extra)
+        clock = Clock()
+        s.state.tier_speeds._clock = clock
+        admit_fully(s, request("a", prompt), blocks(0, 5))
+        s.prefix.compute_cost = lambda: 1e-6  # a token computes in 1 us
+        for _ in range(2):  # two loads measured at 1 ms per chunk: 4 us a token
+            s.state.tier_speeds.observe(CPU, 2 * BLOCK_BYTES * LAYERS, 1e-3)
+        return s, s.lookup(request("b", prompt), 0), clock
+
+    s, need, clock = looked_up()
+    assert need == 0  # loading 512 tokens would take 2 ms, computing them 0.5 ms
+    result = s.lookups["b"]
+    assert result.miss_reason.value == "slower_than_recompute" and result.miss_detail["tier"] == CPU
+    assert result.miss_detail["load_ms"] > result.miss_detail["compute_ms"]
+    clock.now += 11  # once in a while the tier is loaded from anyway, to measure it again
+    assert s.lookup(request("c", prompt), 0) == 512
+    off, need, _ = looked_up(extra_config={"load_only_if_faster": False})
+    assert need == 512
