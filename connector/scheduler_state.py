@@ -149,9 +149,10 @@ class SchedulerState:
     def merge_disk_scan(self) -> None:
         """Fold in what other engines changed in a shared disk directory."""
         if self.disk_view is not None:
-            victims = self.disk_view.merge()
-            self.recently_evicted.add(victims, DISK)
-            self.evict_later(DISK, victims)
+            merged = self.disk_view.merge()
+            self.block_events.dropped(DISK, merged.gone)
+            self.recently_evicted.add(merged.evict, DISK)
+            self.evict_later(DISK, merged.evict)
 
     def forget(self, tier: str, name: str, reason: FailureReason) -> None:
         """A chunk the tier does not (correctly) hold leaves the index and is deleted everywhere."""

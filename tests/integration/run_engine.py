@@ -20,8 +20,10 @@ def damage(
     directory: str, corrupt: int, delete: int, rank: int | None = None, smallest: bool = False
 ) -> list[str]:
     """Corrupt then delete chunk files (of one rank, smallest first when asked)."""
+    from connector.tiers.disk import chunk_files
+
     suffix = ".kvlens" if rank is None else f".r{rank}.kvlens"
-    files = sorted(f for f in os.listdir(directory) if f.endswith(suffix))
+    files = [os.path.relpath(p, directory) for p in chunk_files(directory) if p.endswith(suffix)]
     if smallest:
         files.sort(key=lambda f: os.path.getsize(os.path.join(directory, f)))
     touched = []

@@ -38,7 +38,7 @@ def test_disk_tier_supplies_prefixes_with_identical_outputs(disk_run, baseline):
 
 
 def test_chunk_files_are_whole_records(disk_run, disk_dir):
-    files = os.listdir(disk_dir)
+    files = [f for _, _, names in os.walk(disk_dir) for f in names]
     assert files and all(f.endswith(".kvlens") for f in files)  # no temp files left
 
 

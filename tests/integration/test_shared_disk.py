@@ -6,6 +6,8 @@ import threading
 
 import pytest
 
+from connector.tiers.disk import chunk_files
+
 from . import workloads as w
 from .conftest import disk_kv, expected, lmcache_tokens, outputs, run_engine
 
@@ -41,7 +43,7 @@ def shared_runs(tiny_model, tmp_path_factory):
         t.join()
     if errors:
         raise errors[0]
-    size = sum(os.path.getsize(os.path.join(shared, f)) for f in os.listdir(shared) if f.endswith(".kvlens"))
+    size = sum(os.path.getsize(path) for path in chunk_files(shared))
     return results["writer"], results["reader"], size
 
 

@@ -43,9 +43,9 @@ def test_chunks_written_or_deleted_by_other_engines_enter_and_leave_the_index():
     v = view(index, feed)
     index.admit("ours", 100)
     feed.give(added=["theirs"])
-    assert v.merge() == [] and "theirs" in index
+    assert v.merge().evict == [] and "theirs" in index
     feed.give(removed=["ours"])  # another engine deleted ours
-    v.merge()
+    assert v.merge().gone == ["ours"]
     assert "ours" not in index and "theirs" in index
 
 
@@ -66,7 +66,7 @@ def test_the_directory_budget_evicts_the_least_recently_used_first():
     v.merge()
     index.admit("mine", 100)
     feed.give(added=["new"])  # another engine's fresh chunk is not the first to go
-    assert v.merge() == ["old"]
+    assert v.merge().evict == ["old"]
     assert "new" in index and "mine" in index
 
 
@@ -74,7 +74,7 @@ def test_a_consumer_mirrors_the_directory_but_never_evicts():
     index, feed = TierIndex("disk", 150), DeltaFeed()
     v = view(index, feed, evicts=False)
     feed.give(added=["a", "b"])
-    assert v.merge() == [] and len(index) == 2
+    assert v.merge().evict == [] and len(index) == 2
 
 
 def test_chunks_used_by_other_engines_move_to_the_recent_end():

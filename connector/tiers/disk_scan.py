@@ -1,0 +1,200 @@
+"""What changed in a disk tier's directory, at a cost that grows with the changes, not the files.
+
+Every chunk file sits in one of 4096 subdirectories (``disk.py``). Creating, renaming or
+deleting a file in a directory moves the directory's modification time, and a load's touch
+moves it on purpose, so a rescan stats the root and each subdirectory and re-lists only those
+whose time moved: about 4,000 stats whether the tier holds ten thousand chunks or a million,
+plus a listing of each subdirectory that changed (a million chunks: ~250 files each).
+
+A directory time has a granularity (a clock tick locally, up to seconds on some file systems),
+so a change in the same tick as the listing before it would leave the time as it was: a
+directory whose time was within ``RACY_NS`` of its listing is listed again next time. Over NFS
+a directory's time is as fresh as the client's attribute cache (``acdirmax``, 60 s by
+default): changes from other hosts show up that much later.
+
+Chunk files in the root were written by versions before the subdirectories: a listing of the
+root moves them into their subdirectory, or, where it may not (a read-only mount), indexes
+them where they are. Temp files older than ``TEMP_MAX_AGE_S`` (a writer died) are removed from
+any directory listed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from .disk import (
+    CHUNK_NAME,
+    FANOUT_DIGITS,
+    SUBDIR_NAME,
+    TEMP_PREFIX,
+    FileInfo,
+    chunk_path,
+    file_info,
+    remove_if_older,
+)
+
+logger = logging.getLogger("vllm.kvlens")
+
+RACY_NS = 1_000_000_000
+TEMP_MAX_AGE_S = 600.0
+_ROOT = ""  # the listing key of the root itself (chunk files of the flat layout)
+
+
+@dataclass(slots=True)
+class ScanDelta:
+    started: float  # wall-clock time the scan began
+    added: dict[str, FileInfo] = field(default_factory=dict)  # new or rewritten chunk files
+    removed: set[str] = field(default_factory=set)
+    used: set[str] = field(default_factory=set)  # loaded by some engine since the last scan
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed or self.used)
+
+
+def diff(before: dict[str, FileInfo], after: dict[str, FileInfo], started: float) -> ScanDelta:
+    delta = ScanDelta(started)
+    _diff_into(delta, before, after)
+    return delta
+
+
+def _diff_into(delta: ScanDelta, before: dict[str, FileInfo], after: dict[str, FileInfo]) -> None:
+    for name, info in after.items():
+        old = before.get(name)
+        if old is None or old.mtime_ns != info.mtime_ns:
+            delta.added[name] = info
+        elif info.used_ns > old.used_ns:
+            delta.used.add(name)
+    delta.removed.update(name for name in before if name not in after)
+
+
+@dataclass(slots=True)
+class _Listing:
+    mtime_ns: int  # the directory's modification time, read before it was listed
+    listed_ns: int  # wall clock when it was listed
+    chunks: dict[str, FileInfo]
+
+
+@dataclass(slots=True)
+class ScanCost:
+    """What rescans cost so far: directories whose time was read, listed, files stat'ed."""
+
+    dirs_checked: int = 0
+    dirs_listed: int = 0
+    files_stated: int = 0
+
+
+class DirectoryScanner:
+    """This process's last view of one tier directory; ``scan()`` returns what changed since."""
+
+    def __init__(self, root: str, world_size: int) -> None:
+        self.root = root
+        self._world = world_size
+        self._listings: dict[str, _Listing] = {}
+        self._subdirs: set[str] = set()
+        self._migrate = True  # until a move fails (read-only): then flat files are read in place
+        self.cost = ScanCost()
+        self.error: OSError | None = None  # the first error of the last scan (its view is kept)
+
+    def __len__(self) -> int:
+        return sum(len(listing.chunks) for listing in self._listings.values())
+
+    def scan(self) -> ScanDelta:
+        self.error = None
+        delta = ScanDelta(time.time())
+        if not self._check(_ROOT, delta):  # the whole directory is gone
+            for key in list(self._listings):
+                self._drop(key, delta)
+            self._subdirs.clear()
+            return delta
+        for sub in list(self._subdirs):
+            self._check(sub, delta)
+        delta.removed.difference_update(delta.added)  # moved out of the root
+        return delta
+
+    def _check(self, key: str, delta: ScanDelta) -> bool:
+        """Re-list the directory if its time moved; False when it no longer exists."""
+        path = os.path.join(self.root, key) if key else self.root
+        now = time.time_ns()
+        self.cost.dirs_checked += 1
+        try:
+            mtime = os.stat(path).st_mtime_ns
+            old = self._listings.get(key)
+            if old is not None and mtime == old.mtime_ns and mtime < old.listed_ns - RACY_NS:
+                return True
+            chunks, subdirs = self._list(key, path)
+        except FileNotFoundError:
+            self._drop(key, delta)
+            return False
+        except OSError as e:  # keep the last view of this directory; try again next scan
+            self.error = self.error or e
+            return True
+        self._listings[key] = _Listing(mtime, now, chunks)
+        _diff_into(delta, old.chunks if old is not None else {}, chunks)
+        if key == _ROOT:
+            for gone in self._subdirs - subdirs:
+                self._drop(gone, delta)
+            self._subdirs = subdirs
+        return True
+
+    def _list(self, key: str, path: str) -> tuple[dict[str, FileInfo], set[str]]:
+        """The directory's complete chunks and, for the root, its subdirectories."""
+        self.cost.dirs_listed += 1
+        ranks: dict[str, dict[int, os.stat_result]] = {}
+        subdirs: set[str] = set()
+        cutoff = time.time() - TEMP_MAX_AGE_S
+        with os.scandir(path) as entries:
+            for entry in entries:
+                name = entry.name
+                m = CHUNK_NAME.match(name)
+                if m is not None:
+                    digest = m.group(1)
+                    if key == _ROOT and self._migrate and self._moved(entry, name):
+                        subdirs.add(digest[:FANOUT_DIGITS])
+                        continue
+                    if key != _ROOT and digest[:FANOUT_DIGITS] != key:
+                        continue  # not where a reader looks for it
+                    try:
+                        st = entry.stat()
+                    except FileNotFoundError:
+                        continue
+                    self.cost.files_stated += 1
+                    ranks.setdefault(digest, {})[int(m.group(2))] = st
+                elif name.startswith(TEMP_PREFIX):
+                    remove_if_older(entry, cutoff)
+                elif key == _ROOT and SUBDIR_NAME.match(name) and entry.is_dir():
+                    subdirs.add(name)
+        out: dict[str, FileInfo] = {}
+        for digest, stats in ranks.items():
+            if all(r in stats for r in range(self._world)):
+                out[digest] = file_info([stats[r] for r in range(self._world)])
+        return out, subdirs
+
+    def _moved(self, entry: os.DirEntry[str], name: str) -> bool:
+        """Move a flat-layout file into its subdirectory; False where that is not allowed."""
+        dest = chunk_path(self.root, name[: -len(".kvlens")])
+        try:
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            if os.path.exists(dest):  # a copy in the new layout wins
+                os.unlink(entry.path)
+            else:
+                os.rename(entry.path, dest)
+        except FileNotFoundError:
+            return True  # another engine moved it first
+        except OSError as e:
+            logger.warning(
+                "KVLens: cannot move chunk files of %s into subdirectories (%s); reading them in place",
+                self.root,
+                e,
+            )
+            self._migrate = False
+            return False
+        return True
+
+    def _drop(self, key: str, delta: ScanDelta) -> None:
+        """Everything in a directory that disappeared."""
+        gone = self._listings.pop(key, None)
+        if gone is not None:
+            delta.removed.update(gone.chunks)
