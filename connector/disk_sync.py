@@ -4,8 +4,8 @@ Ownership of a shared directory (every engine pointed at it agrees, with no coor
 - The budget (``max_local_disk_size``) is the directory's, not each engine's: every engine
   indexes every chunk file it finds and evicts, least recently used first, to keep the
   directory within it. Recency is shared through the files' times: a write sets the
-  modification time, a lookup that pins a chunk for a load sets its access time (and its
-  subdirectory's modification time, so that the other engines' next rescan lists it).
+  modification time, a lookup that pins a chunk for a load sets its access time (and replaces
+  the chunk's use mark in its subdirectory, so that the other engines' next rescan lists it).
 - A file used for a load within ``disk_shared_grace_s`` is never deleted (the worker checks
   right before deleting), because another engine may be about to load it; the evicting
   engine learns the file was kept and counts it again.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from .engine.index import TierIndex
 from .engine.keys import storage_name
-from .tiers.disk import DiskTier
+from .tiers.disk import DiskTier, FileInfo
 from .tiers.disk_scan import DirectoryScanner, ScanDelta, diff
 
 __all__ = ["DiskWatcher", "MergeResult", "ScanDelta", "SharedDiskView", "diff"]
@@ -63,6 +63,7 @@ class DiskWatcher:
         self._stop = threading.Event()
         self._indexed = threading.Event()
         self._scan_failing = False
+        self._last_scan_started = 0.0
         self._thread = threading.Thread(target=self._run, name="kvlens-disk-scan", daemon=True)
         self._thread.start()
         if not self._indexed.wait(startup_wait_s):
@@ -71,6 +72,15 @@ class DiskWatcher:
     def touch(self, names: Iterable[str]) -> None:
         self._touches.extend(names)
         self._wake.set()
+
+    @property
+    def last_scan_started(self) -> float:
+        """Wall-clock start of the newest finished scan (0 before the first)."""
+        return self._last_scan_started
+
+    def holds(self, name: str) -> FileInfo | None:
+        """The chunk as the newest scan saw it (None: not in the directory)."""
+        return self.scanner.holds(name)
 
     def take(self) -> list[ScanDelta]:
         out = []
@@ -100,14 +110,16 @@ class DiskWatcher:
     def _apply_touches(self) -> None:
         while self._touches:
             digest = self._touches.popleft()
-            for rank in range(self._world):
-                try:
+            try:
+                for rank in range(self._world):
                     self._disk.touch(storage_name(digest, rank))
-                except OSError as e:
-                    logger.debug("KVLens: touching %s failed: %s", digest[:12], e)
+                self._disk.mark_used(digest)
+            except OSError as e:
+                logger.debug("KVLens: touching %s failed: %s", digest[:12], e)
 
     def _scan(self) -> None:
         delta = self.scanner.scan()
+        self._last_scan_started = delta.started
         if delta:
             self._deltas.append(delta)
         error = self.scanner.error
@@ -133,6 +145,7 @@ class SharedDiskView:
         self._touch_every_ns = int(grace_s * 1e9 / 4)
         self._changed: dict[str, float] = {}  # digest -> when this engine admitted/evicted it
         self._touched_ns: dict[str, int] = {}
+        self._recheck: set[str] = set()  # changed by a scan while our own change was settling
 
     def note_changed(self, names: Iterable[str]) -> None:
         now = time.time()
@@ -154,38 +167,59 @@ class SharedDiskView:
         """Apply the scans that arrived: what to evict to keep the directory in budget, and
         which chunks other engines deleted."""
         deltas = self._watcher.take()
-        if not deltas:
+        if not deltas and not self._recheck:
             return MergeResult([], [])
-        index = self._index
         gone: list[str] = []
         for delta in deltas:
-            settle = delta.started - _SETTLE_S
-            if self._changed:
-                self._changed = {k: t for k, t in self._changed.items() if t >= settle - 60.0}
-            for name in delta.removed:
-                if self._changed.get(name, 0) < settle and index.remove(name):
-                    gone.append(name)  # deleted by another engine
-            fresh = []
-            for name, info in delta.added.items():
-                if name in index:
-                    index.update_size(name, info.nbytes)  # the file's size, header included
-                elif self._changed.get(name, 0) < settle:
-                    fresh.append((name, info))
-            fresh.sort(key=lambda kv: kv[1].last_used_ns)
-            recent_ns = (delta.started - 2 * _SETTLE_S) * 1e9
-            for name, info in reversed(fresh):  # older files in front of the LRU order, oldest first
-                if info.last_used_ns < recent_ns:
-                    index.add_known(name, info.nbytes, most_recent=False)
-            for name, info in fresh:  # files used lately behind this engine's own, newest last
-                if info.last_used_ns >= recent_ns:
-                    index.add_known(name, info.nbytes, most_recent=True)
-            for name in delta.used:
-                index.touch(name)
-        if not self._evicts:
+            self._apply(delta, gone)
+        self._recheck_settled(self._watcher.last_scan_started - _SETTLE_S, gone)
+        if not self._evicts or not deltas:
             return MergeResult([], gone)
-        victims = index.overflow_victims()
+        victims = self._index.overflow_victims()
         self.note_changed(victims)
         return MergeResult(victims, gone)
+
+    def _apply(self, delta: ScanDelta, gone: list[str]) -> None:
+        index = self._index
+        settle = delta.started - _SETTLE_S
+        if self._changed:
+            self._changed = {k: t for k, t in self._changed.items() if t >= settle - 60.0}
+        for name in delta.removed:
+            if self._changed.get(name, 0) >= settle:  # our own write may not have landed yet
+                self._recheck.add(name)
+            elif index.remove(name):
+                gone.append(name)  # deleted by another engine
+        fresh = []
+        for name, info in delta.added.items():
+            if name in index:
+                index.update_size(name, info.nbytes)  # the file's size, header included
+            elif self._changed.get(name, 0) >= settle:  # our own delete may not have landed yet
+                self._recheck.add(name)
+            else:
+                fresh.append((name, info))
+        fresh.sort(key=lambda kv: kv[1].last_used_ns)
+        recent_ns = (delta.started - 2 * _SETTLE_S) * 1e9
+        for name, info in reversed(fresh):  # older files in front of the LRU order, oldest first
+            if info.last_used_ns < recent_ns:
+                index.add_known(name, info.nbytes, most_recent=False)
+        for name, info in fresh:  # files used lately behind this engine's own, newest last
+            if info.last_used_ns >= recent_ns:
+                index.add_known(name, info.nbytes, most_recent=True)
+        for name in delta.used:
+            index.touch(name)
+
+    def _recheck_settled(self, settle: float, gone: list[str]) -> None:
+        """Chunks a scan saw change while this engine's own change to them was in flight: once
+        that change is older than the latest scan by the settle time, the scan's view is true."""
+        index = self._index
+        for name in [n for n in self._recheck if self._changed.get(n, 0) < settle]:
+            self._recheck.discard(name)
+            info = self._watcher.holds(name)
+            if info is None:
+                if index.remove(name):
+                    gone.append(name)
+            elif name not in index:
+                index.add_known(name, info.nbytes, most_recent=True)
 
     def stop(self) -> None:
         self._watcher.stop()

@@ -14,12 +14,12 @@ scans ignore and remove once old.
 Several engines may share one directory (see ``connector/disk_sync.py``). A file's access
 time records when an engine last used it for a load: a write sets it just past the
 modification time (so that reads on ``relatime`` mounts leave it alone), and a lookup that
-pins the chunk sets it to the present and also touches the subdirectory, so the other
-engines' watchers re-list it and see the use; a file whose access time is later than its
-write by more than ``_TOUCHED_NS`` has been used. ``delete`` leaves a file alone that a
-lookup marked within ``grace_s``, or that another engine wrote within it, because another
-engine may be about to load it; a corrupt file is removed when it is read (only if it is
-still the same file, not a fresh copy another engine wrote meanwhile).
+pins the chunk sets it to the present and replaces the chunk's use mark (``.used-<digest>``)
+in the subdirectory, so the other engines' watchers re-list it and see the use; a file whose
+access time is later than its write by more than ``_TOUCHED_NS`` has been used. ``delete``
+leaves a file alone that a lookup marked within ``grace_s``, or that another engine wrote
+within it, because another engine may be about to load it; a corrupt file is removed when it
+is read (only if it is still the same file, not a fresh copy another engine wrote meanwhile).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ FANOUT_DIGITS = 3  # a chunk's subdirectory: this many leading hex digits of its
 CHUNK_NAME = re.compile(r"^([0-9a-f]{32})\.r(\d+)\.kvlens$")
 SUBDIR_NAME = re.compile(rf"^[0-9a-f]{{{FANOUT_DIGITS}}}$")
 TEMP_PREFIX = ".tmp-"
+USE_MARK_PREFIX = ".used-"  # ``.used-<digest>``: recreated by each touch, so rescans see the use
 NEVER_USED_NS = 0  # FileInfo.used_ns of a file no engine has pinned for a load yet
 _TOUCHED_NS = 1_000_000  # an access time this much past the write time was set by a touch
 
@@ -48,6 +49,7 @@ class FileInfo:
     nbytes: int  # the largest rank file
     mtime_ns: int  # last write (newest rank file)
     used_ns: int  # last use by a load (newest rank file), or NEVER_USED_NS
+    identity: int = 0  # the rank files' inodes: the same files as a listing before
 
     @property
     def last_used_ns(self) -> int:
@@ -172,17 +174,30 @@ class DiskTier:
         return found[1].st_size if found is not None else 0
 
     def touch(self, name: str) -> None:
-        """Mark the chunk as about to be loaded, so that no engine deletes it for a while, and
-        touch its directory, so that every engine's watcher re-lists it and sees the use."""
+        """Mark the chunk as about to be loaded, so that no engine deletes it for a while."""
         found = self._stat(name)
         if found is None:
             return
         path, st = found
         try:
             os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
-            os.utime(os.path.dirname(path))
         except FileNotFoundError:
             pass
+
+    def mark_used(self, digest: str) -> None:
+        """Replace the chunk's use mark, so that every engine's next rescan lists its directory
+        and reads the files' times again (a touch alone changes no directory)."""
+        folder = os.path.dirname(self.path(digest))
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=folder)
+        except FileNotFoundError:  # no chunk there any more
+            return
+        os.close(fd)
+        try:
+            os.replace(tmp, os.path.join(folder, USE_MARK_PREFIX + digest))
+        except OSError:
+            _unlink(tmp)
+            raise
 
     def clear(self) -> None:
         for path in chunk_files(self.root):
@@ -236,20 +251,25 @@ def sweep_temp_files(root: str, older_than_s: float = 600.0) -> int:
 
 def remove_if_older(entry: os.DirEntry[str], cutoff_s: float) -> bool:
     try:
-        if entry.stat().st_mtime < cutoff_s:
-            os.unlink(entry.path)
+        st = entry.stat()
+        if st.st_mtime < cutoff_s:
+            _unlink_if_same(entry.path, st.st_ino, st.st_mtime_ns)
             return True
     except FileNotFoundError:
         pass
     return False
 
 
-def file_info(stats: list[os.stat_result]) -> FileInfo:
+def file_info(stats: list[os.stat_result], identity: int = 0) -> FileInfo:
     """One chunk's entry from the stat results of its rank files."""
+    if len(stats) == 1:
+        (st,) = stats
+        return FileInfo(st.st_size, st.st_mtime_ns, _used_ns(st), identity)
     return FileInfo(
         max(s.st_size for s in stats),
         max(s.st_mtime_ns for s in stats),
         max(_used_ns(s) for s in stats),
+        identity,
     )
 
 

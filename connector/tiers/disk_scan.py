@@ -30,6 +30,7 @@ from .disk import (
     FANOUT_DIGITS,
     SUBDIR_NAME,
     TEMP_PREFIX,
+    USE_MARK_PREFIX,
     FileInfo,
     chunk_path,
     file_info,
@@ -40,6 +41,7 @@ logger = logging.getLogger("vllm.kvlens")
 
 RACY_NS = 1_000_000_000
 TEMP_MAX_AGE_S = 600.0
+USE_MARK_MAX_AGE_S = 60.0  # every engine's rescans (each disk_scan_interval_s) saw it by then
 _ROOT = ""  # the listing key of the root itself (chunk files of the flat layout)
 
 
@@ -75,6 +77,7 @@ class _Listing:
     mtime_ns: int  # the directory's modification time, read before it was listed
     listed_ns: int  # wall clock when it was listed
     chunks: dict[str, FileInfo]
+    marks: dict[str, tuple[int, int]]  # use marks: name -> (inode, mtime_ns)
 
 
 @dataclass(slots=True)
@@ -93,7 +96,7 @@ class DirectoryScanner:
         self.root = root
         self._world = world_size
         self._listings: dict[str, _Listing] = {}
-        self._subdirs: set[str] = set()
+        self._subdirs: dict[str, str] = {}  # name -> path
         self._migrate = True  # until a move fails (read-only): then flat files are read in place
         self.cost = ScanCost()
         self.error: OSError | None = None  # the first error of the last scan (its view is kept)
@@ -101,50 +104,62 @@ class DirectoryScanner:
     def __len__(self) -> int:
         return sum(len(listing.chunks) for listing in self._listings.values())
 
+    def holds(self, digest: str) -> FileInfo | None:
+        """The chunk as the last scan saw it. Safe from another thread: listings are replaced
+        whole, never changed in place."""
+        for key in (digest[:FANOUT_DIGITS], _ROOT):
+            listing = self._listings.get(key)
+            if listing is not None and digest in listing.chunks:
+                return listing.chunks[digest]
+        return None
+
     def scan(self) -> ScanDelta:
         self.error = None
         delta = ScanDelta(time.time())
-        if not self._check(_ROOT, delta):  # the whole directory is gone
+        if not self._check(_ROOT, self.root, delta):  # the whole directory is gone
             for key in list(self._listings):
                 self._drop(key, delta)
             self._subdirs.clear()
             return delta
-        for sub in list(self._subdirs):
-            self._check(sub, delta)
+        for sub, path in list(self._subdirs.items()):
+            self._check(sub, path, delta)
         delta.removed.difference_update(delta.added)  # moved out of the root
         return delta
 
-    def _check(self, key: str, delta: ScanDelta) -> bool:
+    def _check(self, key: str, path: str, delta: ScanDelta) -> bool:
         """Re-list the directory if its time moved; False when it no longer exists."""
-        path = os.path.join(self.root, key) if key else self.root
-        now = time.time_ns()
         self.cost.dirs_checked += 1
         try:
             mtime = os.stat(path).st_mtime_ns
             old = self._listings.get(key)
             if old is not None and mtime == old.mtime_ns and mtime < old.listed_ns - RACY_NS:
                 return True
-            chunks, subdirs = self._list(key, path)
+            now = time.time_ns()
+            listing, subdirs = self._list(key, path, mtime, now, old)
         except FileNotFoundError:
             self._drop(key, delta)
             return False
         except OSError as e:  # keep the last view of this directory; try again next scan
             self.error = self.error or e
             return True
-        self._listings[key] = _Listing(mtime, now, chunks)
-        _diff_into(delta, old.chunks if old is not None else {}, chunks)
+        self._listings[key] = listing
+        _diff_into(delta, old.chunks if old is not None else {}, listing.chunks)
         if key == _ROOT:
-            for gone in self._subdirs - subdirs:
+            for gone in self._subdirs.keys() - subdirs:
                 self._drop(gone, delta)
-            self._subdirs = subdirs
+            self._subdirs = {sub: os.path.join(self.root, sub) for sub in sorted(subdirs)}
         return True
 
-    def _list(self, key: str, path: str) -> tuple[dict[str, FileInfo], set[str]]:
-        """The directory's complete chunks and, for the root, its subdirectories."""
+    def _list(
+        self, key: str, path: str, mtime: int, now: int, old: _Listing | None
+    ) -> tuple[_Listing, set[str]]:
+        """The directory's complete chunks and, for the root, its subdirectories. Files a
+        listing before saw (same inodes) keep what it read, unless their use mark is new."""
         self.cost.dirs_listed += 1
-        ranks: dict[str, dict[int, os.stat_result]] = {}
+        ranks: dict[str, dict[int, os.DirEntry[str]]] = {}
+        marks: dict[str, tuple[int, int]] = {}
         subdirs: set[str] = set()
-        cutoff = time.time() - TEMP_MAX_AGE_S
+        now_s = time.time()
         with os.scandir(path) as entries:
             for entry in entries:
                 name = entry.name
@@ -153,24 +168,46 @@ class DirectoryScanner:
                     digest = m.group(1)
                     if key == _ROOT and self._migrate and self._moved(entry, name):
                         subdirs.add(digest[:FANOUT_DIGITS])
-                        continue
-                    if key != _ROOT and digest[:FANOUT_DIGITS] != key:
-                        continue  # not where a reader looks for it
-                    try:
-                        st = entry.stat()
-                    except FileNotFoundError:
-                        continue
-                    self.cost.files_stated += 1
-                    ranks.setdefault(digest, {})[int(m.group(2))] = st
+                    elif key == _ROOT or digest[:FANOUT_DIGITS] == key:  # where readers look
+                        ranks.setdefault(digest, {})[int(m.group(2))] = entry
+                elif name.startswith(USE_MARK_PREFIX):
+                    self._read_mark(entry, marks, now_s - USE_MARK_MAX_AGE_S)
                 elif name.startswith(TEMP_PREFIX):
-                    remove_if_older(entry, cutoff)
+                    remove_if_older(entry, now_s - TEMP_MAX_AGE_S)
                 elif key == _ROOT and SUBDIR_NAME.match(name) and entry.is_dir():
                     subdirs.add(name)
-        out: dict[str, FileInfo] = {}
-        for digest, stats in ranks.items():
-            if all(r in stats for r in range(self._world)):
-                out[digest] = file_info([stats[r] for r in range(self._world)])
-        return out, subdirs
+        before = old.chunks if old is not None else {}
+        seen_marks = old.marks if old is not None else {}
+        used = {n[len(USE_MARK_PREFIX) :] for n, mark in marks.items() if seen_marks.get(n) != mark}
+        chunks: dict[str, FileInfo] = {}
+        for digest, files in ranks.items():
+            if len(files) < self._world or any(r not in files for r in range(self._world)):
+                continue
+            found = [files[r] for r in range(self._world)]
+            identity = hash(tuple(e.inode() for e in found))
+            known = before.get(digest)
+            if known is not None and known.identity == identity and digest not in used:
+                chunks[digest] = known
+                continue
+            try:
+                stats = [e.stat() for e in found]
+            except FileNotFoundError:
+                continue
+            self.cost.files_stated += len(stats)
+            chunks[digest] = file_info(stats, identity)
+        return _Listing(mtime, now, chunks, marks), subdirs
+
+    @staticmethod
+    def _read_mark(entry: os.DirEntry[str], marks: dict[str, tuple[int, int]], expired_s: float) -> None:
+        """A use mark, by inode and time (a replaced one differs); an old one is removed."""
+        try:
+            st = entry.stat()
+        except FileNotFoundError:
+            return
+        if st.st_mtime < expired_s:
+            remove_if_older(entry, expired_s)
+        else:
+            marks[entry.name] = (st.st_ino, st.st_mtime_ns)
 
     def _moved(self, entry: os.DirEntry[str], name: str) -> bool:
         """Move a flat-layout file into its subdirectory; False where that is not allowed."""

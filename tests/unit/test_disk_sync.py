@@ -7,25 +7,34 @@ from connector.tiers.disk import NEVER_USED_NS, DiskTier, FileInfo
 
 
 class DeltaFeed:
-    """Stands in for the background watcher: hands over deltas the test makes."""
+    """Stands in for the background watcher: hands over deltas the test makes, and answers for
+    the directory as the newest of them left it."""
 
     def __init__(self) -> None:
         self.deltas: list[ScanDelta] = []
         self.touched: list[str] = []
+        self.files: dict[str, FileInfo] = {}
+        self.last_scan_started = 0.0
 
     def give(self, added=(), removed=(), used=(), age_s: float = -20.0, nbytes=100, last_used_s=None):
         """A scan that started ``age_s`` ago (by default well after any local change settled)."""
         started = time.time() - age_s
         t = int((last_used_s if last_used_s is not None else time.time()) * 1e9)
-        self.deltas.append(
-            ScanDelta(
-                started, {n: FileInfo(nbytes, t, NEVER_USED_NS) for n in added}, set(removed), set(used)
-            )
+        delta = ScanDelta(
+            started, {n: FileInfo(nbytes, t, NEVER_USED_NS) for n in added}, set(removed), set(used)
         )
+        self.deltas.append(delta)
+        self.files.update(delta.added)
+        for name in removed:
+            self.files.pop(name, None)
+        self.last_scan_started = started
 
     def take(self):
         out, self.deltas = self.deltas, []
         return out
+
+    def holds(self, name):
+        return self.files.get(name)
 
     def touch(self, names):
         self.touched.extend(names)
@@ -57,6 +66,21 @@ def test_recent_local_changes_are_not_undone_by_an_older_scan():
     feed.give(added=["just-evicted"], removed=["just-stored"], age_s=0.0)  # ran before our writes landed
     v.merge()
     assert "just-stored" in index and "just-evicted" not in index
+
+
+def test_what_a_scan_saw_while_our_change_settled_is_checked_again_once_it_has():
+    """Another engine deleted a chunk we had just stored (and wrote one we had just evicted):
+    the scan that saw it came too early to trust, a later one is believed."""
+    index, feed = TierIndex("disk", 1000), DeltaFeed()
+    v = view(index, feed)
+    index.admit("ours-then-deleted", 100)
+    v.note_changed(["ours-then-deleted", "evicted-then-rewritten"])
+    feed.give(added=["evicted-then-rewritten"], removed=["ours-then-deleted"], age_s=0.0)
+    v.merge()
+    assert "ours-then-deleted" in index and "evicted-then-rewritten" not in index
+    feed.last_scan_started = time.time() + 20  # a later scan; nothing changed since
+    assert v.merge().gone == ["ours-then-deleted"]
+    assert "ours-then-deleted" not in index and "evicted-then-rewritten" in index
 
 
 def test_the_directory_budget_evicts_the_least_recently_used_first():
