@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,11 +27,14 @@ from .engine.policy import RecentlyEvicted, RequestPolicy
 from .engine.suspects import SuspectBlocks, downstream
 from .engine.tails import TailDirectory
 from .engine.tracker import LookupResult, RequestTracker
+from .instance_info import disk_identity
 from .remote_lookup import RemoteLookup
 from .tiers.disk import DiskTier
 from .tiers.redis_tier import RedisTier
 
 logger = logging.getLogger("vllm.kvlens")
+
+_MAX_DROPPED = 65536  # disk chunks remembered as dropped for a failure or a reset, until deleted
 
 
 class SchedulerState:
@@ -49,6 +53,14 @@ class SchedulerState:
             on_drop = self.tails.discard if self.tails is not None else None
             self.tiers[CPU] = TierIndex(CPU, config.cpu_budget_bytes, on_drop)
         self.disk_view: SharedDiskView | None = None
+        # Disk chunks evicted (or reset) whose file this engine's delete removed: engines sharing
+        # the directory may all decide to evict a chunk, only the one whose delete removed it counts.
+        self.disk_evictions = 0
+        self._dropped_disk: OrderedDict[str, None] = OrderedDict()  # forgotten or reset: no evictions
+        # Tiers other engines may share, by name: what telemetry labels their totals with.
+        self.shared_storage: dict[str, str] = (
+            {DISK: disk_identity(config.local_disk)} if config.local_disk else {}
+        )
         if config.local_disk:
             self.tiers[DISK] = TierIndex(DISK, config.disk_budget_bytes)
             extra = config.extra_config
@@ -154,17 +166,39 @@ class SchedulerState:
             self.recently_evicted.add(merged.evict, DISK)
             self.evict_later(DISK, merged.evict)
 
+    def deleted(self, removed: Iterable[tuple[str, str]]) -> None:
+        """Chunk files the workers' deletes removed (not ones another engine removed first)."""
+        for tier, name in removed:
+            if tier != DISK:
+                continue
+            if name in self._dropped_disk:
+                del self._dropped_disk[name]
+            else:
+                self.disk_evictions += 1
+
+    def _dropped_from_disk(self, names: Iterable[str]) -> None:
+        """Disk chunks deleted for another reason than room (failed, reset): not evictions."""
+        for name in names:
+            self._dropped_disk[name] = None
+            self._dropped_disk.move_to_end(name)
+        while len(self._dropped_disk) > _MAX_DROPPED:
+            self._dropped_disk.popitem(last=False)
+
     def forget(self, tier: str, name: str, reason: FailureReason) -> None:
         """A chunk the tier does not (correctly) hold leaves the index and is deleted everywhere."""
         index = self.tiers.get(tier)
         if index is not None and index.remove(name):
             logger.info("KVLens: dropped chunk %s from the %s tier (%s)", name[:12], tier, reason.value)
+            if tier == DISK:
+                self._dropped_from_disk([name])
             self.evict_later(tier, [name])
 
     def reset(self) -> None:
         """Forget every unpinned chunk (vLLM's reset_prefix_cache with reset_connector)."""
         for tier in self.tiers.values():
             names = tier.clear()
+            if tier.name == DISK:
+                self._dropped_from_disk(names)
             self.recently_evicted.add(names, tier.name)
             self.evict_later(tier.name, names)
 

@@ -64,7 +64,7 @@ def test_disk_hits_are_credited_to_the_disk_tier(serve_stack):
 
     wait_until(credited, what="vllm:prompt_tokens_cached_by_source{source=disk} += 512")
     after = srv.samples()
-    assert sample(after, "vllm:kvlens_tier_chunks", tier="disk") >= 2
+    assert sum_samples(after, "vllm:kvlens_tier_chunks", tier="disk") >= 2
     assert (
         sum_samples(after, "vllm:kvlens_load_tokens_total", tier="disk")
         - sum_samples(before, "vllm:kvlens_load_tokens_total", tier="disk")

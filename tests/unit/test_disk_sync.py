@@ -148,3 +148,62 @@ def test_watcher_sees_records_written_by_another_process_and_touches_files(tmp_p
         assert os.stat(path).st_atime_ns > os.stat(path).st_mtime_ns  # marked in use
     finally:
         watcher.stop()
+
+
+# ---- a shared directory is counted once -------------------------------------------------------
+def test_only_the_engine_whose_delete_removed_a_chunk_file_reports_it(tmp_path):
+    from connector.engine.health import TierHealth
+    from connector.tiers.background import BackgroundTier
+
+    name = "ab" * 16 + ".r0"
+    DiskTier(str(tmp_path), "l").put(name, memoryview(b"x" * 10))
+    engines = [
+        BackgroundTier(DiskTier(str(tmp_path), "l", grace_s=0), TierHealth("disk"), 5.0, 1 << 20)
+        for _ in range(2)
+    ]
+    try:
+        for tier in engines:  # both decided to evict it
+            tier.delete(name)
+            tier.drain(5.0)
+        assert [tier.take_deleted() for tier in engines] == [[name], []]
+    finally:
+        for tier in engines:
+            tier.close(1.0)
+
+
+def test_disk_evictions_count_deletes_that_removed_the_file_not_decisions(tmp_path):
+    from connector.engine.jobs import DISK
+    from connector.engine.outcomes import FailureReason, WorkerReport
+
+    from .fakes import BLOCK_BYTES, LAYERS, admit_fully, blocks, gb, request, scheduler
+
+    chunk = 2 * BLOCK_BYTES * LAYERS
+    s = scheduler(local_cpu=False, local_disk=str(tmp_path), max_local_disk_size=gb(2 * chunk))
+    admit_fully(s, request("a", list(range(600))), blocks(0, 5))
+    _, plan = admit_fully(s, request("b", list(range(5000, 5600))), blocks(10, 5))
+    evicted = [e.name for e in plan.evictions]
+    assert len(evicted) == 2
+    assert s.take_evictions().get(DISK, 0) == 0  # decided, not done: another engine may delete first
+    s.on_worker_report(WorkerReport(deleted=[(DISK, evicted[0])]))  # the other one was gone already
+    assert s.take_evictions() == {DISK: 1}
+    s.state.forget(DISK, plan.stores[0].name, FailureReason.IO_ERROR)
+    s.on_worker_report(WorkerReport(deleted=[(DISK, plan.stores[0].name)]))
+    assert s.take_evictions().get(DISK, 0) == 0  # a failed chunk deleted is not an eviction
+
+
+def test_disk_gauges_name_the_shared_directory_so_engines_sharing_it_count_once(tmp_path):
+    from connector.instance_info import disk_identity
+
+    from .fakes import scheduler
+
+    first = scheduler(local_disk=str(tmp_path), max_local_disk_size=1)
+    second = scheduler(local_disk=str(tmp_path / "." / ""), max_local_disk_size=1)
+    try:
+        where = disk_identity(str(tmp_path))
+        for s in (first, second):
+            sizes = s.sizes()
+            assert sizes[f"tier_capacity_bytes|disk|{where}"] == 1024**3
+            assert "tier_capacity_bytes|cpu|" in sizes  # this engine's own memory: no store named
+    finally:
+        first.shutdown()
+        second.shutdown()
