@@ -156,7 +156,8 @@ class DirectoryScanner:
         """The directory's complete chunks and, for the root, its subdirectories. Files a
         listing before saw (same inodes) keep what it read, unless their use mark is new."""
         self.cost.dirs_listed += 1
-        ranks: dict[str, dict[int, os.DirEntry[str]]] = {}
+        world = self._world
+        ranks: dict[str, list[os.DirEntry[str] | None]] = {}  # digest -> its rank files
         marks: dict[str, tuple[int, int]] = {}
         subdirs: set[str] = set()
         now_s = time.time()
@@ -165,11 +166,14 @@ class DirectoryScanner:
                 name = entry.name
                 m = CHUNK_NAME.match(name)
                 if m is not None:
-                    digest = m.group(1)
+                    digest, rank = m.groups()
                     if key == _ROOT and self._migrate and self._moved(entry, name):
                         subdirs.add(digest[:FANOUT_DIGITS])
-                    elif key == _ROOT or digest[:FANOUT_DIGITS] == key:  # where readers look
-                        ranks.setdefault(digest, {})[int(m.group(2))] = entry
+                    elif (key == _ROOT or digest.startswith(key)) and int(rank) < world:  # where readers look
+                        found = ranks.get(digest)
+                        if found is None:
+                            found = ranks[digest] = [None] * world
+                        found[int(rank)] = entry
                 elif name.startswith(USE_MARK_PREFIX):
                     self._read_mark(entry, marks, now_s - USE_MARK_MAX_AGE_S)
                 elif name.startswith(TEMP_PREFIX):
@@ -180,17 +184,16 @@ class DirectoryScanner:
         seen_marks = old.marks if old is not None else {}
         used = {n[len(USE_MARK_PREFIX) :] for n, mark in marks.items() if seen_marks.get(n) != mark}
         chunks: dict[str, FileInfo] = {}
-        for digest, files in ranks.items():
-            if len(files) < self._world or any(r not in files for r in range(self._world)):
-                continue
-            found = [files[r] for r in range(self._world)]
-            identity = hash(tuple(e.inode() for e in found))
+        for digest, found in ranks.items():
+            if None in found:
+                continue  # a rank's file is missing: not a whole chunk
+            identity = found[0].inode() if world == 1 else hash(tuple(e.inode() for e in found))  # type: ignore[union-attr]
             known = before.get(digest)
             if known is not None and known.identity == identity and digest not in used:
                 chunks[digest] = known
                 continue
             try:
-                stats = [e.stat() for e in found]
+                stats = [e.stat() for e in found]  # type: ignore[union-attr]
             except FileNotFoundError:
                 continue
             self.cost.files_stated += len(stats)
