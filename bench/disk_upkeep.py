@@ -11,13 +11,15 @@ times), side by side in one process:
 
 Each round, while the rescans run at the default ``disk_scan_interval_s`` of 1 s, a little
 changes, as another engine would do it: ``--writes`` new chunk files, ``--deletes`` deleted,
-``--touches`` loaded (the access-time mark of ``DiskTier.touch``). Upkeep per rescan is the
-process CPU time of the rescan and of merging its delta into the scheduler's index
-(``SharedDiskView.merge``), the median over ``--rounds`` rounds; at a 1 s interval it is also
-the share of a core the watcher keeps busy. Each rescan is checked to find exactly the
-changes made. Start-up indexing is the first (full) scan plus its merge into an empty index,
-with the page cache warm (the files were just created; a cold cache after a reboot reads the
-directories from the device and costs more for both layouts).
+``--touches`` loaded (the watcher's pin: the file's access time, and in this version the
+chunk's use mark). Upkeep per rescan is the process CPU time of the rescan and of merging its
+delta into the scheduler's index (``SharedDiskView.merge``), the median over ``--rounds``
+rounds; at a 1 s interval it is also the share of a core the watcher keeps busy. Each rescan is
+checked to find exactly the changes made. Then ``--idle-rounds`` rescans with nothing changed
+(the median of all but the first, which still re-lists what the last round changed).
+Start-up indexing is the first (full) scan plus its merge into an empty index, with the page
+cache warm (the files were just created; a cold cache after a reboot reads the directories
+from the device and costs more for both layouts).
 
     python bench/disk_upkeep.py [--sizes 10000,100000,1000000] [--rounds 10] [--out FILE.json]
 """
@@ -234,7 +236,15 @@ def run_size(size: int, args: argparse.Namespace, work: str) -> dict[str, Any]:
             assert delta.removed == set(gone), (layout.label, len(delta.removed))
             assert delta.used == set(used), (layout.label, len(delta.used), len(used))
             per_round[layout.label].append((cpu, wall))
+    idle: dict[str, list[float]] = {layout.label: [] for layout in layouts}
+    for _ in range(args.idle_rounds):  # nothing changes (the first also re-lists the last round's)
+        time.sleep(INTERVAL_S)
+        for layout in layouts:
+            delta, cpu, _wall = layout.upkeep()
+            idle[layout.label].append(cpu)
     for layout in layouts:
+        if idle[layout.label][1:]:
+            result[layout.label]["idle_cpu_s_per_rescan"] = statistics.median(idle[layout.label][1:])
         cpus = [c for c, _ in per_round[layout.label]]
         walls = [w for _, w in per_round[layout.label]]
         cpu = statistics.median(cpus)
@@ -260,8 +270,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
     new, old = "subdirectories", "flat (before)"
     print()
     print("| chunk files | upkeep CPU ms per rescan: subdirectories | flat (before) | ratio |", end="")
+    print(" nothing changed: subdirectories | flat |", end="")
     print(" share of a core at 1 s: subdirectories | flat | start-up index s: subdirectories | flat |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         a, b = r[new], r[old]
         cells = (
@@ -269,6 +280,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
             f"{1000 * a['upkeep_cpu_s_per_rescan']:.1f}",
             f"{1000 * b['upkeep_cpu_s_per_rescan']:.1f}",
             f"{b['upkeep_cpu_s_per_rescan'] / a['upkeep_cpu_s_per_rescan']:.0f}x",
+            f"{1000 * a.get('idle_cpu_s_per_rescan', float('nan')):.1f}",
+            f"{1000 * b.get('idle_cpu_s_per_rescan', float('nan')):.1f}",
             f"{100 * a['core_share_at_1s']:.1f}%",
             f"{100 * b['core_share_at_1s']:.1f}%",
             f"{a['startup_index_wall_s']:.2f} ({a['startup_index_cpu_s']:.2f} CPU)",
@@ -284,6 +297,7 @@ def main() -> None:
     p.add_argument("--writes", type=int, default=8, help="new chunk files per interval")
     p.add_argument("--deletes", type=int, default=2, help="chunk files deleted per interval")
     p.add_argument("--touches", type=int, default=4, help="chunk files loaded per interval")
+    p.add_argument("--idle-rounds", type=int, default=4, help="rescans with nothing changed, after")
     p.add_argument("--dir", default=None, help="where to build the directories (default: a temp dir)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
