@@ -44,7 +44,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from connector.disk_sync import SharedDiskView  # noqa: E402
+from connector.disk_sync import MERGE_PER_STEP, SharedDiskView  # noqa: E402
 from connector.engine.index import TierIndex  # noqa: E402
 from connector.tiers.disk import DiskTier, FileInfo, chunk_path, legacy_path  # noqa: E402
 from connector.tiers.disk_scan import DirectoryScanner, ScanDelta, diff  # noqa: E402
@@ -148,9 +148,10 @@ class Layout:
         gc.collect()
         cpu, wall = time.process_time(), time.perf_counter()
         delta = self.scanner.scan()
-        self.feed.deltas.append(delta)
+        self.feed.deltas.extend(delta.pieces(MERGE_PER_STEP))  # as the watcher queues it
         self.feed.last_scan_started = delta.started
-        self.view.merge()
+        while self.feed.deltas:  # one merge per engine step
+            self.view.merge()
         return delta, time.process_time() - cpu, time.perf_counter() - wall
 
 
@@ -164,8 +165,10 @@ class Feed:
     def holds(self, name: str) -> None:
         return None  # nothing is rechecked: the bench makes no changes of the view's own
 
-    def take(self) -> list[ScanDelta]:
-        out, self.deltas = self.deltas, []
+    def take(self, max_changes: int | None = None) -> list[ScanDelta]:
+        out: list[ScanDelta] = []
+        while self.deltas and (max_changes is None or sum(len(d) for d in out) < max_changes):
+            out.append(self.deltas.pop(0))
         return out
 
     def touch(self, names: Any) -> None:

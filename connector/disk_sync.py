@@ -41,6 +41,9 @@ logger = logging.getLogger("vllm.kvlens")
 
 _SETTLE_S = 10.0  # a local change this much older than a scan is visible in it (writes may lag)
 STARTUP_WAIT_S = 5.0
+# Changes a step merges at most: indexing a million files at start-up is spread over many
+# steps (milliseconds each), not one step that stalls for seconds.
+MERGE_PER_STEP = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +85,15 @@ class DiskWatcher:
         """The chunk as the newest scan saw it (None: not in the directory)."""
         return self.scanner.holds(name)
 
-    def take(self) -> list[ScanDelta]:
-        out = []
-        while self._deltas:
-            out.append(self._deltas.popleft())
+    def take(self, max_changes: int | None = None) -> list[ScanDelta]:
+        """The scans' deltas in order; with ``max_changes``, only as many as hold about that many
+        changes (a delta is never cut: the watcher queued big ones in pieces)."""
+        out: list[ScanDelta] = []
+        taken = 0
+        while self._deltas and (max_changes is None or taken < max_changes):
+            delta = self._deltas.popleft()
+            out.append(delta)
+            taken += len(delta)
         return out
 
     def _run(self) -> None:
@@ -121,7 +129,7 @@ class DiskWatcher:
         delta = self.scanner.scan()
         self._last_scan_started = delta.started
         if delta:
-            self._deltas.append(delta)
+            self._deltas.extend(delta.pieces(MERGE_PER_STEP))
         error = self.scanner.error
         if error is not None and not self._scan_failing:  # the rest of the view is kept; say so once
             logger.warning("KVLens: disk scans of %s fail: %s", self._disk.root, error)
@@ -166,7 +174,7 @@ class SharedDiskView:
     def merge(self) -> MergeResult:
         """Apply the scans that arrived: what to evict to keep the directory in budget, and
         which chunks other engines deleted."""
-        deltas = self._watcher.take()
+        deltas = self._watcher.take(MERGE_PER_STEP)
         if not deltas and not self._recheck:
             return MergeResult([], [])
         gone: list[str] = []

@@ -55,6 +55,19 @@ class ScanDelta:
     def __bool__(self) -> bool:
         return bool(self.added or self.removed or self.used)
 
+    def __len__(self) -> int:
+        return len(self.added) + len(self.removed) + len(self.used)
+
+    def pieces(self, size: int) -> list[ScanDelta]:
+        """This delta cut into pieces of at most ``size`` added files, the most recently used
+        first (merged in that order, each piece's older files go in front of the last's)."""
+        if len(self.added) <= size:
+            return [self]
+        ordered = sorted(self.added.items(), key=lambda kv: kv[1].last_used_ns, reverse=True)
+        out = [ScanDelta(self.started, dict(ordered[i : i + size])) for i in range(0, len(ordered), size)]
+        out[0].removed, out[0].used = self.removed, self.used
+        return out
+
 
 def diff(before: dict[str, FileInfo], after: dict[str, FileInfo], started: float) -> ScanDelta:
     delta = ScanDelta(started)

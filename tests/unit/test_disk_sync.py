@@ -29,8 +29,10 @@ class DeltaFeed:
             self.files.pop(name, None)
         self.last_scan_started = started
 
-    def take(self):
-        out, self.deltas = self.deltas, []
+    def take(self, max_changes=None):
+        out = []
+        while self.deltas and (max_changes is None or sum(len(d) for d in out) < max_changes):
+            out.append(self.deltas.pop(0))
         return out
 
     def holds(self, name):
@@ -92,6 +94,22 @@ def test_the_directory_budget_evicts_the_least_recently_used_first():
     feed.give(added=["new"])  # another engine's fresh chunk is not the first to go
     assert v.merge().evict == ["old"]
     assert "new" in index and "mine" in index
+
+
+def test_indexing_a_big_directory_is_spread_over_steps_and_keeps_the_lru_order(monkeypatch):
+    import connector.disk_sync as disk_sync
+
+    monkeypatch.setattr(disk_sync, "MERGE_PER_STEP", 8)
+    index, feed = TierIndex("disk", 10**6), DeltaFeed()
+    v = view(index, feed)
+    old = time.time() - 3600
+    files = {f"c{i:02d}": FileInfo(100, int((old + i) * 1e9), NEVER_USED_NS) for i in range(20)}
+    feed.deltas.extend(ScanDelta(time.time() + 20, dict(files)).pieces(8))
+    v.merge()
+    assert len(index) == 8 and "c19" in index  # the most recently used first
+    while feed.deltas:
+        v.merge()
+    assert index.keys() == sorted(files)  # least recently used in front
 
 
 def test_a_consumer_mirrors_the_directory_but_never_evicts():
