@@ -80,7 +80,10 @@ def chunk_files(root: str) -> list[str]:
         if CHUNK_NAME.match(entry.name):
             out.append(entry.path)
         elif SUBDIR_NAME.match(entry.name) and entry.is_dir():
-            out.extend(e.path for e in os.scandir(entry.path) if CHUNK_NAME.match(e.name))
+            try:
+                out.extend(e.path for e in os.scandir(entry.path) if CHUNK_NAME.match(e.name))
+            except FileNotFoundError:  # removed meanwhile
+                continue
     return sorted(out)
 
 
