@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+from connector.tiers.disk import USE_MARK_PREFIX
+
 from . import workloads as w
 from .conftest import disk_kv, expected, lmcache_tokens, outputs, run_engine
 
@@ -39,7 +41,8 @@ def test_disk_tier_supplies_prefixes_with_identical_outputs(disk_run, baseline):
 
 def test_chunk_files_are_whole_records(disk_run, disk_dir):
     files = [f for _, _, names in os.walk(disk_dir) for f in names]
-    assert files and all(f.endswith(".kvlens") for f in files)  # no temp files left
+    # chunk records and the marks of loads (no temp files left)
+    assert files and all(f.endswith(".kvlens") or f.startswith(USE_MARK_PREFIX) for f in files)
 
 
 def test_failed_loads_are_reported_and_recomputed_without_leaks(disk_run, baseline):
