@@ -20,8 +20,9 @@ CHUNK_SUFFIX = ".kvlens"
 
 
 def chunk_files(folder: Path) -> list[Path]:
+    """Chunk files in their subdirectories (and any left in the flat layout of older versions)."""
     try:
-        return [folder / n for n in os.listdir(folder) if n.endswith(CHUNK_SUFFIX)]
+        return [*folder.glob("*" + CHUNK_SUFFIX), *folder.glob("*/*" + CHUNK_SUFFIX)]
     except OSError:
         return []
 

@@ -39,12 +39,17 @@ def _version() -> str:
         return "unknown"
 
 
+def disk_identity(path: str) -> str:
+    """``disk:<hash of host and real path>``: the same for every engine sharing the directory."""
+    where = f"{socket.gethostname()}:{os.path.realpath(path)}"
+    return f"{DISK}:{hashlib.blake2b(where.encode(), digest_size=4).hexdigest()}"
+
+
 def storage_identity(config: KVLensConfig) -> str:
     """Where the shareable tiers live: ``disk:<host+path hash>``, ``remote:<url>/<prefix>``."""
     parts = []
     if config.local_disk:
-        where = f"{socket.gethostname()}:{os.path.realpath(config.local_disk)}"
-        parts.append(f"{DISK}:{hashlib.blake2b(where.encode(), digest_size=4).hexdigest()}")
+        parts.append(disk_identity(config.local_disk))
     if config.remote is not None:
         parts.append(f"{REMOTE}:{config.remote.redacted()}/{config.extra_config.remote_key_prefix}")
     return ",".join(parts)

@@ -21,7 +21,7 @@ from typing import Any
 from .admin import CacheAdmin
 from .config import KVLensConfig
 from .engine.facts import EngineFacts
-from .engine.jobs import REMOTE, StepPlan
+from .engine.jobs import DISK, REMOTE, StepPlan
 from .engine.outcomes import LookupOutcome, RequestSummary, TierState, WorkerReport
 from .engine.policy import trace_headers
 from .engine.tracker import StorePolicy
@@ -160,13 +160,15 @@ class ConnectorScheduler:
         return now - self._draining_since < MAX_DRAIN_S
 
     def take_evictions(self) -> dict[str, int]:
-        """Chunks each tier evicted to make room since the last call."""
+        """Chunks each tier evicted to make room since the last call (the disk tier: those whose
+        file this engine's delete removed, so engines sharing a directory count each once)."""
         out = {}
         for name, tier in self.tiers.items():
+            count = self.state.disk_evictions if name == DISK else tier.evictions
             seen = self._evictions_seen.get(name, 0)
-            if tier.evictions != seen:
-                out[name] = max(tier.evictions - seen, 0)
-                self._evictions_seen[name] = tier.evictions
+            if count != seen:
+                out[name] = max(count - seen, 0)
+                self._evictions_seen[name] = count
         return out
 
     def reset(self) -> bool:
@@ -192,9 +194,10 @@ class ConnectorScheduler:
             "suspect_blocks": len(self.suspects),
         }
         for name, tier in self.tiers.items():
-            out[f"tier_chunks|{name}"] = len(tier)
-            out[f"tier_used_bytes|{name}"] = tier.used_bytes
-            out[f"tier_capacity_bytes|{name}"] = tier.capacity_bytes
+            shared = self.state.shared_storage.get(name, "")  # a shared disk: dashboards take the max
+            out[f"tier_chunks|{name}|{shared}"] = len(tier)
+            out[f"tier_used_bytes|{name}|{shared}"] = tier.used_bytes
+            out[f"tier_capacity_bytes|{name}|{shared}"] = tier.capacity_bytes
             out[f"pinned_chunks|{name}"] = tier.pinned_keys
             out[f"pinned_bytes|{name}"] = tier.pinned_bytes
             out[f"tier_health|{name}"] = self.tier_states[name].level

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,11 +29,14 @@ from .engine.policy import RecentlyEvicted, RequestPolicy
 from .engine.suspects import SuspectBlocks, downstream
 from .engine.tails import TailDirectory
 from .engine.tracker import LookupResult, RequestTracker
+from .instance_info import disk_identity
 from .remote_lookup import RemoteLookup
 from .tiers.disk import DiskTier
 from .tiers.redis_tier import RedisTier
 
 logger = logging.getLogger("vllm.kvlens")
+
+_MAX_DROPPED = 65536  # disk chunks remembered as dropped for a failure or a reset, until deleted
 
 
 class SchedulerState:
@@ -52,6 +56,14 @@ class SchedulerState:
             budget = cpu_budget.chunk_bytes(config.cpu_budget_bytes)
             self.tiers[CPU] = TierIndex(CPU, budget, on_drop, policy=config.cache_policy)
         self.disk_view: SharedDiskView | None = None
+        # Disk chunks evicted (or reset) whose file this engine's delete removed: engines sharing
+        # the directory may all decide to evict a chunk, only the one whose delete removed it counts.
+        self.disk_evictions = 0
+        self._dropped_disk: OrderedDict[str, None] = OrderedDict()  # forgotten or reset: no evictions
+        # Tiers other engines may share, by name: what telemetry labels their totals with.
+        self.shared_storage: dict[str, str] = (
+            {DISK: disk_identity(config.local_disk)} if config.local_disk else {}
+        )
         if config.local_disk:
             self.tiers[DISK] = TierIndex(DISK, config.disk_budget_bytes, policy=config.cache_policy)
             extra = config.extra_config
@@ -165,15 +177,36 @@ class SchedulerState:
     def merge_disk_scan(self) -> None:
         """Fold in what other engines changed in a shared disk directory."""
         if self.disk_view is not None:
-            victims = self.disk_view.merge()
-            self.recently_evicted.add(victims, DISK)
-            self.evict_later(DISK, victims)
+            merged = self.disk_view.merge()
+            self.block_events.dropped(DISK, merged.gone)
+            self.recently_evicted.add(merged.evict, DISK)
+            self.evict_later(DISK, merged.evict)
+
+    def deleted(self, removed: Iterable[tuple[str, str]]) -> None:
+        """Chunk files the workers' deletes removed (not ones another engine removed first)."""
+        for tier, name in removed:
+            if tier != DISK:
+                continue
+            if name in self._dropped_disk:
+                del self._dropped_disk[name]
+            else:
+                self.disk_evictions += 1
+
+    def _dropped_from_disk(self, names: Iterable[str]) -> None:
+        """Disk chunks deleted for another reason than room (failed, reset): not evictions."""
+        for name in names:
+            self._dropped_disk[name] = None
+            self._dropped_disk.move_to_end(name)
+        while len(self._dropped_disk) > _MAX_DROPPED:
+            self._dropped_disk.popitem(last=False)
 
     def forget(self, tier: str, name: str, reason: FailureReason) -> None:
         """A chunk the tier does not (correctly) hold leaves the index and is deleted everywhere."""
         index = self.tiers.get(tier)
         if index is not None and index.remove(name):
             logger.info("KVLens: dropped chunk %s from the %s tier (%s)", name[:12], tier, reason.value)
+            if tier == DISK:
+                self._dropped_from_disk([name])
             self.evict_later(tier, [name])
 
     def reset(self) -> None:
@@ -181,6 +214,8 @@ class SchedulerState:
         self.block_events.cleared()
         for tier in self.tiers.values():
             names = tier.clear()
+            if tier.name == DISK:
+                self._dropped_from_disk(names)
             self.recently_evicted.add(names, tier.name)
             self.evict_later(tier.name, names)
 

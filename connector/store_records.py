@@ -23,7 +23,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine.keys import storage_name
 from .engine.namespace_records import NamespaceRecord, Selector, select
 from .tiers import codec
 from .tiers import disk as disk_files
@@ -122,20 +121,18 @@ class DiskRecords:
     def __repr__(self) -> str:
         return f"disk directory {self.root}"
 
-    def names(self) -> Iterator[tuple[str, os.stat_result]]:
-        """Every chunk file's storage name: every rank of each chunk whose rank 0 exists."""
-        for digest in disk_files.scan(self.root, 1):
-            for rank in range(1 << 16):
-                name = storage_name(digest, rank)
-                try:
-                    yield name, os.stat(self._tier.path(name))
-                except FileNotFoundError:
-                    break
+    def names(self) -> Iterator[tuple[str, str, os.stat_result]]:
+        """Every chunk file's storage name (``<digest>.r<rank>``) and path, in either layout."""
+        for path in disk_files.chunk_files(self.root):
+            try:
+                yield os.path.basename(path).removesuffix(disk_files.SUFFIX), path, os.stat(path)
+            except FileNotFoundError:  # removed since it was listed
+                continue
 
     def chunks(self, verify: bool = False) -> Iterator[ChunkRecord]:
-        for name, st in self.names():
+        for name, path, st in self.names():
             try:
-                with open(self._tier.path(name), "rb") as f:
+                with open(path, "rb") as f:
                     data = f.read() if verify else f.read(codec.HEADER_PEEK_BYTES)
             except FileNotFoundError:
                 continue  # removed since it was listed

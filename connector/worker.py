@@ -577,6 +577,9 @@ class ConnectorWorker:
                 report.store_failures.append(StoreFailure("", self._digest(name), tier.name, reason, detail))
             for name, nbytes in tier.take_kept():
                 report.kept.append(KeptChunk(tier.name, self._digest(name), nbytes))
+            deleted = tier.take_deleted()
+            if self.rank == 0:  # one rank's files stand for the chunk: counted once
+                report.deleted.extend((tier.name, self._digest(name)) for name in deleted)
         self._probe_skipped_tiers()
         for name, health in self.health.items():
             change = health.take_change()

@@ -1,7 +1,8 @@
 """Applies the workers' reports to the scheduler's state, so the index keeps agreeing with
 the tiers: a chunk that failed to load (and every later chunk of that prefix in the same
 tier) or failed to store leaves the index and is deleted; blocks whose KV may be wrong become
-suspect; pins of reported loads are released; an eviction a tier declined is indexed again.
+suspect; pins of reported loads are released; an eviction a tier declined is indexed again;
+an eviction counts when a delete removed the file (on a shared disk, only one engine's does).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class WorkerFeedback:
                     recomputed[rid] = affected
         for failure in report.store_failures:
             s.forget(failure.tier, failure.name, failure.reason)
+        s.deleted(report.deleted)
         for kept in report.kept:
             index = s.tiers.get(kept.tier)
             if index is not None:

@@ -135,6 +135,22 @@ def total(frame: pd.DataFrame, name: str, by: Sequence[str] = (), **labels: str)
     return last.groupby(list(by))["value"].sum() if by else pd.Series({"": last["value"].sum()})
 
 
+def store_total(frame: pd.DataFrame, name: str) -> pd.Series:
+    """A tier gauge's latest total per tier, a store several engines share counted once.
+
+    Engines sharing a disk directory each report all of it, labelled ``storage`` with the
+    directory's identity: per storage the largest report (the freshest view), not the sum;
+    series without a storage (an engine's own memory) add up."""
+    df = select(frame, name)
+    if df.empty:
+        return pd.Series(dtype=float)
+    last = df.sort_values("time").groupby(list(SERIES), sort=False).tail(1)
+    shared = last["storage"] != ""
+    own = last[~shared].groupby("tier")["value"].sum()
+    stores = last[shared].groupby(["tier", "storage"])["value"].max().groupby(level="tier").sum()
+    return own.add(stores, fill_value=0)
+
+
 def has_series(frame: pd.DataFrame, name: str) -> bool:
     """Whether any instance exports ``name`` (e.g. the remote tier's round trips)."""
     return not select(frame, name).empty
@@ -357,11 +373,12 @@ def operations(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.Da
 
 
 def tier_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """Latest state of each tier: bytes used, budget, fill, chunks, evictions since start."""
+    """Latest state of each tier: bytes used, budget, fill, chunks, evictions since start (a disk
+    directory several engines share counted once)."""
     cols = {
-        "used_bytes": total(frame, kvlens("tier_used_bytes"), ("tier",)),
-        "capacity_bytes": total(frame, kvlens("tier_capacity_bytes"), ("tier",)),
-        "chunks": total(frame, kvlens("tier_chunks"), ("tier",)),
+        "used_bytes": store_total(frame, kvlens("tier_used_bytes")),
+        "capacity_bytes": store_total(frame, kvlens("tier_capacity_bytes")),
+        "chunks": store_total(frame, kvlens("tier_chunks")),
         "evictions": total(frame, kvlens("evictions"), ("tier",)),
     }
     table = pd.DataFrame(cols).fillna(0)

@@ -42,6 +42,16 @@ TRACES_FAILED_LOADS = '{name="kvlens.load" && status=error}'
 TRACES_SLOW = '{name=~"kvlens.*"} | duration > 50ms'
 
 
+def _store_sum(metric: str) -> str:
+    """A tier gauge summed by tier, a store several engines share counted once: engines sharing a
+    disk directory each report all of it under the directory's ``storage`` label, so per storage
+    the max, not the sum; series without a storage (an engine's own memory) add up."""
+    return (
+        f'sum by (tier) (max by (tier, storage) ({metric}{{storage!=""}}))'
+        f' or sum by (tier) ({metric}{{storage=""}})'
+    )
+
+
 def _leak_sum(by: str) -> str:
     """The count-valued leak gauges added up (pinned_bytes is bytes, shown on its own)."""
     return "\n+ ".join(f"sum by ({by}) (vllm:kvlens_{g})" for g in LEAK_GAUGES if g != "pinned_bytes")
@@ -360,8 +370,8 @@ PANELS: tuple[Panel, ...] = (
         (
             Target(
                 ratio(
-                    "sum by (tier) (vllm:kvlens_tier_used_bytes)",
-                    "sum by (tier) (vllm:kvlens_tier_capacity_bytes)",
+                    f"({_store_sum('vllm:kvlens_tier_used_bytes')})",
+                    f"({_store_sum('vllm:kvlens_tier_capacity_bytes')})",
                 ),
                 "{{tier}}",
             ),
@@ -375,10 +385,11 @@ PANELS: tuple[Panel, ...] = (
         "Tier used and capacity",
         "bytes",
         (
-            Target("sum by (tier) (vllm:kvlens_tier_used_bytes)", "{{tier}} used"),
-            Target("sum by (tier) (vllm:kvlens_tier_capacity_bytes)", "{{tier}} capacity"),
+            Target(_store_sum("vllm:kvlens_tier_used_bytes"), "{{tier}} used"),
+            Target(_store_sum("vllm:kvlens_tier_capacity_bytes"), "{{tier}} capacity"),
         ),
-        "Bytes each tier holds and its budget (one rank's share, summed over instances).",
+        "Bytes each tier holds and its budget (one rank's share), summed over instances; a disk "
+        "directory several instances share counts once (each reports it whole).",
         width=6,
     ),
     Panel(
@@ -386,15 +397,16 @@ PANELS: tuple[Panel, ...] = (
         "Evictions",
         "cps",
         (Target(rate_sum("vllm:kvlens_evictions_total", by="tier"), "{{tier}}"),),
-        "Chunks evicted per second to make room, by tier.",
+        "Chunks evicted per second to make room, by tier. On a disk directory several instances "
+        "share, each chunk counts once: by the instance whose delete removed the file.",
         width=6,
     ),
     Panel(
         "Tiers and leaks",
         "Chunks per tier",
         "short",
-        (Target("sum by (tier) (vllm:kvlens_tier_chunks)", "{{tier}}"),),
-        "Chunks each tier holds.",
+        (Target(_store_sum("vllm:kvlens_tier_chunks"), "{{tier}}"),),
+        "Chunks each tier holds, summed over instances; a shared disk directory counts once.",
         width=6,
     ),
     Panel(

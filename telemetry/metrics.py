@@ -51,6 +51,10 @@ SECONDS_BUCKETS = (
     10.0,
     20.0,
 )
+_SHARED_TOTALS = (
+    "{}; storage names a directory several engines share (each reports it whole: take the max per "
+    "storage), empty for this engine's own."
+)
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
@@ -118,7 +122,12 @@ _DEFINITIONS = (
         ("operation",),
         SECONDS_BUCKETS,
     ),
-    Metric("evictions", COUNTER, "Chunks evicted to make room, by tier.", ("tier",)),
+    Metric(
+        "evictions",
+        COUNTER,
+        "Chunks evicted to make room, by tier (disk: counted by the engine whose delete removed the file).",
+        ("tier",),
+    ),
     # the remote tier (Redis / Valkey), per round trip
     Metric(
         "remote_seconds",
@@ -152,9 +161,22 @@ _DEFINITIONS = (
     Metric("pinned_requests", GAUGE, "Requests holding pins on cached chunks."),
     Metric("pinned_chunks", GAUGE, "Chunks pinned (not evictable) by pending loads, by tier.", ("tier",)),
     Metric("pinned_bytes", GAUGE, "Bytes pinned by pending loads, by tier.", ("tier",)),
-    Metric("tier_chunks", GAUGE, "Chunks each tier holds.", ("tier",)),
-    Metric("tier_used_bytes", GAUGE, "Bytes each tier holds (one rank's share).", ("tier",)),
-    Metric("tier_capacity_bytes", GAUGE, "Byte budget of each tier (one rank's share).", ("tier",)),
+    # storage: a store several engines share and each reports whole (a disk directory:
+    # disk:<hash of host and path>, as in kvlens_info), "" for this engine's own: total = the
+    # sum over storage="" plus, per storage, the max (not the sum) over engines.
+    Metric("tier_chunks", GAUGE, _SHARED_TOTALS.format("Chunks each tier holds"), ("tier", "storage")),
+    Metric(
+        "tier_used_bytes",
+        GAUGE,
+        _SHARED_TOTALS.format("Bytes each tier holds (one rank's share)"),
+        ("tier", "storage"),
+    ),
+    Metric(
+        "tier_capacity_bytes",
+        GAUGE,
+        _SHARED_TOTALS.format("Byte budget of each tier (one rank's share)"),
+        ("tier", "storage"),
+    ),
     Metric(
         "tier_stored_bytes",
         GAUGE,

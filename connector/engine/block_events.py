@@ -9,8 +9,9 @@ let it go.
 
 Events follow the plan the scheduler issues: a store is reported for the tiers it is written
 to once its step is planned (a store withdrawn within the same plan is not reported); an
-eviction, a failed chunk dropped, or a reset is reported for each tier that held the chunk; a
-reset or a clear of every tier is also reported as ``AllBlocksCleared``.
+eviction, a failed chunk dropped, a reset, or another engine deleting it from a shared disk is
+reported for each tier that held the chunk (and its tokens are forgotten); a reset or a clear of
+every tier is also reported as ``AllBlocksCleared``.
 Only whole vLLM blocks have hashes, so the unfull end of a chunk is not reported. The remote
 tier is evicted by Redis itself: its chunks are reported stored and never removed. Pure logic:
 the facade turns these into vLLM's event types.
@@ -95,6 +96,12 @@ class BlockEvents:
                 self._stored(job.name, job.tiers)
             elif isinstance(job, Eviction):
                 self._removed(job.tier, job.name)
+
+    def dropped(self, tier: str, names: Iterable[str]) -> None:
+        """Chunks that left ``tier`` outside a plan (another engine deleted them from a shared disk)."""
+        if self.enabled:
+            for name in names:
+                self._removed(tier, name)
 
     def _stored(self, name: str, tiers: Iterable[str]) -> None:
         chunk = self._chunks.get(name)

@@ -188,6 +188,7 @@ class WorkerReport:
     loads: dict[str, LoadOutcome] = field(default_factory=dict)
     store_failures: list[StoreFailure] = field(default_factory=list)
     kept: list[KeptChunk] = field(default_factory=list)
+    deleted: list[tuple[str, str]] = field(default_factory=list)  # (tier, chunk) whose file rank 0 removed
     tier_states: dict[str, TierState] = field(default_factory=dict)  # changes (worst rank wins)
     # queued background writes on the busiest rank; None: unchanged since the last report
     pending_writes: int | None = None
@@ -198,6 +199,7 @@ class WorkerReport:
             self.loads
             or self.store_failures
             or self.kept
+            or self.deleted
             or self.tier_states
             or self.pending_writes is not None
             or self.step is not None
@@ -211,6 +213,7 @@ class WorkerReport:
                 self.loads[rid] = outcome
         self.store_failures.extend(f for f in other.store_failures if f not in self.store_failures)
         self.kept.extend(k for k in other.kept if k not in self.kept)
+        self.deleted.extend(other.deleted)
         for tier, state in other.tier_states.items():
             mine = self.tier_states.get(tier)
             if mine is None or state.level < mine.level:

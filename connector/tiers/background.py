@@ -67,6 +67,7 @@ class BackgroundTier:
         self._pending_bytes = 0
         self._failures: list[tuple[str, FailureReason, str]] = []
         self._kept: list[tuple[str, int]] = []  # deletes the tier declined: (name, bytes kept)
+        self._deleted: list[str] = []  # deletes that removed a file (not one another engine removed)
         self._closed = False
         # A tier that batches (put_many / get_many: one pipelined round trip per node) gets
         # consecutive writes and a load's reads in one call each; its calls are logged.
@@ -117,6 +118,11 @@ class BackgroundTier:
         with self._lock:
             kept, self._kept = self._kept, []
         return kept
+
+    def take_deleted(self) -> list[str]:
+        with self._lock:
+            deleted, self._deleted = self._deleted, []
+        return deleted
 
     def stuck(self) -> bool:
         """True when the operation in flight has run longer than the timeout."""
@@ -187,10 +193,14 @@ class BackgroundTier:
                 errors = [None]
             else:
                 errors = [None]
-                if self.inner.delete(batch[0].name) is False:
+                deleted = self.inner.delete(batch[0].name)
+                if deleted is False:
                     size = getattr(self.inner, "stored_size", lambda _n: 0)(batch[0].name)
                     with self._lock:
                         self._kept.append((batch[0].name, size))
+                elif deleted is True:
+                    with self._lock:
+                        self._deleted.append(batch[0].name)
         except Exception as e:  # noqa: BLE001 - any failure is a failed store, never a crash
             errors = [e] * len(batch)
         self._log_write(kind, start, len(batch), nbytes, next((e for e in errors if e is not None), None))

@@ -1,17 +1,25 @@
 """Local-disk tier: one self-checking file per chunk and rank, written atomically.
 
-A record is written to a temporary file in the same directory and renamed into place, so
-a reader sees either no file or a whole one; a crash mid-write leaves only a temp file
-that ``scan`` ignores and ``sweep_temp_files`` removes.
+Files live in 4096 subdirectories named by the first three hex digits of the chunk's digest
+(``<root>/3fa/3fa9…e1.r0.kvlens``), so that a watcher learns what changed by checking each
+subdirectory's modification time and re-listing only those that moved (``disk_scan.py``);
+a flat directory of a million files would have to be listed whole. Directories written by
+older versions (chunk files directly in the root) are still read, and moved into place by
+the first scan that can (``disk_scan.py``).
+
+A record is written to a temporary file in its subdirectory and renamed into place, so a
+reader sees either no file or a whole one; a crash mid-write leaves only a temp file that
+scans ignore and remove once old.
 
 Several engines may share one directory (see ``connector/disk_sync.py``). A file's access
 time records when an engine last used it for a load: a write sets it just past the
 modification time (so that reads on ``relatime`` mounts leave it alone), and a lookup that
-pins the chunk sets it to the present; a file whose access time is later than its write by
-more than ``_TOUCHED_NS`` has been used. ``delete`` leaves a file alone that a lookup marked within
-``grace_s``, or that another engine wrote within it, because another engine may be about to
-load it; a corrupt file is removed when it is read
-(only if it is still the same file, not a fresh copy another engine wrote meanwhile).
+pins the chunk sets it to the present and replaces the chunk's use mark (``.used-<digest>``)
+in the subdirectory, so the other engines' watchers re-list it and see the use; a file whose
+access time is later than its write by more than ``_TOUCHED_NS`` has been used. ``delete``
+leaves a file alone that a lookup marked within ``grace_s``, or that another engine wrote
+within it, because another engine may be about to load it; a corrupt file is removed when it
+is read (only if it is still the same file, not a fresh copy another engine wrote meanwhile).
 """
 
 from __future__ import annotations
@@ -20,14 +28,18 @@ import os
 import re
 import tempfile
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from . import codec
 from .base import ChunkCorrupt, ChunkMissing
 
 SUFFIX = ".kvlens"
-_NAME = re.compile(r"^([0-9a-f]{32})\.r(\d+)\.kvlens$")
-_TEMP_PREFIX = ".tmp-"
+FANOUT_DIGITS = 3  # a chunk's subdirectory: this many leading hex digits of its digest
+CHUNK_NAME = re.compile(r"^([0-9a-f]{32})\.r(\d+)\.kvlens$")
+SUBDIR_NAME = re.compile(rf"^[0-9a-f]{{{FANOUT_DIGITS}}}$")
+TEMP_PREFIX = ".tmp-"
+USE_MARK_PREFIX = ".used-"  # ``.used-<digest>``: recreated by each touch, so rescans see the use
 NEVER_USED_NS = 0  # FileInfo.used_ns of a file no engine has pinned for a load yet
 _TOUCHED_NS = 1_000_000  # an access time this much past the write time was set by a touch
 
@@ -37,10 +49,42 @@ class FileInfo:
     nbytes: int  # the largest rank file
     mtime_ns: int  # last write (newest rank file)
     used_ns: int  # last use by a load (newest rank file), or NEVER_USED_NS
+    identity: int = 0  # the rank files' inodes: the same files as a listing before
 
     @property
     def last_used_ns(self) -> int:
         return max(self.mtime_ns, self.used_ns)
+
+
+def chunk_path(root: str, name: str) -> str:
+    """Where the record of ``name`` (``<digest>.r<rank>``) lives; other names stay in the root."""
+    sub = name[:FANOUT_DIGITS]
+    if SUBDIR_NAME.match(sub):
+        return os.path.join(root, sub, name + SUFFIX)
+    return os.path.join(root, name + SUFFIX)
+
+
+def legacy_path(root: str, name: str) -> str:
+    """Where versions before the subdirectories kept it (still read, moved by scans)."""
+    return os.path.join(root, name + SUFFIX)
+
+
+def chunk_files(root: str) -> list[str]:
+    """Paths of every chunk file under ``root``, in either layout (tools and tests)."""
+    out: list[str] = []
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return out
+    for entry in entries:
+        if CHUNK_NAME.match(entry.name):
+            out.append(entry.path)
+        elif SUBDIR_NAME.match(entry.name) and entry.is_dir():
+            try:
+                out.extend(e.path for e in os.scandir(entry.path) if CHUNK_NAME.match(e.name))
+            except FileNotFoundError:  # removed meanwhile
+                continue
+    return sorted(out)
 
 
 class DiskTier:
@@ -51,42 +95,55 @@ class DiskTier:
         self._layout = layout
         self._grace_ns = int(grace_s * 1e9)
         self._remove_corrupt = remove_corrupt
-        self._own: set[str] = set()  # names this process wrote (and has not deleted since)
+        # Names this process wrote within the grace period (and has not deleted since), by
+        # write time: older ones need no exemption, so the table holds only recent writes.
+        self._written: OrderedDict[str, int] = OrderedDict()
         os.makedirs(root, exist_ok=True)
 
     def path(self, name: str) -> str:
-        return os.path.join(self.root, name + SUFFIX)
+        return chunk_path(self.root, name)
+
+    @property
+    def recent_writes(self) -> int:
+        return len(self._written)
 
     def put(self, name: str, payload: memoryview, namespace: str = "") -> int:
         header = codec.encode_header(name, self._layout, payload, namespace)
+        path = self.path(name)
+        folder = os.path.dirname(path)
         try:
-            fd, tmp = tempfile.mkstemp(prefix=_TEMP_PREFIX, dir=self.root)
-        except FileNotFoundError:  # the directory was removed under us: recreate it once
-            os.makedirs(self.root, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=_TEMP_PREFIX, dir=self.root)
+            fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=folder)
+        except FileNotFoundError:  # a new subdirectory, or the directory was removed under us
+            os.makedirs(folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=folder)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(header)
                 f.write(payload)
             written = time.time_ns()
             os.utime(tmp, ns=(written + 1, written))
-            os.replace(tmp, self.path(name))
+            os.replace(tmp, path)
         except BaseException:
             _unlink(tmp)
             raise
-        self._own.add(name)
+        self._note_written(name, written)
         return len(header) + payload.nbytes
 
     def get(self, name: str) -> memoryview:
         path = self.path(name)
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                record = bytearray(st.st_size)
-                if f.readinto(record) != st.st_size:
-                    raise ChunkCorrupt(f"{name}: short read")
+            f = open(path, "rb")  # noqa: SIM115 - closed below
         except FileNotFoundError:
-            raise ChunkMissing(name) from None
+            path = legacy_path(self.root, name)
+            try:
+                f = open(path, "rb")  # noqa: SIM115
+            except FileNotFoundError:
+                raise ChunkMissing(name) from None
+        with f:
+            st = os.fstat(f.fileno())
+            record = bytearray(st.st_size)
+            if f.readinto(record) != st.st_size:
+                raise ChunkCorrupt(f"{name}: short read")
         try:
             return codec.decode(record, name, self._layout)
         except ChunkCorrupt:
@@ -94,41 +151,60 @@ class DiskTier:
                 _unlink_if_same(path, st.st_ino, st.st_mtime_ns)
             raise
 
-    def delete(self, name: str) -> bool:
-        """Remove the chunk unless another engine may be about to load it; False if kept."""
-        path = self.path(name)
+    def delete(self, name: str) -> bool | None:
+        """Remove the chunk unless another engine may be about to load it.
+
+        True: this call removed it; False: kept (in use); None: nothing was there (another
+        engine deleted it first)."""
+        found = self._stat(name)
+        if found is None:
+            self._written.pop(name, None)
+            return None
+        path, st = found
         if self._grace_ns:
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                self._own.discard(name)
-                return True
             recent = time.time_ns() - self._grace_ns
-            if _used_ns(st) > recent or (name not in self._own and st.st_mtime_ns > recent):
+            if _used_ns(st) > recent or (name not in self._written and st.st_mtime_ns > recent):
                 return False
-        _unlink(path)
-        self._own.discard(name)
+        self._written.pop(name, None)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return None
         return True
 
     def stored_size(self, name: str) -> int:
-        try:
-            return os.stat(self.path(name)).st_size
-        except FileNotFoundError:
-            return 0
+        found = self._stat(name)
+        return found[1].st_size if found is not None else 0
 
     def touch(self, name: str) -> None:
         """Mark the chunk as about to be loaded, so that no engine deletes it for a while."""
-        path = self.path(name)
+        found = self._stat(name)
+        if found is None:
+            return
+        path, st = found
         try:
-            st = os.stat(path)
             os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
         except FileNotFoundError:
             pass
 
+    def mark_used(self, digest: str) -> None:
+        """Replace the chunk's use mark, so that every engine's next rescan lists its directory
+        and reads the files' times again (a touch alone changes no directory)."""
+        folder = os.path.dirname(self.path(digest))
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=folder)
+        except FileNotFoundError:  # no chunk there any more
+            return
+        os.close(fd)
+        try:
+            os.replace(tmp, os.path.join(folder, USE_MARK_PREFIX + digest))
+        except OSError:
+            _unlink(tmp)
+            raise
+
     def clear(self) -> None:
-        for entry in os.scandir(self.root):
-            if _NAME.match(entry.name):
-                _unlink(entry.path)
+        for path in chunk_files(self.root):
+            _unlink(path)
 
     def probe(self) -> None:
         """Write, read back and remove a small record; raises OSError when the disk fails."""
@@ -142,38 +218,28 @@ class DiskTier:
             raise OSError(str(e)) from e
         finally:
             _unlink(self.path(name))
+            self._written.pop(name, None)
 
+    def _stat(self, name: str) -> tuple[str, os.stat_result] | None:
+        for path in (self.path(name), legacy_path(self.root, name)):
+            try:
+                return path, os.stat(path)
+            except FileNotFoundError:
+                continue
+        return None
 
-def scan(root: str, world_size: int) -> dict[str, FileInfo]:
-    """Chunks on disk for which every rank's file exists."""
-    ranks: dict[str, dict[int, os.stat_result]] = {}
-    try:
-        entries = list(os.scandir(root))
-    except FileNotFoundError:
-        return {}
-    for entry in entries:
-        m = _NAME.match(entry.name)
-        if not m:
-            continue
-        try:
-            st = entry.stat()
-        except FileNotFoundError:
-            continue
-        ranks.setdefault(m.group(1), {})[int(m.group(2))] = st
-    out: dict[str, FileInfo] = {}
-    for digest, stats in ranks.items():
-        if all(r in stats for r in range(world_size)):
-            files = [stats[r] for r in range(world_size)]
-            out[digest] = FileInfo(
-                max(s.st_size for s in files),
-                max(s.st_mtime_ns for s in files),
-                max(_used_ns(s) for s in files),
-            )
-    return out
+    def _note_written(self, name: str, written_ns: int) -> None:
+        if not self._grace_ns:
+            return
+        self._written[name] = written_ns
+        self._written.move_to_end(name)
+        expired = written_ns - self._grace_ns
+        while self._written and next(iter(self._written.values())) < expired:
+            self._written.popitem(last=False)
 
 
 def sweep_temp_files(root: str, older_than_s: float = 600.0) -> int:
-    """Remove temp files left by writers that died; returns how many were removed."""
+    """Remove temp files in the root left by writers that died (scans sweep the subdirectories)."""
     removed = 0
     cutoff = time.time() - older_than_s
     try:
@@ -181,14 +247,33 @@ def sweep_temp_files(root: str, older_than_s: float = 600.0) -> int:
     except FileNotFoundError:
         return 0
     for entry in entries:
-        if entry.name.startswith(_TEMP_PREFIX):
-            try:
-                if entry.stat().st_mtime < cutoff:
-                    os.unlink(entry.path)
-                    removed += 1
-            except FileNotFoundError:
-                pass
+        if entry.name.startswith(TEMP_PREFIX) and remove_if_older(entry, cutoff):
+            removed += 1
     return removed
+
+
+def remove_if_older(entry: os.DirEntry[str], cutoff_s: float) -> bool:
+    try:
+        st = entry.stat()
+        if st.st_mtime < cutoff_s:
+            _unlink_if_same(entry.path, st.st_ino, st.st_mtime_ns)
+            return True
+    except FileNotFoundError:
+        pass
+    return False
+
+
+def file_info(stats: list[os.stat_result], identity: int = 0) -> FileInfo:
+    """One chunk's entry from the stat results of its rank files."""
+    if len(stats) == 1:
+        (st,) = stats
+        return FileInfo(st.st_size, st.st_mtime_ns, _used_ns(st), identity)
+    return FileInfo(
+        max(s.st_size for s in stats),
+        max(s.st_mtime_ns for s in stats),
+        max(_used_ns(s) for s in stats),
+        identity,
+    )
 
 
 def _used_ns(st: os.stat_result) -> int:

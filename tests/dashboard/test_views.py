@@ -172,6 +172,24 @@ def test_tier_table_reports_fill_and_evictions():
     assert math.isnan(t.loc["disk", "fill"])
 
 
+def test_a_disk_directory_two_instances_share_counts_once_their_own_memory_adds_up():
+    shared = {"tier": "disk", "storage": "disk:1a2b3c4d"}
+    rows = []
+    for instance, cpu_used, disk_seen in (("a:1", 100, 3000), ("b:1", 200, 2900)):  # b scanned earlier
+        rows += [
+            row(0, "vllm:kvlens_tier_used_bytes", cpu_used, instance, tier="cpu"),
+            row(0, "vllm:kvlens_tier_capacity_bytes", 1000, instance, tier="cpu"),
+            row(0, "vllm:kvlens_tier_used_bytes", disk_seen, instance, **shared),
+            row(0, "vllm:kvlens_tier_capacity_bytes", 4000, instance, **shared),
+            row(0, "vllm:kvlens_tier_chunks", disk_seen // 100, instance, **shared),
+        ]
+    rows.append(row(0, "vllm:kvlens_tier_used_bytes", 500, "c:1", tier="disk", storage="disk:99999999"))
+    t = views.tier_table(frame(*rows))
+    assert t.loc["cpu", "used_bytes"] == 300 and t.loc["cpu", "capacity_bytes"] == 2000
+    assert t.loc["disk", "used_bytes"] == 3000 + 500  # the shared directory once, plus another one
+    assert t.loc["disk", "capacity_bytes"] == 4000 and t.loc["disk", "chunks"] == 30
+
+
 def test_instance_table_has_one_row_per_instance():
     f = frame(
         row(0, LOOKUPS, 100, "a:1"),

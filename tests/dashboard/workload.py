@@ -10,13 +10,15 @@ import threading
 import time
 from pathlib import Path
 
+from connector.tiers.disk import chunk_files as disk_chunk_files
 from tests.telemetry.serve import VllmServer, prompt_tokens
 
 PROMPT_TOKENS = 600  # two whole 256-token chunks and a partial one
 
 
 def chunk_files(directory: str) -> set[str]:
-    return {f for f in os.listdir(directory) if f.endswith(".kvlens")} if os.path.isdir(directory) else set()
+    """Chunk files, as paths relative to ``directory``."""
+    return {os.path.relpath(p, directory) for p in disk_chunk_files(directory)}
 
 
 def settled_chunk_files(directory: str, quiet_s: float = 1.0, timeout: float = 30.0) -> set[str]:

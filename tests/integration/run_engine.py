@@ -20,8 +20,10 @@ def damage(
     directory: str, corrupt: int, delete: int, rank: int | None = None, smallest: bool = False
 ) -> list[str]:
     """Corrupt then delete chunk files (of one rank, smallest first when asked)."""
+    from connector.tiers.disk import chunk_files
+
     suffix = ".kvlens" if rank is None else f".r{rank}.kvlens"
-    files = sorted(f for f in os.listdir(directory) if f.endswith(suffix))
+    files = [os.path.relpath(p, directory) for p in chunk_files(directory) if p.endswith(suffix)]
     if smallest:
         files.sort(key=lambda f: os.path.getsize(os.path.join(directory, f)))
     touched = []
@@ -77,6 +79,34 @@ def force_async_scheduling() -> None:
         vllm_config.scheduler_config.async_scheduling = True
 
     cpu.CpuPlatform.check_and_update_config = classmethod(keep_async)
+
+
+def settle(llm, spec: dict, flush_writes) -> None:
+    """Engines sharing a disk directory: once every engine has finished its rounds, step (a
+    3-token prompt stores nothing) until the directory has not changed for ``quiet_s`` (longer
+    than a merge waits for a change of its own to settle, 10 s), so that every engine's last
+    scans, evictions and reports have landed in what it reports."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from connector.tiers.disk import chunk_files
+
+    flush_writes()
+    open(spec["mine"], "w").close()
+    deadline = time.monotonic() + spec.get("timeout_s", 300)
+    while not all(os.path.exists(p) for p in spec["others"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the other engines never finished their rounds")
+        time.sleep(0.2)
+    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
+    seen, quiet_since = None, time.monotonic()
+    while time.monotonic() - quiet_since < spec.get("quiet_s", 13.0) and time.monotonic() < deadline:
+        time.sleep(spec.get("sleep_s", 2.0))
+        llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params, use_tqdm=False)
+        flush_writes()
+        now = set(chunk_files(spec["dir"]))
+        if now != seen:
+            seen, quiet_since = now, time.monotonic()
 
 
 def main() -> None:
@@ -182,6 +212,8 @@ def main() -> None:
         if rnd.get("reset_prefix_cache", True):
             llm.reset_prefix_cache()
         rss_mb.append(rss_megabytes())
+    if spec.get("settle"):
+        settle(llm, spec["settle"], flush_writes)
     state = {
         "failed_blocks": failed_blocks,
         "failed_blocks_by_round": failed_by_round,

@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+from connector.tiers.disk import USE_MARK_PREFIX
+
 from . import workloads as w
 from .conftest import disk_kv, expected, lmcache_tokens, outputs, run_engine
 
@@ -40,8 +42,9 @@ def test_disk_tier_supplies_prefixes_with_identical_outputs(disk_run, baseline):
 def test_chunk_files_are_whole_records(disk_run, disk_dir):
     from connector.store_records import NAMESPACE_DIR
 
-    files = os.listdir(disk_dir)
-    assert files and all(f.endswith(".kvlens") for f in files if f != NAMESPACE_DIR)  # no temp files left
+    files = [f for folder, _, names in os.walk(disk_dir) if NAMESPACE_DIR not in folder for f in names]
+    # chunk records and the marks of loads (no temp files left)
+    assert files and all(f.endswith(".kvlens") or f.startswith(USE_MARK_PREFIX) for f in files)
     assert os.listdir(os.path.join(disk_dir, NAMESPACE_DIR)) == [
         f"{s}.json" for s in _stored_namespaces(disk_dir)
     ]

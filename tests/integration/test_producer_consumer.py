@@ -1,8 +1,8 @@
 """A producer engine stores to a shared disk tier; a separate consumer engine only loads."""
 
-import os
-
 import pytest
+
+from connector.tiers.disk import chunk_files
 
 from . import workloads as w
 from .conftest import disk_kv, expected, lmcache_tokens, outputs, run_engine
@@ -24,11 +24,11 @@ def shared_runs(tiny_model, tmp_path_factory):
         },
         tmp,
     )
-    files_after_producer = sorted(os.listdir(shared))
+    files_after_producer = chunk_files(shared)
     consumer = run_engine(
         {"model": tiny_model, "kv": kv, "role": "kv_consumer", "rounds": [{"prompts": [w.A, w.C]}]}, tmp
     )
-    return producer, consumer, files_after_producer, sorted(os.listdir(shared))
+    return producer, consumer, files_after_producer, chunk_files(shared)
 
 
 def test_producer_stores_but_never_loads(shared_runs, baseline):

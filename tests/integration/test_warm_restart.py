@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from connector.tiers.disk import chunk_files
+
 from ..telemetry.serve import (
     VllmServer,
     base_env,
@@ -76,10 +78,10 @@ def restarted(tiny_model, tmp_path_factory):
     finally:
         first.stop()
     # What a kill mid-write leaves: a temp file with half a chunk (never to be read).
-    some = sorted(n for n in os.listdir(disk) if n.endswith(".kvlens"))[0]
-    half = (disk / some).read_bytes()
-    (disk / ".tmp-killed-mid-write").write_bytes(half[: len(half) // 2])
-    files_before = set(os.listdir(disk))
+    some = Path(chunk_files(str(disk))[0])
+    half = some.read_bytes()
+    (some.parent / ".tmp-killed-mid-write").write_bytes(half[: len(half) // 2])
+    files_before = {f for _, _, names in os.walk(disk) for f in names}
     second = serve(tiny_model, disk, tmp / "second.log")
     try:
         warm = [second.complete(p, max_tokens=8) for p in STORED]

@@ -20,7 +20,8 @@ from telemetry.metrics import (
     wire_key,
 )
 
-ALLOWED_LABELS = {"tier", "operation", "reason", "kind", "budget_factor"}
+# storage: one value per shared disk directory
+ALLOWED_LABELS = {"tier", "operation", "reason", "kind", "budget_factor", "storage"}
 # The info metric's labels are fixed for the life of the engine: one series per instance.
 INFO_LABELS = {
     "version",
@@ -105,14 +106,18 @@ def test_recorder_exposes_payload_as_labelled_series():
     b = StatsBuffer()
     b.inc(wire_key("load_tokens", "cpu"), 512)
     b.inc(wire_key("miss_requests", "evicted"))
-    b.set(wire_key("tier_used_bytes", "cpu"), 4096)
+    b.set(wire_key("tier_used_bytes", "cpu", ""), 4096)
+    b.set(wire_key("tier_used_bytes", "disk", "disk:1a2b3c4d"), 8192)
     b.observe("operation_seconds|lookup", 0.0003)
     rec.observe(b.take(), 0)
     got = samples(registry)
     base = (("engine", "0"), ("model_name", "tiny"))
     assert got[("vllm:kvlens_load_tokens_total", tuple(sorted(base + (("tier", "cpu"),))))] == 512
     assert got[("vllm:kvlens_miss_requests_total", tuple(sorted(base + (("reason", "evicted"),))))] == 1
-    assert got[("vllm:kvlens_tier_used_bytes", tuple(sorted(base + (("tier", "cpu"),))))] == 4096
+    cpu = tuple(sorted(base + (("storage", ""), ("tier", "cpu"))))
+    assert got[("vllm:kvlens_tier_used_bytes", cpu)] == 4096
+    disk = tuple(sorted(base + (("storage", "disk:1a2b3c4d"), ("tier", "disk"))))
+    assert got[("vllm:kvlens_tier_used_bytes", disk)] == 8192
     key = ("vllm:kvlens_operation_seconds_count", tuple(sorted(base + (("operation", "lookup"),))))
     assert got[key] == 1
 

@@ -178,7 +178,7 @@ def test_lookup_metrics_and_gauges_return_to_zero_when_drained(tmp_path, monkeyp
     first = tel.stats()
     assert first["counters"]["lookup_requests"] == 1 and first["counters"]["lookup_tokens"] == 600
     assert first["counters"]["miss_requests|not_stored"] == 1
-    assert first["gauges"]["request_trackers"] == 1 and first["gauges"]["tier_chunks|cpu"] == 2
+    assert first["gauges"]["request_trackers"] == 1 and first["gauges"]["tier_chunks|cpu|"] == 2
     assert len(first["histograms"]["operation_seconds|lookup"]) == 1
     finish(sched, tel, a)
     b = request("b", PROMPT)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from connector.tiers.disk import chunk_files as disk_chunk_files
 from telemetry.events import read_events
 
 from .serve import kv_transfer_config, prompt_tokens, sample, sum_samples, traceparent, wait_until
@@ -22,7 +23,8 @@ KV_CONFIG = kv_transfer_config(chunk_size=256, local_cpu=False, local_disk="{tmp
 
 
 def chunk_files(directory: str) -> set[str]:
-    return {f for f in os.listdir(directory) if f.endswith(".kvlens")}
+    """Chunk files, as paths relative to ``directory``."""
+    return {os.path.relpath(p, directory) for p in disk_chunk_files(directory)}
 
 
 def settled_chunk_files(directory: str, quiet_s: float = 1.0) -> set[str]:
@@ -62,7 +64,7 @@ def test_disk_hits_are_credited_to_the_disk_tier(serve_stack):
 
     wait_until(credited, what="vllm:prompt_tokens_cached_by_source{source=disk} += 512")
     after = srv.samples()
-    assert sample(after, "vllm:kvlens_tier_chunks", tier="disk") >= 2
+    assert sum_samples(after, "vllm:kvlens_tier_chunks", tier="disk") >= 2
     assert (
         sum_samples(after, "vllm:kvlens_load_tokens_total", tier="disk")
         - sum_samples(before, "vllm:kvlens_load_tokens_total", tier="disk")

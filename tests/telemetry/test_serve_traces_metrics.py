@@ -188,8 +188,8 @@ def test_kvlens_series_are_on_vllms_metrics_endpoint(serve_stack):
     # Hit rate comes from the counter pair, and vLLM credits the tokens to host memory.
     assert delta("vllm:kvlens_hit_tokens_total") / delta("vllm:kvlens_lookup_tokens_total") == 512 / 1200
     assert delta("vllm:prompt_tokens_cached_by_source_total", source="host") == 512
-    assert sample(after, "vllm:kvlens_tier_capacity_bytes", tier="cpu") == 1024**3
-    assert sample(after, "vllm:kvlens_tier_used_bytes", tier="cpu") > 0
+    assert sample(after, "vllm:kvlens_tier_capacity_bytes", tier="cpu", storage="") == 1024**3
+    assert sample(after, "vllm:kvlens_tier_used_bytes", tier="cpu", storage="") > 0
 
 
 def _abandoned_stream(srv, prompt):

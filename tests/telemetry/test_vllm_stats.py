@@ -64,6 +64,6 @@ def test_build_prom_metrics_registers_on_vllms_registry_and_observes():
         prom.observe(payload(**{wire_key("load_tokens", "disk").replace("|", "__"): 384}), 0)
         text = generate_latest(REGISTRY).decode()
         assert 'vllm:kvlens_load_tokens_total{engine="0",model_name="tiny",tier="disk"} 384.0' in text
-        assert 'vllm:kvlens_tier_capacity_bytes{engine="0",model_name="tiny",tier="cpu"} 0.0' in text
+        assert 'vllm:kvlens_evictions_total{engine="0",model_name="tiny",tier="cpu"} 0.0' in text
     finally:
         unregister_vllm_metrics()

@@ -16,6 +16,7 @@ from connector.engine.facts import EngineFacts
 from connector.engine.jobs import DISK
 from connector.kv_blocks import BlockCopier
 from connector.scheduler import ConnectorScheduler
+from connector.tiers.disk import chunk_files
 from connector.worker import ConnectorWorker
 
 from .fakes import request, step
@@ -108,11 +109,10 @@ def test_a_disk_hit_loads_outside_the_batch_and_the_request_resumes_with_it(tmp_
 def test_a_failed_asynchronous_load_reports_its_blocks_with_the_finish_and_heals(tmp_path):
     e = Engine(tmp_path)
     stored(e)
-    for name in sorted(os.listdir(tmp_path)):
-        if name.endswith(".kvlens"):
-            with open(tmp_path / name, "r+b") as f:  # every chunk turns corrupt
-                f.seek(-4, os.SEEK_END)
-                f.write(b"\xff\xff\xff\xff")
+    for path in chunk_files(str(tmp_path)):
+        with open(path, "r+b") as f:  # every chunk turns corrupt
+            f.seek(-4, os.SEEK_END)
+            f.write(b"\xff\xff\xff\xff")
     b = request("b", PROMPT)
     e.sched.lookup(b, 0)
     e.sched.after_alloc(b, 64, list(range(20, 26)))

@@ -23,6 +23,7 @@ PURE = (
     "connector.disk_sync",
     "connector.tiers.cpu",
     "connector.tiers.disk",
+    "connector.tiers.disk_scan",
     "connector.tiers.codec",
     "connector.tiers.background",
     "connector.engine.keys",

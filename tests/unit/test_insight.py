@@ -259,3 +259,26 @@ def test_without_kv_events_nothing_is_collected():
     s = scheduler()
     admit_fully(s, _hashed("a", PROMPT), blocks(0, 5))
     assert not s.block_events.enabled and s.block_events.take() == [] and len(s.block_events) == 0
+
+
+def test_chunks_another_engine_deletes_from_a_shared_disk_are_reported_removed_and_forgotten(tmp_path):
+    import time
+
+    from connector.disk_sync import ScanDelta
+    from connector.engine.block_events import BlocksRemoved
+
+    s = _events_scheduler(local_cpu=False, local_disk=str(tmp_path), max_local_disk_size=1)
+    a = _hashed("a", PROMPT)
+    admit_fully(s, a, blocks(0, 5))
+    s.finish(a)
+    stored = s.block_events.take()
+    assert len(stored) == 2 and len(s.block_events) == 2
+    watcher = s.state.disk_view._watcher  # a scan long after our writes settled sees them gone
+    watcher.take()
+    watcher._deltas.append(ScanDelta(time.time() + 60, removed=set(s.tiers["disk"].keys())))
+    s.build_plan(step())
+    removed = s.block_events.take()
+    assert {(type(e), e.medium, e.block_hashes) for e in removed} == {
+        (BlocksRemoved, "disk", e.block_hashes) for e in stored
+    }
+    assert len(s.block_events) == 0

@@ -3,6 +3,7 @@
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +12,7 @@ from connector.engine.namespace_records import NamespaceRecord
 from connector.ops.cli import main
 from connector.store_records import DiskRecords
 from connector.tiers import codec
-from connector.tiers.disk import DiskTier
+from connector.tiers.disk import DiskTier, chunk_path
 
 from .fakes import IDENTITY
 
@@ -47,7 +48,7 @@ def store(tmp_path):
     (root / f"{_digest(30)}.r0.kvlens").write_bytes(
         codec.MAGIC + len(header).to_bytes(4, "little") + header + old
     )
-    damaged = root / f"{_digest(0)}.r1.kvlens"
+    damaged = Path(chunk_path(str(root), storage_name(_digest(0), 1)))
     damaged.write_bytes(damaged.read_bytes()[:-10])
     (root / "notes.txt").write_text("not ours")
     return root
@@ -82,7 +83,7 @@ def test_inspect_text_names_what_a_person_looks_for(store, capsys):
 
 
 def test_inspect_verify_reads_payloads_and_finds_a_flipped_byte(store, capsys):
-    path = store / f"{_digest(10)}.r0.kvlens"
+    path = Path(chunk_path(str(store), storage_name(_digest(10), 0)))
     data = bytearray(path.read_bytes())
     data[-1] ^= 1
     path.write_bytes(bytes(data))
@@ -115,7 +116,8 @@ def test_clear_by_tag_by_model_and_by_fingerprint(store, capsys):
 def test_clear_all_removes_every_record_and_nothing_else(store, capsys):
     code, out, _ = _run(capsys, "clear", str(store), "--all")
     assert code == 0 and "7 chunks" in out
-    assert set(os.listdir(store)) - {".kvlens-namespaces"} == {"notes.txt"}
+    left = {f for f in os.listdir(store) if not (store / f).is_dir() or any((store / f).iterdir())}
+    assert left - {".kvlens-namespaces"} == {"notes.txt"}  # empty subdirectories of the layout stay
     assert list(DiskRecords(str(store)).chunks()) == [] and DiskRecords(str(store)).namespaces() == ([], [])
 
 

@@ -278,6 +278,7 @@ def test_damaged_records_are_rejected_and_intact_ones_read_back(payload, data):
 @given(st.binary(max_size=200))
 def test_disk_tier_turns_any_file_into_a_chunk_or_a_classified_failure(tmp_path, content):
     tier = DiskTier(str(tmp_path), LAYOUT)
+    os.makedirs(os.path.dirname(tier.path(NAME)), exist_ok=True)
     with open(tier.path(NAME), "wb") as f:
         f.write(content)
     try:

@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -7,6 +8,7 @@ from connector.tiers import disk as disk_files
 from connector.tiers.base import ChunkCorrupt, ChunkMissing, Tier
 from connector.tiers.cpu import CpuTier
 from connector.tiers.disk import DiskTier
+from connector.tiers.disk_scan import DirectoryScanner
 
 NAME = "ab" * 16 + ".r0"
 
@@ -32,8 +34,8 @@ def test_tier_contract_roundtrip_delete_clear(tier):
         tier.get(NAME)
 
 
-def _record_path(tmp_path):
-    return tmp_path / (NAME + disk_files.SUFFIX)
+def _record_path(tmp_path, name=NAME):
+    return Path(disk_files.chunk_path(str(tmp_path), name))
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "header", "empty"])
@@ -60,7 +62,8 @@ def test_record_for_another_layout_or_name_is_rejected(tmp_path):
     with pytest.raises(ChunkCorrupt):
         DiskTier(str(tmp_path), "layout-2", remove_corrupt=False).get(NAME)
     other = "cd" * 16 + ".r0"
-    os.rename(_record_path(tmp_path), tmp_path / (other + disk_files.SUFFIX))
+    os.makedirs(_record_path(tmp_path, other).parent)
+    os.rename(_record_path(tmp_path), _record_path(tmp_path, other))
     with pytest.raises(ChunkCorrupt):
         DiskTier(str(tmp_path), "layout-1").get(other)
 
@@ -75,7 +78,7 @@ def test_failed_write_leaves_no_readable_chunk(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         t.put(NAME, memoryview(b"x" * 64))
     monkeypatch.undo()
-    assert os.listdir(tmp_path) == []
+    assert [f for _, _, files in os.walk(tmp_path) for f in files] == []
     with pytest.raises(ChunkMissing):
         t.get(NAME)
 
@@ -87,7 +90,8 @@ def test_scan_sees_complete_chunks_only(tmp_path):
         t.put(f"{a}.r{rank}", memoryview(b"x" * 64))
     t.put(f"{b}.r0", memoryview(b"x" * 64))
     (tmp_path / ".tmp-half-written").write_bytes(b"junk")
-    found = disk_files.scan(str(tmp_path), world_size=2)
+    (_record_path(tmp_path, a).parent / ".tmp-half-written").write_bytes(b"junk")
+    found = DirectoryScanner(str(tmp_path), world_size=2).scan().added
     assert list(found) == [a] and found[a].nbytes > 64
 
 
@@ -152,14 +156,14 @@ def test_a_chunk_another_engine_is_about_to_load_is_not_deleted(tmp_path):
     )  # written long ago
     t.touch(NAME)  # a lookup on another engine pinned it
     assert t.delete(NAME) is False and _record_path(tmp_path).exists()
-    assert disk_files.scan(str(tmp_path), 1)[NAME.split(".")[0]].used_ns > 0
+    assert DirectoryScanner(str(tmp_path), 1).scan().added[NAME.split(".")[0]].used_ns > 0
     assert DiskTier(str(tmp_path), "layout-1", grace_s=0).delete(NAME) is True
 
 
 def test_probe_writes_reads_and_cleans_up(tmp_path):
     t = DiskTier(str(tmp_path), "layout-1")
     t.probe()
-    assert os.listdir(tmp_path) == []
+    assert [f for _, _, files in os.walk(tmp_path) for f in files] == []
 
 
 def test_a_chunk_another_engine_wrote_recently_is_not_deleted_but_our_own_is(tmp_path):

@@ -74,7 +74,7 @@ def test_store_then_load_roundtrip_through_cpu_and_disk(tmp_path):
     w = worker(caches, tmp_path)
     w.save(StepPlan(writes=[StoreJob("a", NAME, (2, 5), (CPU, DISK), 32)]))
     w.flush()
-    assert os.path.exists(os.path.join(tmp_path, f"{NAME}.r0{disk_files.SUFFIX}"))
+    assert os.path.exists(disk_files.chunk_path(str(tmp_path), f"{NAME}.r0"))
     expected = [caches[n][[2, 5]].clone() for n in caches]
     for tier in (CPU, DISK):
         for t in caches.values():
@@ -111,7 +111,7 @@ def test_corrupt_chunk_fails_its_blocks_and_every_later_chunk(tmp_path):
         )
     )
     w.flush()
-    path = os.path.join(tmp_path, f"{NAME}.r0{disk_files.SUFFIX}")
+    path = disk_files.chunk_path(str(tmp_path), f"{NAME}.r0")
     with open(path, "r+b") as f:
         f.seek(-1, os.SEEK_END)
         f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
@@ -194,7 +194,7 @@ def test_a_store_computed_over_a_block_that_failed_to_load_in_the_step_is_withdr
         (other, DISK, FailureReason.DEPENDENCY_FAILED),
     ]
     w.flush()
-    assert not os.path.exists(os.path.join(tmp_path, f"{other}.r0{disk_files.SUFFIX}"))
+    assert not os.path.exists(disk_files.chunk_path(str(tmp_path), f"{other}.r0"))
     assert w.tiers[CPU].used_bytes == 2 * LAYERS * w.copier.block_bytes  # only c's chunk
     report = w.take_report()
     assert len(report.store_failures) == 2 and report.loads["b"].failed_block_ids == [8, 9]
