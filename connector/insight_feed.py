@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from .engine.prefill_cost import PrefillCostMeter
+from .engine.snapshots import InsightSnapshot, WhatIfPoint
 from .engine.tracker import LookupResult
 from .engine.whatif import WhatIfTracker
 from .instance_info import instance_info
@@ -27,7 +28,7 @@ class InsightFeed:
         self.whatif = WhatIfTracker(capacities) if capacities else None
         if self.whatif is not None:
             self.whatif.start()
-        self._whatif_gauges: dict[str, float] = {}
+        self._whatif_points: tuple[WhatIfPoint, ...] = ()
         self._whatif_at = float("-inf")
         self._advice: dict[str, str] = {}
         self.prefill_cost = PrefillCostMeter()
@@ -79,25 +80,20 @@ class InsightFeed:
         saved, self._saved_seconds = self._saved_seconds, {}
         return saved
 
-    def gauges(self) -> dict[str, float]:
+    def snapshot(self) -> InsightSnapshot:
         """The instance's identity, the what-if curves (read at most once a second) and the
         measured prefill cost per token."""
-        out: dict[str, float] = {self.info: 1}
-        cost = self.prefill_cost.seconds_per_token
-        if cost is not None:
-            out["prefill_seconds_per_token"] = cost
         if self.whatif is not None:
             now = self._s.clock()
             if now - self._whatif_at >= WHATIF_GAUGE_S:
                 self._whatif_at = now
-                self._whatif_gauges = {
-                    f"whatif_hit_ratio|{tier}|{factor:g}": round(ratio, 4)
+                self._whatif_points = tuple(
+                    WhatIfPoint(tier, factor, round(ratio, 4))
                     for tier, curve in self.whatif.snapshot().items()
                     for factor, ratio in curve.items()
-                }
+                )
                 self._log_advice()
-            out.update(self._whatif_gauges)
-        return out
+        return InsightSnapshot(self.info, self.prefill_cost.seconds_per_token, self._whatif_points)
 
     def _log_advice(self) -> None:
         """One log line when a tier's sizing advice changes."""

@@ -202,7 +202,11 @@ class KVLensConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             sched = self._scheduler
             data = self._scheduler_telemetry.stats(
-                sched.sizes(), not sched.unfinished, sched.take_evictions(), sched.take_saved_seconds()
+                sched.sizes(),
+                sched.insight_snapshot(),
+                not sched.unfinished,
+                sched.take_evictions(),
+                sched.take_saved_seconds(),
             )
         else:
             data = self._worker_telemetry.stats()

@@ -22,6 +22,7 @@ from .config import KVLensConfig
 from .engine.facts import EngineFacts
 from .engine.jobs import REMOTE, StepPlan
 from .engine.outcomes import LookupOutcome, RequestSummary, TierState, WorkerReport
+from .engine.snapshots import InsightSnapshot, SchedulerSizes, TierGauge
 from .engine.tracker import StorePolicy
 from .insight_feed import InsightFeed
 from .prefix_lookup import PrefixLookup
@@ -153,32 +154,37 @@ class ConnectorScheduler:
         self.insight.shutdown()
         self.state.shutdown()
 
-    def sizes(self) -> dict[str, int]:
+    def sizes(self) -> SchedulerSizes:
         """Internal sizes, for leak-spotting gauges."""
-        out = {
-            "request_trackers": len(self.trackers),
-            "load_specs": len(self.lookups),
-            "unfinished_requests": len(self.unfinished),
-            "pinned_requests": len(self.pins),
-            "pending_saves": sum(
+        return SchedulerSizes(
+            request_trackers=len(self.trackers),
+            load_specs=len(self.lookups),
+            unfinished_requests=len(self.unfinished),
+            pinned_requests=len(self.pins),
+            pending_saves=sum(
                 1 for t in self.trackers.values() if t.save_skip_reason is None and not t.prefill_done
             ),
-            "suspect_blocks": len(self.suspects),
-        }
-        for name, tier in self.tiers.items():
-            out[f"tier_chunks|{name}"] = len(tier)
-            out[f"tier_used_bytes|{name}"] = tier.used_bytes
-            out[f"tier_capacity_bytes|{name}"] = tier.capacity_bytes
-            out[f"pinned_chunks|{name}"] = tier.pinned_keys
-            out[f"pinned_bytes|{name}"] = tier.pinned_bytes
-            out[f"tier_health|{name}"] = self.tier_states[name].level
-        if REMOTE in self.tier_states:
-            state = self.tier_states[REMOTE]
-            if self.remote is not None and not self.remote.health.usable():
-                state = TierState.SKIPPED
-            out["tier_health|remote"] = state.level
-        out.update(self.insight.gauges())
-        return out
+            suspect_blocks=len(self.suspects),
+            tiers=tuple(self._tier_gauge(name) for name in self.tier_states),
+        )
 
-    def insight_gauges(self) -> dict[str, float]:
-        return self.insight.gauges()
+    def _tier_gauge(self, name: str) -> TierGauge:
+        state = self.tier_states[name]
+        if name == REMOTE and self.remote is not None and not self.remote.health.usable():
+            state = TierState.SKIPPED  # lookups cannot reach it
+        index = self.tiers.get(name)
+        if index is None:
+            return TierGauge(name, state)
+        return TierGauge(
+            name,
+            state,
+            len(index),
+            index.used_bytes,
+            index.capacity_bytes,
+            index.pinned_keys,
+            index.pinned_bytes,
+        )
+
+    def insight_snapshot(self) -> InsightSnapshot:
+        """The what-if curves, the measured prefill cost and the instance's identity."""
+        return self.insight.snapshot()

@@ -30,6 +30,7 @@ from .engine.outcomes import (
     TierState,
     WorkerReport,
 )
+from .engine.snapshots import WorkerSizes
 from .kv_blocks import BlockCopier
 from .layer_copies import BlockGather, BlockLoad, CopyThread, StepCopies
 from .payload_pool import PayloadPool
@@ -441,17 +442,15 @@ class ConnectorWorker:
     def tier_states(self) -> dict[str, TierState]:
         return {name: h.state for name, h in self.health.items()}
 
-    def sizes(self) -> dict[str, int]:
+    def sizes(self) -> WorkerSizes:
         """Internal sizes, for leak-spotting gauges."""
-        out = {
-            "invalid_block_ids": len(self._failed_blocks),
-            "pending_writes": sum(t.pending for t in self._background),
-            "reusable_buffer_bytes": self._pool.bytes,
-        }
         cpu = self.tiers.get(CPU)
-        if isinstance(cpu, CpuTier):
-            out["tier_stored_bytes|cpu"] = cpu.used_bytes
-        return out
+        return WorkerSizes(
+            invalid_block_ids=len(self._failed_blocks),
+            pending_writes=sum(t.pending for t in self._background),
+            reusable_buffer_bytes=self._pool.bytes,
+            cpu_tier_bytes=cpu.used_bytes if isinstance(cpu, CpuTier) else None,
+        )
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait for every queued background write and delete (tests, shutdown)."""

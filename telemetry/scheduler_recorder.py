@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import remote_calls
 from . import tracing as tr
+from .encoding import scheduler_gauges
 from .events import EventLog, load_failed_event
 from .metrics import LocalExporter, StatsBuffer, wire_key
 from .request_log import RequestLog, request_record
@@ -25,6 +26,7 @@ from .settings import TelemetrySettings
 
 if TYPE_CHECKING:  # the connector's outcome types; telemetry only reads their fields
     from connector.engine.outcomes import LoadOutcome, LookupOutcome, RequestSummary, StoreFailure
+    from connector.engine.snapshots import InsightSnapshot, SchedulerSizes
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -240,7 +242,8 @@ class SchedulerRecorder:
 
     def stats(
         self,
-        sizes: Mapping[str, float],
+        sizes: SchedulerSizes,
+        insight: InsightSnapshot | None,
         idle: bool,
         evictions: Mapping[str, int],
         saved_seconds: Mapping[str, float] | None = None,
@@ -253,7 +256,7 @@ class SchedulerRecorder:
         if now - self._gauges_at >= GAUGE_INTERVAL_S or idle:
             self._gauges_at = now  # exact whenever nothing runs, so a drained engine shows zeros
             open_requests = len(self._timings) + len(self._lookup_ms)
-            self._set_gauges({**sizes, "telemetry_open_requests": open_requests})
+            self._set_gauges({**scheduler_gauges(sizes, insight), "telemetry_open_requests": open_requests})
         for tier, n in evictions.items():
             self._buffer.inc(wire_key("evictions", tier), n)
         for tier, seconds in (saved_seconds or {}).items():

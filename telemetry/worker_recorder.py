@@ -17,12 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from . import remote_calls
 from . import tracing as tr
+from .encoding import worker_gauges
 from .metrics import StatsBuffer, rank_key, wire_key
 from .settings import TelemetrySettings
 
 if TYPE_CHECKING:
     from connector.engine.jobs import LoadJob, StepPlan
     from connector.engine.outcomes import LoadOutcome, StoreFailure
+    from connector.engine.snapshots import WorkerSizes
 
 MAX_OPEN_STORE_RECORDS = 100_000  # safety net: a request never reported finished
 GAUGE_INTERVAL_S = 0.1
@@ -48,7 +50,7 @@ class WorkerRecorder:
         settings: TelemetrySettings,
         rank: int,
         block_nbytes: int,
-        sizes: Callable[[], dict[str, int]] | None = None,
+        sizes: Callable[[], WorkerSizes] | None = None,
         background_calls: Callable[[], list[Any]] | None = None,
     ) -> None:
         self._settings = settings
@@ -246,7 +248,7 @@ class WorkerRecorder:
         now = time.monotonic()
         if self._sizes is not None and now - self._gauges_at >= GAUGE_INTERVAL_S:
             self._gauges_at = now
-            for key, value in self._sizes().items():
+            for key, value in worker_gauges(self._sizes()).items():
                 if self._last_gauges.get(key) != value:
                     self._last_gauges[key] = value
                     self._buffer.set(rank_key(key, self._rank), value)

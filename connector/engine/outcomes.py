@@ -67,16 +67,21 @@ class TierState(str, Enum):
         return {TierState.HEALTHY: 2, TierState.FAILING: 1, TierState.SKIPPED: 0}[self]
 
 
+REMOTE_OPERATIONS = ("exists", "get", "put", "delete")  # a RemoteCall's operation
+# RemoteUnavailable.kind (tiers/redis_tier.py); "error" for anything else
+REMOTE_ERROR_KINDS = ("timeout", "connection", "auth", "oom", "readonly", "cluster", "loading", "error")
+
+
 @dataclass(frozen=True, slots=True)
 class RemoteCall:
     """One round trip to the remote tier (for child spans and latency metrics)."""
 
-    operation: str  # exists, get, put
+    operation: str  # one of REMOTE_OPERATIONS
     start_ns: int
     end_ns: int
     keys: int
     nbytes: int = 0
-    error: str | None = None  # RemoteUnavailable.kind (timeout, connection, oom, ...)
+    error: str | None = None  # one of REMOTE_ERROR_KINDS
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,9 @@ class Wired:
 
     def stats(self):
         s = self.sched
-        return self.rec.stats(s.sizes(), not s.unfinished, s.take_evictions(), s.take_saved_seconds())
+        return self.rec.stats(
+            s.sizes(), s.insight_snapshot(), not s.unfinished, s.take_evictions(), s.take_saved_seconds()
+        )
 
 
 def make(tmp_path, tracing_on=False, metrics=True, recompute=True, **env):

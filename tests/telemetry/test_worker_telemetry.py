@@ -6,6 +6,7 @@ from opentelemetry.trace import StatusCode
 
 from connector.engine.jobs import ChunkLoad, LoadJob, StepPlan, StoreJob
 from connector.engine.outcomes import ChunkLoadResult, FailureReason, LoadOutcome, StoreFailure
+from connector.engine.snapshots import WorkerSizes
 from telemetry import tracing
 from telemetry.settings import TelemetrySettings
 from telemetry.worker_recorder import WorkerRecorder
@@ -110,11 +111,15 @@ def test_off_means_no_records_and_no_stats(spans):
 
 def test_worker_gauges_are_shipped_when_they_change(monkeypatch):
     monkeypatch.setattr("telemetry.worker_recorder.GAUGE_INTERVAL_S", 0.0)
-    sizes = {"invalid_block_ids": 0}
-    tel = make(rank=1, tracing_on=False, sizes=lambda: dict(sizes))
-    assert tel.stats()["gauges"] == {"invalid_block_ids#1": 0}  # per rank: summed on /metrics
+    sizes = [WorkerSizes(0, 0, 0)]
+    tel = make(rank=1, tracing_on=False, sizes=lambda: sizes[0])
+    assert tel.stats()["gauges"] == {  # per rank: summed on /metrics
+        "invalid_block_ids#1": 0,
+        "pending_writes#1": 0,
+        "reusable_buffer_bytes#1": 0,
+    }
     assert tel.stats() is None
-    sizes["invalid_block_ids"] = 4
+    sizes[0] = WorkerSizes(4, 0, 0)
     assert tel.stats()["gauges"] == {"invalid_block_ids#1": 4}
 
 

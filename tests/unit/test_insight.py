@@ -137,25 +137,27 @@ def test_lookups_and_stores_feed_the_whatif_curve_and_its_gauges():
             admit_fully(s, r, blocks(0, 4))
             s.finish(r)
     s.whatif.drain()
-    gauges = {k: v for k, v in s.insight_gauges().items() if k.startswith("whatif")}
-    assert set(gauges) == {
-        f"whatif_hit_ratio|cpu|{f}" for f in ("0.125", "0.25", "0.5", "1", "2", "4", "8", "16")
-    }
+    points = {(p.tier, p.budget_factor): p.hit_ratio for p in s.insight_snapshot().whatif}
+    assert set(points) == {(CPU, f) for f in (0.125, 0.25, 0.5, 1, 2, 4, 8, 16)}
     # a cyclic scan over 12 chunks: LRU of 4 hits nothing, 16 chunks (4x) holds them all
-    assert gauges["whatif_hit_ratio|cpu|1"] == pytest.approx(0.0, abs=0.01)
-    assert gauges["whatif_hit_ratio|cpu|4"] == pytest.approx(2 / 3, abs=0.02)  # all but round 1
+    assert points[CPU, 1.0] == pytest.approx(0.0, abs=0.01)
+    assert points[CPU, 4.0] == pytest.approx(2 / 3, abs=0.02)  # all but round 1
     s.shutdown()
 
 
 def test_the_info_gauge_names_what_decides_sharing(tmp_path):
     s = scheduler(local_disk=str(tmp_path), max_local_disk_size=1)
-    (info,) = [k for k in s.insight_gauges() if k.startswith("info|")]
-    _, version, chunk, fingerprint, tiers, role, storage, model, quantization, kv_dtype = info.split("|")
-    assert chunk == "256" and len(fingerprint) == 12 and tiers == "cpu+disk" and role == "kv_both"
-    assert storage.startswith("disk:") and str(tmp_path) not in storage
-    assert (model, quantization, kv_dtype) == ("ckpt:0123456789abcdef", "none", "auto")
+    info = s.insight_snapshot().info
+    assert info.chunk_size == 256 and len(info.key_fingerprint) == 12
+    assert info.tiers == "cpu+disk" and info.role == "kv_both"
+    assert info.storage.startswith("disk:") and str(tmp_path) not in info.storage
+    assert (info.model_identity, info.quantization, info.kv_cache_dtype) == (
+        "ckpt:0123456789abcdef",
+        "none",
+        "auto",
+    )
     other = scheduler(local_disk=str(tmp_path), max_local_disk_size=1)
-    assert [k for k in other.insight_gauges() if k.startswith("info|")] == [info]
+    assert other.insight_snapshot().info == info
 
 
 # ---- what did it save --------------------------------------------------------------------
@@ -183,7 +185,7 @@ def test_loaded_tokens_are_priced_at_the_measured_cost_per_tier():
     s.build_plan(step(new=[(a, blocks(0, 5), 0)], num_scheduled={"a": 600}))
     clock.now += 0.6  # the cold prefill of 600 tokens
     s.build_plan(step(cached=[("a", None, 600, False)], num_scheduled={"a": 1}))
-    assert s.insight_gauges()["prefill_seconds_per_token"] == pytest.approx(0.001)
+    assert s.insight_snapshot().prefill_seconds_per_token == pytest.approx(0.001)
     s.finish(a)
     b = request("b", PROMPT)
     need, plan = admit_fully(s, b, blocks(10, 5))
