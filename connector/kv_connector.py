@@ -20,6 +20,7 @@ from telemetry import vllm_stats as telemetry
 
 from .config import load_config
 from .engine.jobs import CPU, DISK, REMOTE, StepPlan
+from .engine.snapshots import KnownLabels
 from .metadata import KVLensMetadata, KVLensWorkerMetadata
 from .scheduler import ConnectorScheduler
 from .vllm_compat import engine_facts, kv_cache_events, model_identity, worker_rank
@@ -63,7 +64,7 @@ class KVLensConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler(config, facts)
             self._scheduler_telemetry = telemetry.scheduler_recorder(
-                vllm_config, facts.engine_id, facts.block_size, config.tier_names()
+                vllm_config, facts.engine_id, facts.block_size, KnownLabels.for_tiers(config.tier_names())
             )
         elif role == KVConnectorRole.WORKER:
             self._worker = ConnectorWorker(config, facts, worker_rank())
@@ -230,5 +231,5 @@ class KVLensConnector(KVConnectorBase_V1):
             logger.debug("KVLens: no tiers for metrics: %s", e)
             tiers = ()
         return telemetry.KVLensPromMetrics(
-            vllm_config, metric_types, labelnames, per_engine_labelvalues, tiers
+            vllm_config, metric_types, labelnames, per_engine_labelvalues, KnownLabels.for_tiers(tiers)
         )

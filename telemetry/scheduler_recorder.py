@@ -26,7 +26,7 @@ from .settings import TelemetrySettings
 
 if TYPE_CHECKING:  # the connector's outcome types; telemetry only reads their fields
     from connector.engine.outcomes import LoadOutcome, LookupOutcome, RequestSummary, StoreFailure
-    from connector.engine.snapshots import InsightSnapshot, SchedulerSizes
+    from connector.engine.snapshots import InsightSnapshot, KnownLabels, SchedulerSizes
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -67,10 +67,10 @@ class SchedulerRecorder:
         engine: str,
         block_size: int,
         recompute_on_failure: bool,
-        tiers: tuple[str, ...],
+        known: KnownLabels | None = None,
     ) -> None:
         self._settings = settings
-        self._exporter = _start_exporter(settings.metrics_port, model_name, engine, tiers)
+        self._exporter = _start_exporter(settings.metrics_port, model_name, engine, known)
         self._model, self._engine = model_name, engine
         self._block_size = block_size
         self._recompute = recompute_on_failure
@@ -287,13 +287,13 @@ class SchedulerRecorder:
 
 
 def _start_exporter(
-    port: int | None, model: str, engine: str, tiers: tuple[str, ...]
+    port: int | None, model: str, engine: str, known: KnownLabels | None
 ) -> LocalExporter | None:
     """The optional localhost exporter; a busy port costs the exporter, never the engine."""
     if not port:
         return None
     try:
-        return LocalExporter(port, model, engine, tiers)
+        return LocalExporter(port, model, engine, known)
     except OSError as e:
         logger.warning("KVLens: no metrics exporter on 127.0.0.1:%d: %s", port, e)
         return None

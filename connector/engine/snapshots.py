@@ -99,6 +99,7 @@ class KnownLabels:
     """
 
     tiers: tuple[str, ...]
+    indexed_tiers: tuple[str, ...] = ()  # tiers whose chunks the scheduler indexes (not remote)
     failure_reasons: tuple[str, ...] = tuple(r.value for r in FailureReason)
     miss_reasons: tuple[str, ...] = tuple(r.value for r in MissReason)
     save_skip_reasons: tuple[str, ...] = tuple(r.value for r in SaveSkipReason)
@@ -110,6 +111,7 @@ class KnownLabels:
         remote = "remote" in tiers
         return cls(
             tiers,
+            tuple(t for t in tiers if t != "remote"),
             remote_operations=REMOTE_OPERATIONS if remote else (),
             remote_error_kinds=REMOTE_ERROR_KINDS if remote else (),
         )

@@ -82,7 +82,7 @@ def exposed(payloads: list[dict]) -> tuple[set, set]:
     """Sample values and label values on a registry fed with ``payloads``."""
     registry = CollectorRegistry()
     types_ = {c: partial(c, registry=registry) for c in (Counter, Gauge, Histogram)}
-    rec = PromRecorder(types_, ["model_name", "engine"], {0: ["m", "0"]}, (), registry)
+    rec = PromRecorder(types_, ["model_name", "engine"], {0: ["m", "0"]}, None, registry)
     for data in payloads:
         rec.observe(data, 0)
     text = generate_latest(registry).decode()
@@ -103,7 +103,7 @@ def test_every_field_of_the_schedulers_records_reaches_a_series():
     filler = Filler()
     sizes = filler.build(snapshots.SchedulerSizes)
     insight = filler.build(snapshots.InsightSnapshot)
-    rec = SchedulerRecorder(SETTINGS, "m", "0", 128, True, ())
+    rec = SchedulerRecorder(SETTINGS, "m", "0", 128, True)
     payload = rec.stats(sizes, insight, True, {}, {})
     values, labels = exposed([payload])
     missing = shows(filler.expected, values, labels)

@@ -10,6 +10,7 @@ from connector.config import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU
 from connector.engine.outcomes import ChunkLoadResult, FailureReason, LoadOutcome, StoreFailure, WorkerReport
+from connector.engine.snapshots import KnownLabels
 from connector.scheduler import ConnectorScheduler
 from telemetry import tracing
 from telemetry.scheduler_recorder import SchedulerRecorder
@@ -68,7 +69,9 @@ def make(tmp_path, tracing_on=False, metrics=True, recompute=True, **env):
             **env,
         },
     )
-    w = Wired(sched, SchedulerRecorder(settings, "tiny", "0", BLOCK, recompute, ("cpu",)))
+    w = Wired(
+        sched, SchedulerRecorder(settings, "tiny", "0", BLOCK, recompute, KnownLabels.for_tiers(("cpu",)))
+    )
     return w, w
 
 
