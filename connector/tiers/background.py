@@ -226,10 +226,11 @@ class BackgroundTier:
 
         The reads share one deadline of ``timeout_s`` from the call; one that misses it
         yields a ``TimeoutError``. A tier that reads in batches (one pipelined round trip
-        per node) is asked once for all of them.
+        per node) is asked once for all of them, a single name too, so that every round trip
+        is logged.
         """
         deadline = time.monotonic() + self.timeout_s
-        if self._batched and len(names) > 1:
+        if self._batched and names:
             batch = self._submit(lambda: self._read_batch(list(names)))
             try:
                 results = batch.result(timeout=self.timeout_s)
