@@ -161,6 +161,7 @@ class KVLensConnector(KVConnectorBase_V1):
             report = meta.report
             recomputed = self._scheduler.on_worker_report(report)
             self._scheduler_telemetry.loads_reported(report.loads, recomputed, report.store_failures)
+            self._scheduler_telemetry.traffic_reported(report.traffic)
             self._scheduler_telemetry.requests_done(self._scheduler.take_done())
         stats = connector_output.kv_connector_stats
         self._scheduler_telemetry.on_worker_stats(stats.data if stats is not None else None)

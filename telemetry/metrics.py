@@ -144,10 +144,34 @@ _DEFINITIONS = (
         ("operation", "tier", "reason"),
         domains=("chunk_operations", "tiers", "failure_reasons"),
     ),
-    # stores (workers)
-    Metric("store_chunks", COUNTER, "Chunks KVLens stored, by tier.", ("tier",)),
-    Metric("store_tokens", COUNTER, "Tokens whose KV KVLens stored, by tier.", ("tier",)),
-    Metric("store_bytes", COUNTER, "Bytes of KV KVLens stored, by tier (all ranks).", ("tier",)),
+    # stores (workers, through the scheduler): counted once the tier holds them
+    Metric(
+        "store_chunks",
+        COUNTER,
+        "Chunks written to each tier, counted once the tier holds them (CPU at once, disk and remote "
+        "when the background write returned); failed or dropped writes are failed_chunks instead.",
+        ("tier",),
+    ),
+    Metric("store_tokens", COUNTER, "Tokens of the chunks in store_chunks, by tier.", ("tier",)),
+    Metric("store_bytes", COUNTER, "Bytes of the chunks in store_chunks, by tier (all ranks).", ("tier",)),
+    # where the bytes move, per stage and tier: throughput = transfer_bytes / transfer_seconds
+    Metric(
+        "transfer_bytes",
+        COUNTER,
+        "Bytes moved, by stage (gather: KV cache to a host buffer; write: to disk/remote; read: from "
+        "disk/remote; copy: into the KV cache) and tier. A gather feeding several tiers counts under "
+        "each. All ranks.",
+        ("stage", "tier"),
+        domains=("transfer_stages", "tiers"),
+    ),
+    Metric(
+        "transfer_seconds",
+        COUNTER,
+        "Time the bytes of transfer_bytes took to move, by stage and tier (rank-seconds; a tier's "
+        "overlapping reads count once).",
+        ("stage", "tier"),
+        domains=("transfer_stages", "tiers"),
+    ),
     # both
     Metric(
         "operation_seconds",

@@ -25,7 +25,13 @@ from .request_log import RequestLog, request_record
 from .settings import TelemetrySettings
 
 if TYPE_CHECKING:  # the connector's outcome types; telemetry only reads their fields
-    from connector.engine.outcomes import LoadOutcome, LookupOutcome, RequestSummary, StoreFailure
+    from connector.engine.outcomes import (
+        LoadOutcome,
+        LookupOutcome,
+        RequestSummary,
+        StoreFailure,
+        TierTraffic,
+    )
     from connector.engine.snapshots import InsightSnapshot, KnownLabels, SchedulerSizes
 
 logger = logging.getLogger("vllm.kvlens")
@@ -181,6 +187,19 @@ class SchedulerRecorder:
         if self._metrics:
             for f in store_failures:
                 self._buffer.inc(wire_key("failed_chunks", "store", f.tier, f.reason.value))
+
+    def traffic_reported(self, traffic: Mapping[str, TierTraffic]) -> None:
+        """Stores the tiers now hold and the bytes that moved for them, from the workers' report."""
+        if not self._metrics:
+            return
+        b = self._buffer
+        for tier, t in traffic.items():
+            b.inc(wire_key("store_chunks", tier), t.stored_chunks)
+            b.inc(wire_key("store_tokens", tier), t.stored_tokens)
+            b.inc(wire_key("store_bytes", tier), t.stored_bytes)
+            for stage, moved in t.moved.items():
+                b.inc(wire_key("transfer_bytes", stage.value, tier), moved.nbytes)
+                b.inc(wire_key("transfer_seconds", stage.value, tier), moved.seconds)
 
     def _count_load(self, outcome: LoadOutcome, affected: int) -> None:
         b = self._buffer

@@ -1,11 +1,11 @@
-"""Telemetry of a worker: load and store spans, store metrics, this rank's gauges.
+"""Telemetry of a worker: load and store spans, remote round trips, this rank's gauges.
 
 A load span is cut per request out of the step's loads. A request's stores spread over
 several steps (chunked prefill, decode saves); they accumulate into one record that becomes
 one ``kvlens.store`` span and one store-latency observation when the worker learns the
-request finished (``get_finished``) or at shutdown. Token and chunk counters come from rank
-0 only, so tensor parallelism does not multiply them; bytes come from every rank (each moves
-its own share), and gauges are reported per rank and summed.
+request finished (``get_finished``) or at shutdown. What the tiers hold and the bytes moved
+are counted by the scheduler's recorder from the workers' report, once a write has landed
+(``SchedulerRecorder.traffic_reported``). Gauges are reported per rank and summed.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from . import remote_calls
 from . import tracing as tr
 from .encoding import worker_gauges
-from .metrics import StatsBuffer, rank_key, wire_key
+from .metrics import StatsBuffer, rank_key
 from .settings import TelemetrySettings
 
 if TYPE_CHECKING:
@@ -159,19 +159,9 @@ class WorkerRecorder:
         for job, nbytes in zip(stores, sizes, strict=True):
             duration = elapsed * nbytes // total
             ok = [tier for tier in job.tiers if (job.name, tier) not in failed]
-            if self._metrics:
-                self._count_store(job.num_tokens, nbytes, ok)
             self._record_store(job, nbytes, ok, t, t + duration, job.request_id not in seen)
             seen.add(job.request_id)
             t += duration
-
-    def _count_store(self, tokens: int, nbytes: int, tiers: list[str]) -> None:
-        b = self._buffer
-        for tier in tiers:
-            b.inc(wire_key("store_bytes", tier), nbytes)
-            if self._counts_tokens:
-                b.inc(wire_key("store_chunks", tier))
-                b.inc(wire_key("store_tokens", tier), tokens)
 
     def _record_store(
         self, job: Any, nbytes: int, ok: list[str], start: int, end: int, new_step: bool

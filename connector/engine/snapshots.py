@@ -16,6 +16,7 @@ from .outcomes import (
     FailureReason,
     MissReason,
     SaveSkipReason,
+    Stage,
     TierState,
 )
 
@@ -103,6 +104,7 @@ class KnownLabels:
     failure_reasons: tuple[str, ...] = tuple(r.value for r in FailureReason)
     miss_reasons: tuple[str, ...] = tuple(r.value for r in MissReason)
     save_skip_reasons: tuple[str, ...] = tuple(r.value for r in SaveSkipReason)
+    transfer_stages: tuple[str, ...] = tuple(s.value for s in Stage)
     remote_operations: tuple[str, ...] = ()
     remote_error_kinds: tuple[str, ...] = ()
 

@@ -21,7 +21,7 @@ from telemetry.metrics import (
     wire_key,
 )
 
-ALLOWED_LABELS = {"tier", "operation", "reason", "kind", "budget_factor"}
+ALLOWED_LABELS = {"tier", "operation", "reason", "kind", "budget_factor", "stage"}
 # The info metric's labels are fixed for the life of the engine: one series per instance.
 INFO_LABELS = {
     "version",

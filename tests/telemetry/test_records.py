@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from connector.engine import snapshots
-from connector.engine.outcomes import TierState
+from connector.engine.outcomes import Stage, TierState, TierTraffic
 from telemetry.metrics import METRICS, RANK_SEP, SEP, PromRecorder
 from telemetry.scheduler_recorder import SchedulerRecorder
 from telemetry.settings import TelemetrySettings
@@ -116,6 +116,23 @@ def test_every_field_of_the_workers_records_reaches_a_series():
     rec = WorkerRecorder(SETTINGS, rank=0, block_nbytes=1, sizes=lambda: sizes)
     values, labels = exposed([rec.stats()])
     assert not shows(filler.expected, values, labels)
+
+
+def test_every_field_of_a_tiers_traffic_reaches_a_series():
+    traffic = TierTraffic(7001, 7014, 7027)
+    for i, stage in enumerate(Stage):
+        traffic.add_moved(stage, 8001 + 13 * i, 0.5 + i)
+    rec = SchedulerRecorder(SETTINGS, "m", "0", 128, True)
+    rec.traffic_reported({"disk": traffic})
+    values, labels = exposed([rec.stats(snapshots.SchedulerSizes(0, 0, 0, 0, 0, 0), None, True, {}, {})])
+    expected = [(f, getattr(traffic, f)) for f in ("stored_chunks", "stored_tokens", "stored_bytes")]
+    for stage, moved in traffic.moved.items():
+        expected += [
+            (f"{stage}.nbytes", moved.nbytes),
+            (f"{stage}.seconds", moved.seconds),
+            (stage, stage.value),
+        ]
+    assert not shows(expected, values, labels)
 
 
 def test_every_record_type_is_checked_here():

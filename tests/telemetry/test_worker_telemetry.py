@@ -52,12 +52,7 @@ def test_failed_store_marks_the_span_and_is_not_counted_as_stored(spans):
         tel.now(),
         [StoreFailure("a", "c0", "disk", FailureReason.IO_ERROR, "OSError: disk full")],
     )
-    data = tel.stats()
-    assert data["counters"] == {
-        "store_bytes|cpu": 2 * BLOCK_NBYTES,
-        "store_chunks|cpu": 1,
-        "store_tokens|cpu": 256,
-    }
+    assert tel.stats() is None  # stores are counted once a tier holds them (the workers' report)
     tel.finished(["a"])
     (span,) = spans.get_finished_spans()
     assert span.status.status_code is StatusCode.ERROR and span.attributes[tracing.A_FAILED_CHUNKS] == 1
@@ -94,12 +89,6 @@ def test_load_span_per_request_with_failure_details(spans):
     )
     (event,) = second.events
     assert list(event.attributes[tracing.A_BLOCK_IDS]) == [5, 6, 7, 8]
-
-
-def test_only_rank_zero_counts_tokens_every_rank_counts_bytes():
-    tel = make(rank=1, tracing_on=False)
-    tel.saved(StepPlan(writes=[store("a", "c0", [1, 2])]), tel.now(), [])
-    assert tel.stats()["counters"] == {"store_bytes|cpu": 2 * BLOCK_NBYTES}
 
 
 def test_off_means_no_records_and_no_stats(spans):

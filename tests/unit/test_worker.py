@@ -8,7 +8,7 @@ import torch
 from connector.config import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU, DISK, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
-from connector.engine.outcomes import FailureReason, TierState
+from connector.engine.outcomes import FailureReason, Stage, TierState
 from connector.kv_blocks import BlockCopier
 from connector.tiers import disk as disk_files
 from connector.worker import ConnectorWorker
@@ -240,3 +240,71 @@ def test_a_chunk_read_from_disk_is_kept_in_the_cpu_tier_it_was_promoted_to(tmp_p
     w.load(StepPlan(loads=[LoadJob("c", (ChunkLoad(missing, DISK, (10, 11), 0, 32, promote_to=(CPU,)),))]))
     report = w.take_report()
     assert [(f.name, f.tier) for f in report.store_failures] == [(missing, CPU)]  # the index lets it go
+
+
+# ---- what the tiers hold and the bytes that moved (counted from the report) -------------
+def _files(path) -> list[str]:
+    return [f for f in os.listdir(path) if f.endswith(disk_files.SUFFIX)]
+
+
+def test_a_store_counts_once_the_tier_holds_it_and_a_failed_write_counts_as_failed(tmp_path):
+    import resource
+
+    caches = cpu_layout()
+    w = worker(caches, tmp_path)
+    nbytes = 2 * LAYERS * w.copier.block_bytes
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes // 2, hard))  # the disk refuses the file (EFBIG)
+    try:
+        w.save(StepPlan(writes=[StoreJob("a", NAME, (2, 5), (CPU, DISK), 32)]))
+        queued = w.take_report()  # the disk write may still be queued: not counted yet
+        w.flush()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    report = w.take_report()
+    assert _files(tmp_path) == []  # what the disk holds: nothing
+    stored = {
+        t: (x.stored_chunks, x.stored_tokens, x.stored_bytes)
+        for t, x in queued.traffic.items()
+        if x.stored_chunks
+    }
+    assert stored == {CPU: (1, 32, nbytes)}  # the CPU tier held it at once; the disk never did
+    assert DISK not in report.traffic or report.traffic[DISK].stored_chunks == 0
+    assert [(f.tier, f.reason) for f in report.store_failures] == [(DISK, FailureReason.IO_ERROR)]
+    assert "File too large" in report.store_failures[0].detail
+
+
+def test_a_background_write_is_counted_stored_when_it_lands_with_its_time(tmp_path):
+    caches = cpu_layout()
+    w = worker(caches, tmp_path)
+    nbytes = 2 * LAYERS * w.copier.block_bytes
+    w.save(StepPlan(writes=[StoreJob("a", NAME, (2, 5), (CPU, DISK), 32)]))
+    w.flush()
+    report = w.take_report()
+    disk, cpu = report.traffic[DISK], report.traffic[CPU]
+    assert (disk.stored_chunks, disk.stored_tokens, disk.stored_bytes) == (1, 32, nbytes)
+    (name,) = _files(tmp_path)
+    assert os.path.getsize(tmp_path / name) > nbytes  # the record: a header, then the payload
+    assert disk.moved[Stage.WRITE].nbytes == nbytes and disk.moved[Stage.WRITE].seconds > 0
+    for traffic in (disk, cpu):  # one gather fed both tiers
+        assert traffic.moved[Stage.GATHER].nbytes == nbytes and traffic.moved[Stage.GATHER].seconds > 0
+    assert Stage.WRITE not in cpu.moved  # the CPU tier keeps the gathered buffer: nothing more moves
+    w.take_report()
+    w.load(StepPlan(loads=[LoadJob("b", (ChunkLoad(NAME, DISK, (8, 9), 0, 32),))]))
+    loads = w.take_report().traffic[DISK].moved
+    assert loads[Stage.READ].nbytes == loads[Stage.COPY].nbytes == nbytes
+    assert loads[Stage.READ].seconds > 0 and loads[Stage.COPY].seconds > 0
+
+
+def test_ranks_but_the_first_count_bytes_not_chunks(tmp_path):
+    caches = cpu_layout()
+    cfg = {"lmcache.chunk_size": 2 * BS}
+    w = ConnectorWorker(load_config(cfg, env={}), facts(caches), rank=1)
+    w.register(caches, NUM_BLOCKS)
+    w.save(StepPlan(writes=[StoreJob("a", NAME, (2, 5), (CPU,), 32)]))
+    cpu = w.take_report().traffic[CPU]
+    assert (cpu.stored_chunks, cpu.stored_tokens, cpu.stored_bytes) == (
+        0,
+        0,
+        2 * LAYERS * w.copier.block_bytes,
+    )
