@@ -33,6 +33,7 @@ class InsightFeed:
         self._advice: dict[str, str] = {}
         self.prefill_cost = PrefillCostMeter()
         self._saved_seconds: dict[str, float] = {}
+        self._unpriced_tokens: dict[str, int] = {}  # loaded before the cost was known
         self.info = instance_info(state.config, facts)
 
     def note_references(self, request: Any, result: LookupResult) -> None:
@@ -59,7 +60,7 @@ class InsightFeed:
         for key in rest if stores else rest[:1]:  # the missed chunk, then those this request stores
             self.whatif.record(None, key.digest, nbytes(size))
 
-    def measure_step(self, scheduler_output: Any, loads: bool) -> None:
+    def measure_step(self, scheduler_output: Any, loaded_tokens: int) -> None:
         """Time the engine's steps to estimate what a token of prefill costs."""
         scheduled: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         prefill = 0
@@ -68,15 +69,24 @@ class InsightFeed:
             if request is not None:
                 done = getattr(request, "num_computed_tokens", 0)
                 prefill += min(n, max(prompt_tokens(request) - done, 0))
-        self.prefill_cost.step(self._s.clock(), prefill, sum(scheduled.values()), scheduled.keys(), loads)
+        self.prefill_cost.step(
+            self._s.clock(), prefill, sum(scheduled.values()), scheduled.keys(), loaded_tokens
+        )
 
     def loaded(self, tokens_by_tier: dict[str, int]) -> None:
-        """Tokens a load supplied: prefill time saved, at the measured cost per token."""
+        """Tokens a load supplied: prefill time saved, at the measured cost per token (priced
+        when the cost becomes known, if it is not yet)."""
         for tier, n in tokens_by_tier.items():
-            self._saved_seconds[tier] = self._saved_seconds.get(tier, 0.0) + self.prefill_cost.saved(n)
+            self._unpriced_tokens[tier] = self._unpriced_tokens.get(tier, 0) + n
 
     def take_saved_seconds(self) -> dict[str, float]:
-        """Estimated prefill seconds saved per tier since the last call."""
+        """Estimated prefill seconds saved per tier since the last call ({} while the cost is
+        unknown: "unknown", never 0 saved)."""
+        cost = self.prefill_cost.seconds_per_token
+        if cost is not None and self._unpriced_tokens:
+            for tier, n in self._unpriced_tokens.items():
+                self._saved_seconds[tier] = self._saved_seconds.get(tier, 0.0) + n * cost
+            self._unpriced_tokens = {}
         saved, self._saved_seconds = self._saved_seconds, {}
         return saved
 

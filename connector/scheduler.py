@@ -101,7 +101,7 @@ class ConnectorScheduler:
         self.planner.plan(plan, scheduler_output)
         self.block_events.planned(plan)
         plan.drain = not self.unfinished and self.has_pending_work()
-        self.insight.measure_step(scheduler_output, bool(plan.loads))
+        self.insight.measure_step(scheduler_output, sum(c.num_tokens for j in plan.loads for c in j.chunks))
         return plan
 
     # ---- feedback -----------------------------------------------------------------------

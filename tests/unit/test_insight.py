@@ -161,18 +161,71 @@ def test_the_info_gauge_names_what_decides_sharing(tmp_path):
 
 
 # ---- what did it save --------------------------------------------------------------------
-def test_prefill_cost_is_measured_on_busy_cold_prefill_steps_only():
-    meter = PrefillCostMeter(min_tokens=64, half_life=1e9)
-    meter.step(0.0, 1000, 1000, {"a"}, loads=False)
-    meter.step(0.5, 0, 1, {"a"}, loads=False)  # a decodes: the prefill step took 0.5 s
-    assert meter.seconds_per_token == pytest.approx(0.5 / 1000)
-    meter.step(100.0, 1000, 1000, {"b"}, loads=False)  # idle gap before: step 2 was decode anyway
-    meter.step(200.0, 0, 1, {"c"}, loads=False)  # b finished and the engine idled: not counted
-    meter.step(201.0, 1000, 1000, {"d"}, loads=True)  # a load in the step: not counted
-    meter.step(202.0, 0, 1, {"d"}, loads=False)
-    meter.step(203.0, 100, 1000, {"e"}, loads=False)  # mostly decode: not counted
-    meter.step(204.0, 0, 1, {"e"}, loads=False)
-    assert meter.measured_steps == 1 and meter.saved(2000) == pytest.approx(1.0)
+A, B, C, L = 0.0004, 0.0001, 0.005, 0.00002  # s per prefill, decode, loaded token; s per step
+
+
+def run_steps(meter, steps, noise=0.0, seed=0):
+    """Feeds busy steps (prefill, decode, loaded) that take C + A*p + B*d + L*l seconds."""
+    import random
+
+    rnd = random.Random(seed)
+    t = 0.0
+    for p, d, loaded_tokens in steps:
+        meter.step(t, p, p + d, {"x"}, loaded_tokens)
+        t += (C + A * p + B * d + L * loaded_tokens) * (1 + rnd.uniform(-noise, noise))
+    meter.step(t, 0, 1, {"x"})  # closes the last one
+
+
+def test_prefill_cost_is_estimated_in_mixed_batches_of_decodes_and_a_prefill():
+    # 64 decodes beside a 512-token prefill (89% prefill), then decode-only steps: no step is
+    # 90% prefill, so a meter of cold prefill steps only never measures anything here
+    steps = [(512 if i % 4 == 0 else 0, 64 + i % 7, 0) for i in range(200)]
+    meter = PrefillCostMeter()
+    run_steps(meter, steps, noise=0.05)
+    assert meter.seconds_per_token == pytest.approx(A, rel=0.1)
+
+
+def test_prefill_cost_is_estimated_when_every_prompt_hits():
+    # a warm restart: every prompt loads 512 or 768 tokens and computes its tail, beside decodes
+    steps = []
+    for i in range(120):
+        loaded_tokens = 512 if i % 3 else 768
+        steps += [((i * 37) % 200 + 8, i % 5, loaded_tokens), (0, 1 + i % 5, 0), (0, 1 + i % 5, 0)]
+    meter = PrefillCostMeter()
+    run_steps(meter, steps, noise=0.05)
+    assert meter.seconds_per_token == pytest.approx(A, rel=0.15)
+
+
+def test_prefill_cost_is_unknown_until_the_steps_pin_it_down():
+    meter = PrefillCostMeter()
+    run_steps(meter, [(512, 0, 0)] * 3)
+    assert meter.seconds_per_token is None and meter.saved(100) is None  # too few steps
+    meter = PrefillCostMeter()
+    run_steps(meter, [(0, 8, 0)] * 50)
+    assert meter.seconds_per_token is None  # no prefill at all
+    meter = PrefillCostMeter()
+    run_steps(meter, [(100 * (i % 3 + 1), 0, 500 * (i % 3 + 1)) for i in range(50)])
+    assert meter.seconds_per_token is None  # prefill always in step with the loads: not separable
+    meter = PrefillCostMeter()
+    run_steps(meter, [(512 if i % 2 else 0, 8 if i % 2 else 0, 0) for i in range(60)], noise=3.0)
+    assert meter.seconds_per_token is None  # too noisy to say
+
+
+def test_equal_pure_prefill_steps_are_priced_at_their_seconds_per_token():
+    meter = PrefillCostMeter()
+    run_steps(meter, [(1000, 0, 0), (0, 2, 0)] * 8)
+    assert meter.seconds_per_token == pytest.approx((C + A * 1000) / 1000)  # the overhead included
+
+
+def test_idle_gaps_are_never_measured():
+    meter = PrefillCostMeter()
+    t = 0.0
+    for i in range(20):
+        meter.step(t, 512, 512, {f"r{i}"})
+        meter.step(t + 0.2, 0, 1, {f"r{i}"})  # busy: its decode follows
+        meter.step(t + 100.0, 256, 256, {f"n{i}"})  # a new request after an idle gap
+        t += 200.0
+    assert meter.measured_steps == 20
 
 
 def test_loaded_tokens_are_priced_at_the_measured_cost_per_tier():
@@ -185,6 +238,15 @@ def test_loaded_tokens_are_priced_at_the_measured_cost_per_tier():
     s.build_plan(step(new=[(a, blocks(0, 5), 0)], num_scheduled={"a": 600}))
     clock.now += 0.6  # the cold prefill of 600 tokens
     s.build_plan(step(cached=[("a", None, 600, False)], num_scheduled={"a": 1}))
+    assert s.insight_snapshot().prefill_seconds_per_token is None  # one step: unknown
+    for _ in range(8):
+        clock.now += 0.001  # decodes
+        s.build_plan(step(cached=[("a", None, 600, False)], num_scheduled={"a": 1}))
+    for _ in range(8):  # more of its prompt's length in prefill: 1 ms a token
+        clock.now += 0.001
+        s.build_plan(step(cached=[("a", None, 600, False)], num_scheduled={"a": 600}))
+        clock.now += 0.6
+        s.build_plan(step(cached=[("a", None, 600, False)], num_scheduled={"a": 1}))
     assert s.insight_snapshot().prefill_seconds_per_token == pytest.approx(0.001)
     s.finish(a)
     b = request("b", PROMPT)
