@@ -205,7 +205,7 @@ class KVLensConnector(KVConnectorBase_V1):
             sched = self._scheduler
             data = self._scheduler_telemetry.stats(
                 sched.sizes(),
-                sched.insight_snapshot(),
+                sched.insight_snapshot,
                 not sched.unfinished,
                 sched.take_evictions(),
                 sched.take_saved_seconds(),

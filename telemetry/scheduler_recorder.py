@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -262,20 +262,22 @@ class SchedulerRecorder:
     def stats(
         self,
         sizes: SchedulerSizes,
-        insight: InsightSnapshot | None,
+        insight: Callable[[], InsightSnapshot] | None,
         idle: bool,
         evictions: Mapping[str, int],
         saved_seconds: Mapping[str, float] | None = None,
     ) -> dict[str, Any] | None:
-        """This step's payload for vLLM (None when empty or metrics are off). ``evictions`` and
-        ``saved_seconds`` (estimated prefill seconds saved) are per tier, since the last call."""
+        """This step's payload for vLLM (None when empty or metrics are off). ``insight`` is
+        asked only when gauges are sampled; ``evictions`` and ``saved_seconds`` (estimated
+        prefill seconds saved) are per tier, since the last call."""
         if not self._metrics:
             return None
         now = time.monotonic()
         if now - self._gauges_at >= GAUGE_INTERVAL_S or idle:
             self._gauges_at = now  # exact whenever nothing runs, so a drained engine shows zeros
             open_requests = len(self._timings) + len(self._lookup_ms)
-            self._set_gauges({**scheduler_gauges(sizes, insight), "telemetry_open_requests": open_requests})
+            snapshot = insight() if insight is not None else None
+            self._set_gauges({**scheduler_gauges(sizes, snapshot), "telemetry_open_requests": open_requests})
         for tier, n in evictions.items():
             self._buffer.inc(wire_key("evictions", tier), n)
         for tier, seconds in (saved_seconds or {}).items():

@@ -104,7 +104,7 @@ def test_every_field_of_the_schedulers_records_reaches_a_series():
     sizes = filler.build(snapshots.SchedulerSizes)
     insight = filler.build(snapshots.InsightSnapshot)
     rec = SchedulerRecorder(SETTINGS, "m", "0", 128, True)
-    payload = rec.stats(sizes, insight, True, {}, {})
+    payload = rec.stats(sizes, lambda: insight, True, {}, {})
     values, labels = exposed([payload])
     missing = shows(filler.expected, values, labels)
     assert not missing, missing

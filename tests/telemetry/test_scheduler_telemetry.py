@@ -51,7 +51,7 @@ class Wired:
     def stats(self):
         s = self.sched
         return self.rec.stats(
-            s.sizes(), s.insight_snapshot(), not s.unfinished, s.take_evictions(), s.take_saved_seconds()
+            s.sizes(), s.insight_snapshot, not s.unfinished, s.take_evictions(), s.take_saved_seconds()
         )
 
 
