@@ -1,10 +1,18 @@
 """Feeds the answers KVLens gives beyond hits and misses: the what-if curves of hit ratio
 against tier size (and the sizing advice they imply), the engine's measured prefill cost per
-token, the prefill time loads saved, and the instance's identity for ``vllm:kvlens_info``."""
+token, the prefill time loads saved, and the instance's identity for ``vllm:kvlens_info``.
+
+vLLM takes stats only from steps, and an idle engine does not step. The curves change only
+with references, which come with lookups (steps), but a thread feeds them behind the step loop.
+So when the engine goes idle with references still unfed or a curve not yet published, it
+stays ``behind``: the facade keeps the engine stepping (empty steps), each of which feeds the
+rest on the scheduler's thread for a bounded time (``catch_up``) and publishes the curve and the
+advice at once. Then nothing changes until the next request, and nothing runs."""
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from .engine.prefill_cost import PrefillCostMeter
@@ -17,7 +25,8 @@ from .scheduler_state import SchedulerState
 
 logger = logging.getLogger("vllm.kvlens")
 
-WHATIF_GAUGE_S = 1.0  # the what-if curves are read at most this often
+WHATIF_GAUGE_S = 1.0  # while busy, the what-if curves are read at most this often
+CATCH_UP_S = 0.05  # an idle engine's empty step feeds the curves this long at most
 
 
 class InsightFeed:
@@ -30,6 +39,7 @@ class InsightFeed:
             self.whatif.start()
         self._whatif_points: tuple[WhatIfPoint, ...] = ()
         self._whatif_at = float("-inf")
+        self._published = 0  # references fed into the curves last published
         self._advice: dict[str, str] = {}
         self.prefill_cost = PrefillCostMeter()
         self._saved_seconds: dict[str, float] = {}
@@ -90,13 +100,27 @@ class InsightFeed:
         saved, self._saved_seconds = self._saved_seconds, {}
         return saved
 
-    def snapshot(self) -> InsightSnapshot:
-        """The instance's identity, the what-if curves (read at most once a second) and the
-        measured prefill cost per token."""
+    def behind(self) -> bool:
+        """References are not yet fed into the curves, or the curves fed are not published."""
+        w = self.whatif
+        return w is not None and (w.pending > 0 or w.processed != self._published)
+
+    def catch_up(self, budget_s: float = CATCH_UP_S) -> None:
+        """Feed buffered references on this thread (an idle engine's), for ``budget_s`` at most."""
+        if self.whatif is None:
+            return
+        deadline = time.perf_counter() + budget_s
+        while self.whatif.drain(256) and time.perf_counter() < deadline:
+            pass
+
+    def snapshot(self, idle: bool = False) -> InsightSnapshot:
+        """The instance's identity, the what-if curves and the measured prefill cost per token.
+        The curves are read at most once a second while busy, at once when ``idle``."""
         if self.whatif is not None:
             now = self._s.clock()
-            if now - self._whatif_at >= WHATIF_GAUGE_S:
+            if idle or now - self._whatif_at >= WHATIF_GAUGE_S:
                 self._whatif_at = now
+                self._published = self.whatif.processed  # read first: a later feed keeps it behind
                 self._whatif_points = tuple(
                     WhatIfPoint(tier, factor, round(ratio, 4))
                     for tier, curve in self.whatif.snapshot().items()

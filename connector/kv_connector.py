@@ -180,7 +180,9 @@ class KVLensConnector(KVConnectorBase_V1):
         return False, result.params
 
     def has_pending_push_work(self) -> bool:
-        return self._scheduler is not None and self._scheduler.has_pending_work()
+        """Background writes still landing, or what-if references to publish: keep stepping."""
+        sched = self._scheduler
+        return sched is not None and (sched.has_pending_work() or sched.insight_behind())
 
     def reset_cache(self) -> bool | None:
         assert self._scheduler is not None

@@ -101,6 +101,8 @@ class ConnectorScheduler:
         self.planner.plan(plan, scheduler_output)
         self.block_events.planned(plan)
         plan.drain = not self.unfinished and self.has_pending_work()
+        if not self.unfinished:  # an empty step of an idle engine
+            self.insight.catch_up()
         self.insight.measure_step(scheduler_output, sum(c.num_tokens for j in plan.loads for c in j.chunks))
         return plan
 
@@ -186,5 +188,10 @@ class ConnectorScheduler:
         )
 
     def insight_snapshot(self) -> InsightSnapshot:
-        """The what-if curves, the measured prefill cost and the instance's identity."""
-        return self.insight.snapshot()
+        """The what-if curves, the measured prefill cost and the instance's identity (the
+        curves exact whenever nothing runs)."""
+        return self.insight.snapshot(idle=not self.unfinished)
+
+    def insight_behind(self) -> bool:
+        """Idle with what-if references not yet fed or published: worth an empty step."""
+        return not self.unfinished and self.insight.behind()

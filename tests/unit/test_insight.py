@@ -145,6 +145,51 @@ def test_lookups_and_stores_feed_the_whatif_curve_and_its_gauges():
     s.shutdown()
 
 
+def exact_lru_hit_ratio(references: list[str], capacity: int) -> float:
+    """An LRU cache of ``capacity`` equal chunks, simulated: the share of references that hit."""
+    from collections import OrderedDict
+
+    cache: OrderedDict[str, None] = OrderedDict()
+    hits = 0
+    for key in references:
+        if key in cache:
+            hits += 1
+            cache.move_to_end(key)
+        else:
+            cache[key] = None
+            if len(cache) > capacity:
+                cache.popitem(last=False)
+    return hits / len(references)
+
+
+def test_an_idle_engine_publishes_the_whole_curve_and_its_advice_then_stops(caplog):
+    chunk = 2 * BLOCK_BYTES * LAYERS
+    s = scheduler(max_local_cpu_size=gb(4 * chunk))  # four chunks
+    s.whatif.close()  # no feeder thread: only what the scheduler's steps feed counts
+    s.whatif.min_references = 10
+    prompts = [[p * 1000 + t for t in range(512)] for p in range(6)]  # 2 chunks each
+    refs = []
+    for round_ in range(3):
+        for i, p in enumerate(prompts):
+            r = request(f"r{round_}-{i}", p)
+            admit_fully(s, r, blocks(0, 4))
+            s.finish(r)
+            refs += [f"{i}a", f"{i}b"]
+    busy = {(p.tier, p.budget_factor): p.hit_ratio for p in s.insight_snapshot().whatif}
+    assert busy == {}  # nothing fed while the requests ran
+    steps = 0
+    with caplog.at_level("INFO", logger="vllm.kvlens"):
+        while s.insight_behind():  # the facade's has_pending_push_work: vLLM steps, empty
+            s.build_plan(step())
+            published = {p.budget_factor: p.hit_ratio for p in s.insight_snapshot().whatif}
+            steps += 1
+            assert steps < 5
+    assert s.whatif.pending == 0 and not s.insight_behind()
+    for factor, ratio in published.items():
+        assert ratio == pytest.approx(exact_lru_hit_ratio(refs, int(4 * factor)), abs=0.01), factor
+    assert "KVLens sizing:" in caplog.text  # the advice follows the curve it was read from
+
+
 def test_the_info_gauge_names_what_decides_sharing(tmp_path):
     s = scheduler(local_disk=str(tmp_path), max_local_disk_size=1)
     info = s.insight_snapshot().info
