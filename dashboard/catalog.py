@@ -33,6 +33,7 @@ LABELS = (
     "source",
     "le",
     "budget_factor",
+    "stage",
     *INFO_LABELS,
 )
 
