@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any
 
+from .engine.keys import ChunkKey, PrefixHasher, block_prefixes
 from .engine.prefill_cost import PrefillCostMeter
 from .engine.snapshots import InsightSnapshot, WhatIfPoint
 from .engine.tracker import LookupResult
@@ -66,9 +67,30 @@ class InsightFeed:
         for hit in result.hits:
             self.whatif.record(None, hit.key.digest, nbytes(hit.key.num_tokens))
         whole = [h for h in result.hits if h.key.num_tokens == size]
-        rest = hasher.full_keys(len(whole) * size, prompt_tokens(request))
+        n = prompt_tokens(request)
+        rest = hasher.full_keys(len(whole) * size, n)
         for key in rest if stores else rest[:1]:  # the missed chunk, then those this request stores
             self.whatif.record(None, key.digest, nbytes(size))
+        tail = self._stored_tail(hasher, request.all_token_ids, n) if stores else None
+        if tail is not None and all(h.key.num_tokens == size for h in result.hits):
+            self.whatif.record(None, tail.digest, nbytes(tail.num_tokens))  # what a repeat finds
+
+    def _stored_tail(self, hasher: PrefixHasher, tokens: Any, n: int) -> ChunkKey | None:
+        """The unfull tail of the prompt a later identical prompt would find, if one is stored."""
+        config = self._s.config
+        size = config.chunk_size
+        tail_start = n - n % size
+        if tail_start == n:
+            return None
+        if config.saves_partial_chunks:
+            return hasher.tail_key(tokens, n)
+        if not config.extra_config.block_granular_tails or config.discard_partial_chunks:
+            return None
+        hasher.extend(tokens, tail_start)
+        parent = hasher.parent_at(tail_start)
+        for length, digest in block_prefixes(parent, tokens[tail_start:n], size, self._s.facts.block_size):
+            return ChunkKey(digest, tail_start, length)  # the longest: what the request stores
+        return None
 
     def measure_step(self, scheduler_output: Any, loaded_tokens: int) -> None:
         """Time the engine's steps to estimate what a token of prefill costs."""

@@ -167,6 +167,7 @@ class ConnectorScheduler:
                 1 for t in self.trackers.values() if t.save_skip_reason is None and not t.prefill_done
             ),
             suspect_blocks=len(self.suspects),
+            pending_writes=self.feedback.pending_writes,
             tiers=tuple(self._tier_gauge(name) for name in self.tier_states),
         )
 

@@ -472,7 +472,6 @@ class ConnectorWorker:
         cpu = self.tiers.get(CPU)
         return WorkerSizes(
             invalid_block_ids=len(self._failed_blocks),
-            pending_writes=sum(t.pending for t in self._background),
             reusable_buffer_bytes=self._pool.bytes,
             cpu_tier_bytes=cpu.used_bytes if isinstance(cpu, CpuTier) else None,
         )

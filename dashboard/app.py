@@ -212,10 +212,10 @@ def latency_and_throughput(frame: pd.DataFrame, window: float) -> None:
     queue = views.gauge(frame, views.kvlens("pending_writes"), ("instance",))
     chart(queue, charts.COUNT, "No background writer reported.")
     st.caption(
-        "Chunk writes and deletes queued for the disk and remote tiers' background writers. Each "
-        "tier holds at most extra_config.max_pending_write_bytes of queued writes (default 512 MiB); "
-        "a store that does not fit is dropped and counted as failed (queue_full). Sampled while "
-        "the engine steps."
+        "Chunk writes and deletes queued for the disk and remote tiers' background writers (the "
+        "busiest rank, as last reported). Each tier holds at most extra_config.max_pending_write_bytes "
+        "of queued writes (default 512 MiB); a store that does not fit is dropped and counted as "
+        "failed (queue_full). An idle engine keeps stepping until this is 0."
     )
 
 

@@ -316,11 +316,11 @@ PANELS: tuple[Panel, ...] = (
         "Background write queue",
         "short",
         (Target("sum by (instance) (vllm:kvlens_pending_writes)", "{{instance}}"),),
-        "Chunk writes and deletes queued for the background writers of the disk and remote tiers "
-        "(summed). Each tier holds at most extra_config.max_pending_write_bytes of queued writes "
-        "(default 512 MiB); a store that does not fit is dropped and counted as a failed chunk "
-        "(reason queue_full). Sampled while the engine steps: it keeps its last value when the "
-        "engine goes idle.",
+        "Chunk writes and deletes queued for the background writers of the disk and remote tiers, "
+        "on the busiest rank, as the workers last reported. Each tier holds at most "
+        "extra_config.max_pending_write_bytes of queued writes (default 512 MiB); a store that does "
+        "not fit is dropped and counted as a failed chunk (reason queue_full). An idle engine keeps "
+        "stepping until this is 0.",
         width=8,
     ),
     Panel(

@@ -27,8 +27,9 @@ _SCHEDULER_FIELDS = (
     "pinned_requests",
     "pending_saves",
     "suspect_blocks",
+    "pending_writes",
 )
-_WORKER_FIELDS = ("invalid_block_ids", "pending_writes", "reusable_buffer_bytes")
+_WORKER_FIELDS = ("invalid_block_ids", "reusable_buffer_bytes")
 
 
 def label_value(value: object) -> str:

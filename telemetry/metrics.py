@@ -214,7 +214,10 @@ _DEFINITIONS = (
     Metric("unfinished_requests", GAUGE, "Requests KVLens saw allocated and not yet finished."),
     Metric("invalid_block_ids", GAUGE, "Failed block ids not yet handed to vLLM (all ranks)."),
     Metric(
-        "pending_writes", GAUGE, "Chunk writes and deletes queued for background tier writers (all ranks)."
+        "pending_writes",
+        GAUGE,
+        "Chunk writes and deletes queued for the disk and remote tiers' background writers (the busiest "
+        "rank, as last reported): an idle engine keeps stepping until it is 0.",
     ),
     Metric(
         "reusable_buffer_bytes",

@@ -45,6 +45,9 @@ class SchedulerSizes:
     pinned_requests: int
     pending_saves: int
     suspect_blocks: int
+    # Background writes and deletes queued on the busiest rank, as the workers last reported:
+    # what keeps an idle engine stepping until they land (so it is exact when the engine stops).
+    pending_writes: int = 0
     tiers: tuple[TierGauge, ...] = ()
 
 
@@ -53,7 +56,6 @@ class WorkerSizes:
     """One worker rank's internal sizes (summed over ranks by telemetry)."""
 
     invalid_block_ids: int
-    pending_writes: int
     reusable_buffer_bytes: int
     cpu_tier_bytes: int | None = None  # what this rank's CPU tier holds; None without one
 

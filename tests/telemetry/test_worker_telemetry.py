@@ -100,15 +100,14 @@ def test_off_means_no_records_and_no_stats(spans):
 
 def test_worker_gauges_are_shipped_when_they_change(monkeypatch):
     monkeypatch.setattr("telemetry.worker_recorder.GAUGE_INTERVAL_S", 0.0)
-    sizes = [WorkerSizes(0, 0, 0)]
+    sizes = [WorkerSizes(0, 0)]
     tel = make(rank=1, tracing_on=False, sizes=lambda: sizes[0])
     assert tel.stats()["gauges"] == {  # per rank: summed on /metrics
         "invalid_block_ids#1": 0,
-        "pending_writes#1": 0,
         "reusable_buffer_bytes#1": 0,
     }
     assert tel.stats() is None
-    sizes[0] = WorkerSizes(4, 0, 0)
+    sizes[0] = WorkerSizes(4, 0)
     assert tel.stats()["gauges"] == {"invalid_block_ids#1": 4}
 
 

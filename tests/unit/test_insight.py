@@ -190,6 +190,20 @@ def test_an_idle_engine_publishes_the_whole_curve_and_its_advice_then_stops(capl
     assert "KVLens sizing:" in caplog.text  # the advice follows the curve it was read from
 
 
+def test_a_stored_tail_is_a_reference_so_its_later_hits_count_as_hits():
+    s = scheduler()
+    s.whatif.close()
+    prompt = list(range(9000, 9700))  # two whole chunks and a 188-token tail: one 128-token block
+    for rid, first in (("a", 0), ("b", 10)):
+        r = request(rid, prompt)
+        admit_fully(s, r, blocks(first, 6))
+        s.finish(r)
+    s.whatif.drain()
+    (ratio,) = {p.hit_ratio for p in s.insight_snapshot().whatif if p.budget_factor == 1.0}
+    # b hit everything a stored, the tail too: half the bytes referenced were hits
+    assert s.lookups == {} and ratio == pytest.approx(0.5, abs=1e-4)
+
+
 def test_the_info_gauge_names_what_decides_sharing(tmp_path):
     s = scheduler(local_disk=str(tmp_path), max_local_disk_size=1)
     info = s.insight_snapshot().info
