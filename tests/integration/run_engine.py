@@ -193,6 +193,7 @@ def main() -> None:
         sched = connector._scheduler
         sizes = sched.sizes()
         state.update({f.name: getattr(sizes, f.name) for f in dataclasses.fields(sizes) if f.name != "tiers"})
+        state["tiers"] = {t.tier: {"chunks": t.chunks, "health": t.health.level} for t in sizes.tiers}
         state["pinned_chunks"] = sum(t.pinned_keys for t in sched.tiers.values())
         state["index_bytes"] = {name: t.used_bytes for name, t in sched.tiers.items()}
         cpu = worker.tiers.get("cpu") if worker is not None else None
