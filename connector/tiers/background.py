@@ -103,7 +103,7 @@ class BackgroundTier:
 
     def put(self, name: str, payload: memoryview, tokens: int = 0) -> int:
         """Queue the write (the payload must stay unchanged until written); its size.
-        ``tokens`` comes back with the write once it landed (``take_written``)."""
+        ``tokens`` comes back with the write once it landed (``take_traffic``)."""
         with self._lock:
             if self._closed or self._pending_bytes + payload.nbytes > self._max_pending_bytes:
                 raise QueueFull(f"{self._pending_bytes} bytes queued for {self.name}")
