@@ -18,18 +18,7 @@ from .config import KVLensConfig
 from .engine.facts import EngineFacts
 from .engine.jobs import DISK, REMOTE
 from .engine.keys import key_fingerprint
-
-LABELS = (
-    "version",
-    "chunk_size",
-    "key_fingerprint",
-    "tiers",
-    "role",
-    "storage",
-    "model_identity",
-    "quantization",
-    "kv_cache_dtype",
-)
+from .engine.snapshots import InstanceInfo
 
 
 def _version() -> str:
@@ -55,18 +44,17 @@ def storage_identity(config: KVLensConfig) -> str:
     return ",".join(parts)
 
 
-def instance_info(config: KVLensConfig, facts: EngineFacts) -> str:
-    """The wire key of the info gauge (``info|version|chunk_size|...``, value 1)."""
+def instance_info(config: KVLensConfig, facts: EngineFacts) -> InstanceInfo:
+    """The labels of the info gauge."""
     identity = facts.identity
-    values = (
-        _version(),
-        str(config.chunk_size),
-        key_fingerprint(facts.namespace()),
-        "+".join(config.tier_names()),
-        facts.kv_role,
-        storage_identity(config),
-        identity.weights if identity is not None else "",
-        identity.quantization if identity is not None else "",
-        identity.kv_cache_dtype if identity is not None else "",
+    return InstanceInfo(
+        version=_version(),
+        chunk_size=config.chunk_size,
+        key_fingerprint=key_fingerprint(facts.namespace()),
+        tiers="+".join(config.tier_names()),
+        role=facts.kv_role,
+        storage=storage_identity(config),
+        model_identity=identity.weights if identity is not None else "",
+        quantization=identity.quantization if identity is not None else "",
+        kv_cache_dtype=identity.kv_cache_dtype if identity is not None else "",
     )
-    return "|".join(["info", *(v.replace("|", "/") for v in values)])

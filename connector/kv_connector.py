@@ -21,6 +21,7 @@ from telemetry import vllm_stats as telemetry
 
 from .config import load_config
 from .engine.jobs import CPU, DISK, REMOTE, StepPlan
+from .engine.snapshots import KnownLabels
 from .metadata import KVLensMetadata, KVLensWorkerMetadata
 from .scheduler import ConnectorScheduler
 from .vllm_compat import (
@@ -82,7 +83,7 @@ class KVLensConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler(config, facts)
             self._scheduler_telemetry = telemetry.scheduler_recorder(
-                vllm_config, facts.engine_id, facts.block_size, config.tier_names()
+                vllm_config, facts.engine_id, facts.block_size, KnownLabels.for_tiers(config.tier_names())
             )
         elif role == KVConnectorRole.WORKER:
             self._worker = ConnectorWorker(config, facts, worker_rank())
@@ -195,6 +196,7 @@ class KVLensConnector(KVConnectorBase_V1):
             report = meta.report
             recomputed = self._scheduler.on_worker_report(report)
             self._scheduler_telemetry.loads_reported(report.loads, recomputed, report.store_failures)
+            self._scheduler_telemetry.traffic_reported(report.traffic)
             self._scheduler_telemetry.requests_done(self._scheduler.take_done())
         stats = connector_output.kv_connector_stats
         self._scheduler_telemetry.on_worker_stats(stats.data if stats is not None else None)
@@ -213,7 +215,9 @@ class KVLensConnector(KVConnectorBase_V1):
         return False, result.params
 
     def has_pending_push_work(self) -> bool:
-        return self._scheduler is not None and self._scheduler.has_pending_work()
+        """Background writes still landing, or what-if references to publish: keep stepping."""
+        sched = self._scheduler
+        return sched is not None and (sched.has_pending_work() or sched.insight_behind())
 
     def reset_cache(self) -> bool | None:
         assert self._scheduler is not None
@@ -238,7 +242,11 @@ class KVLensConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             sched = self._scheduler
             data = self._scheduler_telemetry.stats(
-                sched.sizes(), not sched.unfinished, sched.take_evictions(), sched.take_saved_seconds()
+                sched.sizes(),
+                sched.insight_snapshot,
+                not sched.unfinished,
+                sched.take_evictions(),
+                sched.take_saved_seconds(),
             )
         else:
             data = self._worker_telemetry.stats()
@@ -262,5 +270,5 @@ class KVLensConnector(KVConnectorBase_V1):
             logger.debug("KVLens: no tiers for metrics: %s", e)
             tiers = ()
         return telemetry.KVLensPromMetrics(
-            vllm_config, metric_types, labelnames, per_engine_labelvalues, tiers
+            vllm_config, metric_types, labelnames, per_engine_labelvalues, KnownLabels.for_tiers(tiers)
         )

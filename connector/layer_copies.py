@@ -70,6 +70,7 @@ class BlockGather:
     pairs: CopyPairs | None = None  # prepared per-layer copies (CPU), else gather_layer
     layers: set[int] = field(default_factory=set)  # layers submitted or done
     error: BaseException | None = None
+    seconds: float = 0.0  # time spent gathering, over every layer
 
 
 class Done(Protocol):
@@ -227,10 +228,12 @@ class StepCopies:
     def _gather_layer(self, i: int, gathers: list[BlockGather]) -> None:
         for g in gathers:
             if g.error is None and self.stalled is None:
+                started = time.perf_counter()
                 try:
                     self._copy_gather(g, i)
                 except Exception as e:  # noqa: BLE001 - becomes a failed store
                     g.error = e
+                g.seconds += time.perf_counter() - started
 
     def _copy_gather(self, g: BlockGather, i: int) -> None:
         if g.pairs is None:

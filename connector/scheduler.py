@@ -24,6 +24,7 @@ from .engine.facts import EngineFacts
 from .engine.jobs import DISK, REMOTE, StepPlan
 from .engine.outcomes import LookupOutcome, RequestSummary, TierState, WorkerReport
 from .engine.policy import trace_headers
+from .engine.snapshots import InsightSnapshot, SchedulerSizes, TierGauge
 from .engine.tracker import StorePolicy
 from .insight_feed import InsightFeed
 from .prefix_lookup import PrefixLookup
@@ -123,7 +124,9 @@ class ConnectorScheduler:
         self.block_events.planned(plan)
         plan.drain = not self.unfinished and self.has_pending_work()
         plan.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
-        self.insight.measure_step(scheduler_output, bool(plan.loads))
+        if not self.unfinished:  # an empty step of an idle engine
+            self.insight.catch_up()
+        self.insight.measure_step(scheduler_output, sum(c.num_tokens for j in plan.loads for c in j.chunks))
         return plan
 
     # ---- feedback -----------------------------------------------------------------------
@@ -181,33 +184,44 @@ class ConnectorScheduler:
         self.insight.shutdown()
         self.state.shutdown()
 
-    def sizes(self) -> dict[str, int]:
+    def sizes(self) -> SchedulerSizes:
         """Internal sizes, for leak-spotting gauges."""
-        out = {
-            "request_trackers": len(self.trackers),
-            "load_specs": len(self.lookups),
-            "unfinished_requests": len(self.unfinished),
-            "pinned_requests": len(self.pins),
-            "pending_saves": sum(
+        return SchedulerSizes(
+            request_trackers=len(self.trackers),
+            load_specs=len(self.lookups),
+            unfinished_requests=len(self.unfinished),
+            pinned_requests=len(self.pins),
+            pending_saves=sum(
                 1 for t in self.trackers.values() if t.save_skip_reason is None and not t.prefill_done
             ),
-            "suspect_blocks": len(self.suspects),
-        }
-        for name, tier in self.tiers.items():
-            shared = self.state.shared_storage.get(name, "")  # a shared disk: dashboards take the max
-            out[f"tier_chunks|{name}|{shared}"] = len(tier)
-            out[f"tier_used_bytes|{name}|{shared}"] = tier.used_bytes
-            out[f"tier_capacity_bytes|{name}|{shared}"] = tier.capacity_bytes
-            out[f"pinned_chunks|{name}"] = tier.pinned_keys
-            out[f"pinned_bytes|{name}"] = tier.pinned_bytes
-            out[f"tier_health|{name}"] = self.tier_states[name].level
-        if REMOTE in self.tier_states:
-            state = self.tier_states[REMOTE]
-            if self.remote is not None and not self.remote.health.usable():
-                state = TierState.SKIPPED
-            out["tier_health|remote"] = state.level
-        out.update(self.insight.gauges())
-        return out
+            suspect_blocks=len(self.suspects),
+            pending_writes=self.feedback.pending_writes,
+            tiers=tuple(self._tier_gauge(name) for name in self.tier_states),
+        )
 
-    def insight_gauges(self) -> dict[str, float]:
-        return self.insight.gauges()
+    def _tier_gauge(self, name: str) -> TierGauge:
+        state = self.tier_states[name]
+        if name == REMOTE and self.remote is not None and not self.remote.health.usable():
+            state = TierState.SKIPPED  # lookups cannot reach it
+        index = self.tiers.get(name)
+        if index is None:
+            return TierGauge(name, state)
+        return TierGauge(
+            name,
+            state,
+            len(index),
+            index.used_bytes,
+            index.capacity_bytes,
+            index.pinned_keys,
+            index.pinned_bytes,
+            self.state.shared_storage.get(name, ""),
+        )
+
+    def insight_snapshot(self) -> InsightSnapshot:
+        """The what-if curves, the measured prefill cost and the instance's identity (the
+        curves exact whenever nothing runs)."""
+        return self.insight.snapshot(idle=not self.unfinished)
+
+    def insight_behind(self) -> bool:
+        """Idle with what-if references not yet fed or published: worth an empty step."""
+        return not self.unfinished and self.insight.behind()

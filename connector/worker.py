@@ -32,10 +32,12 @@ from .engine.outcomes import (
     KeptChunk,
     LoadOutcome,
     RemoteCall,
+    Stage,
     StoreFailure,
     TierState,
     WorkerReport,
 )
+from .engine.snapshots import WorkerSizes
 from .kv_blocks import BlockCopier
 from .layer_copies import BlockGather, BlockLoad, CopyRunner, CopyThread, StepCopies
 from .payload_pool import PayloadPool
@@ -73,6 +75,7 @@ class ConnectorWorker:
         self.config = config
         self.facts = facts
         self.rank = rank
+        self._counts_chunks = 1 if rank == 0 else 0  # chunks and tokens count once, on rank 0
         self.tiers: dict[str, Tier | BackgroundTier] = {}
         self.health: dict[str, TierHealth] = {}
         self._background: list[BackgroundTier] = []
@@ -255,6 +258,10 @@ class ConnectorWorker:
                     self._failed_blocks.update(outcome.failed_block_ids)
                     break
             outcome.seconds += sum(load.seconds for _, load, _ in staged)  # reads + copies
+            for result, load, chunk in staged:
+                if result.tier is not None:
+                    traffic = self._report.tier_traffic(result.tier)
+                    traffic.add_moved(Stage.COPY, self._payload_bytes(chunk), load.seconds)
             if outcome.failed:
                 self._log_failed_load(job, outcome)
             outcomes.append(outcome)
@@ -378,10 +385,9 @@ class ConnectorWorker:
     def _promote(self, chunk: ChunkLoad, name: str, payload: memoryview) -> None:
         """Keep a chunk read from a slower tier in the faster ones the scheduler admitted it to."""
         for tier_name in chunk.promote_to:
-            tier = self.tiers.get(tier_name)
-            if tier is not None:
+            if tier_name in self.tiers:
                 try:
-                    tier.put(name, payload)
+                    self._put(tier_name, name, payload, "", chunk.num_tokens)
                 except (OSError, QueueFull) as e:
                     reason, detail = classify(e)
                     self._report.store_failures.append(
@@ -538,6 +544,7 @@ class ConnectorWorker:
         if not usable:
             return failures
         assert self.copier is not None
+        started = time.perf_counter()
         try:
             if gathered is None:
                 data = self.copier.gather(job.block_ids, self._new_payload(len(job.block_ids)))
@@ -547,13 +554,16 @@ class ConnectorWorker:
                 data = gathered.out  # host memory; its copies are done (``gathers_ready``)
         except (RuntimeError, ValueError) as e:
             return failures + self._fail(job, usable, FailureReason.IO_ERROR, str(e))
+        gather_s = time.perf_counter() - started + (gathered.seconds if gathered is not None else 0.0)
         payload = memoryview(data.numpy()).cast("B")
+        for tier_name in usable:  # one gather feeds every tier the chunk goes to
+            self._report.tier_traffic(tier_name).add_moved(Stage.GATHER, payload.nbytes, gather_s)
         if usable == [CPU]:  # only the CPU tier reads it: reusable once dropped
             self._pool.own(payload, data)
         name = storage_name(job.name, self.rank)
         for tier_name in usable:
             try:
-                self.tiers[tier_name].put(name, payload, job.namespace)
+                self._put(tier_name, name, payload, job.namespace, job.num_tokens)
             except QueueFull as e:
                 failures += self._fail(job, [tier_name], FailureReason.QUEUE_FULL, str(e))
             except OSError as e:
@@ -561,6 +571,17 @@ class ConnectorWorker:
                 self.health[tier_name].failed(reason, detail)
                 failures += self._fail(job, [tier_name], reason, detail)
         return failures
+
+    def _put(self, tier_name: str, name: str, payload: memoryview, namespace: str, tokens: int) -> None:
+        """Write to a tier; a store counts once the tier holds it: at once for the CPU tier,
+        when its background write lands for the others (``take_report``)."""
+        tier = self.tiers[tier_name]
+        if isinstance(tier, BackgroundTier):
+            tier.put(name, payload, namespace, tokens)
+            return
+        tier.put(name, payload, namespace)
+        n = self._counts_chunks
+        self._report.tier_traffic(tier_name).add_stored(n, tokens * n, payload.nbytes)
 
     @staticmethod
     def _fail(job: StoreJob, tiers: object, reason: FailureReason, detail: str = "") -> list[StoreFailure]:
@@ -573,6 +594,13 @@ class ConnectorWorker:
         for tier in self._background:
             if tier.stuck():
                 tier.health.failed(FailureReason.TIMEOUT, "a write has not finished")
+        # The count before what landed: a write landing in between is in both, never in neither.
+        pending = sum(t.pending for t in self._background if t.health.usable())
+        pending += sum(len(q.plan.stores) for q in self._unwritten)
+        for tier in self._background:
+            traffic = tier.take_traffic(self._counts_chunks)
+            if not traffic.is_empty():
+                report.tier_traffic(tier.name).merge(traffic)
             for name, reason, detail in tier.take_failures():
                 report.store_failures.append(StoreFailure("", self._digest(name), tier.name, reason, detail))
             for name, nbytes in tier.take_kept():
@@ -585,8 +613,6 @@ class ConnectorWorker:
             change = health.take_change()
             if change is not None:
                 report.tier_states[name] = change
-        pending = sum(t.pending for t in self._background if t.health.usable())
-        pending += sum(len(q.plan.stores) for q in self._unwritten)
         if pending or pending != self._reported_pending:  # while any, and the drop to 0: draining stops
             report.pending_writes = self._reported_pending = pending
         if report.is_empty():
@@ -620,18 +646,14 @@ class ConnectorWorker:
     def tier_states(self) -> dict[str, TierState]:
         return {name: h.state for name, h in self.health.items()}
 
-    def sizes(self) -> dict[str, int]:
+    def sizes(self) -> WorkerSizes:
         """Internal sizes, for leak-spotting gauges."""
-        out = {
-            "invalid_block_ids": len(self._failed_blocks),
-            "pending_writes": sum(t.pending for t in self._background)
-            + sum(len(q.plan.stores) for q in self._unwritten),
-            "reusable_buffer_bytes": self._pool.bytes,
-        }
         cpu = self.tiers.get(CPU)
-        if isinstance(cpu, CpuTier):
-            out["tier_stored_bytes|cpu"] = cpu.used_bytes
-        return out
+        return WorkerSizes(
+            invalid_block_ids=len(self._failed_blocks),
+            reusable_buffer_bytes=self._pool.bytes,
+            cpu_tier_bytes=cpu.used_bytes if isinstance(cpu, CpuTier) else None,
+        )
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait for every queued background write and delete (tests, shutdown)."""

@@ -190,8 +190,13 @@ def latency_and_throughput(frame: pd.DataFrame, window: float) -> None:
             chart(views.latency(frame, op, window), charts.MS, f"No {op}s in range.")
     left, right = st.columns(2)
     with left:
-        st.subheader("Transfer speed")
-        chart(views.transfer_speed(frame, window), charts.GB_PER_S, "No loads or stores in range.")
+        st.subheader("Throughput by tier")
+        chart(views.throughput_by_tier(frame, window), charts.GB_PER_S, "No loads or stores in range.")
+        st.caption(
+            "Bytes per second spent moving them, timed where they move: a store is the gather out of "
+            "vLLM's KV cache plus the write to disk or remote; a load the read from disk or remote "
+            "plus the copy into the KV cache. One rank's speed."
+        )
     with right:
         st.subheader("Operations")
         chart(views.operations(frame, window), charts.OPS_PER_S, NO_TRAFFIC)
@@ -207,10 +212,10 @@ def latency_and_throughput(frame: pd.DataFrame, window: float) -> None:
     queue = views.gauge(frame, views.kvlens("pending_writes"), ("instance",))
     chart(queue, charts.COUNT, "No background writer reported.")
     st.caption(
-        "Chunk writes and deletes queued for the disk and remote tiers' background writers. Each "
-        "tier holds at most extra_config.max_pending_write_bytes of queued writes (default 512 MiB); "
-        "a store that does not fit is dropped and counted as failed (queue_full). Sampled while "
-        "the engine steps."
+        "Chunk writes and deletes queued for the disk and remote tiers' background writers (the "
+        "busiest rank, as last reported). Each tier holds at most extra_config.max_pending_write_bytes "
+        "of queued writes (default 512 MiB); a store that does not fit is dropped and counted as "
+        "failed (queue_full). An idle engine keeps stepping until this is 0."
     )
 
 

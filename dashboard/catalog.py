@@ -33,6 +33,7 @@ LABELS = (
     "source",
     "le",
     "budget_factor",
+    "stage",
     *INFO_LABELS,
 )
 
@@ -82,8 +83,7 @@ def kvlens_sample_names() -> frozenset[str]:
 
 
 # Internal sizes that must return to zero when the engine is idle (the README's "Leaks" row).
-# pending_writes is a queue depth, not one of them: the worker samples it during engine steps,
-# so it keeps its last value while the engine is idle.
+# pending_writes is a queue depth, not one of them: an idle engine steps until it is 0.
 LEAK_GAUGES = (
     "request_trackers",
     "load_specs",

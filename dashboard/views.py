@@ -353,19 +353,27 @@ def remote_errors(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd
     return rate(frame, kvlens("remote_errors"), ("operation", "kind"), window_s)
 
 
-def transfer_speed(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
-    """Bytes per second spent loading or storing (GB/s once divided by 1e9)."""
-    seconds = kvlens("operation_seconds", "_sum")
-    return join(
-        ratio(
-            rate(frame, kvlens("load_bytes"), window_s=window_s, legend="load"),
-            rate(frame, seconds, window_s=window_s, legend="load", operation="load"),
-        ),
-        ratio(
-            rate(frame, kvlens("store_bytes"), window_s=window_s, legend="store"),
-            rate(frame, seconds, window_s=window_s, legend="store", operation="store"),
-        ),
-    )
+def _added(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
+    """Two rate frames summed column by column (a missing column or time counts as 0)."""
+    if a.empty or b.empty:
+        return a if b.empty else b
+    a, b = a.align(b, join="outer")
+    return a.ffill().fillna(0) + b.ffill().fillna(0)
+
+
+def throughput_by_tier(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
+    """Bytes per second spent moving them, per tier ("store cpu", "load disk", ...), timed where
+    they move: a store is the gather out of vLLM's KV cache plus the write to disk or remote; a
+    load the read from disk or remote plus the copy into the KV cache."""
+    seconds = {
+        stage: rate(frame, kvlens("transfer_seconds"), ("tier",), window_s, stage=stage)
+        for stage in ("gather", "write", "read", "copy")
+    }
+    stored = rate(frame, kvlens("store_bytes"), ("tier",), window_s)
+    loaded = rate(frame, kvlens("transfer_bytes"), ("tier",), window_s, stage="copy")
+    store = ratio(stored, _added(seconds["gather"], seconds["write"])).add_prefix("store ")
+    load = ratio(loaded, _added(seconds["read"], seconds["copy"])).add_prefix("load ")
+    return join(store, load)
 
 
 def operations(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:

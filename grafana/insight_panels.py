@@ -167,7 +167,8 @@ INSIGHT_PANELS: tuple[Panel, ...] = (
                 f"- on ()\n{increase_sum('vllm:kvlens_operation_seconds_sum')}"
             ),
         ),
-        "Saved minus spent over the time range: below zero KVLens costs more than it saves.",
+        "Saved minus spent over the time range: below zero KVLens costs more than it saves. No value "
+        "until the engine has measured what a prefill token costs (unknown, not zero).",
         kind=STAT,
         width=6,
     ),

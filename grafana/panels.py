@@ -261,25 +261,55 @@ PANELS: tuple[Panel, ...] = (
     ),
     Panel(
         "Latency and throughput",
-        "Transfer speed",
+        "Store throughput by tier",
         "Bps",
         (
             Target(
                 ratio(
-                    rate_sum("vllm:kvlens_load_bytes_total"),
-                    rate_sum("vllm:kvlens_operation_seconds_sum", matchers='operation="load"'),
+                    rate_sum("vllm:kvlens_store_bytes_total", by="tier"),
+                    rate_sum(
+                        "vllm:kvlens_transfer_seconds_total", by="tier", matchers='stage=~"gather|write"'
+                    ),
                 ),
-                "load",
-            ),
-            Target(
-                ratio(
-                    rate_sum("vllm:kvlens_store_bytes_total"),
-                    rate_sum("vllm:kvlens_operation_seconds_sum", matchers='operation="store"'),
-                ),
-                "store",
+                "{{tier}}",
             ),
         ),
-        "Bytes moved per second spent loading or storing (all ranks).",
+        "Bytes each tier came to hold per second spent moving them there, timed where they move: the "
+        "gather out of vLLM's KV cache into a host buffer (all of a CPU-tier store) plus, for disk and "
+        "remote, the background write. All ranks' bytes over all ranks' seconds: one rank's speed.",
+    ),
+    Panel(
+        "Latency and throughput",
+        "Load throughput by tier",
+        "Bps",
+        (
+            Target(
+                ratio(
+                    rate_sum("vllm:kvlens_transfer_bytes_total", by="tier", matchers='stage="copy"'),
+                    rate_sum("vllm:kvlens_transfer_seconds_total", by="tier", matchers='stage=~"read|copy"'),
+                ),
+                "{{tier}}",
+            ),
+        ),
+        "Bytes loaded into vLLM's KV cache from each tier per second spent moving them: the read from "
+        "disk or remote (overlapping reads counted once; the CPU tier is read in place) plus the copy "
+        "into the KV cache. All ranks' bytes over all ranks' seconds: one rank's speed.",
+    ),
+    Panel(
+        "Latency and throughput",
+        "Throughput by stage",
+        "Bps",
+        (
+            Target(
+                ratio(
+                    rate_sum("vllm:kvlens_transfer_bytes_total", by="stage, tier"),
+                    rate_sum("vllm:kvlens_transfer_seconds_total", by="stage, tier"),
+                ),
+                "{{stage}} {{tier}}",
+            ),
+        ),
+        "Each stage on its own: gather (KV cache to host buffer), write (to disk or remote), read (from "
+        "disk or remote), copy (into the KV cache). A gather feeding several tiers shows under each.",
     ),
     Panel(
         "Latency and throughput",
@@ -296,11 +326,11 @@ PANELS: tuple[Panel, ...] = (
         "Background write queue",
         "short",
         (Target("sum by (instance) (vllm:kvlens_pending_writes)", "{{instance}}"),),
-        "Chunk writes and deletes queued for the background writers of the disk and remote tiers "
-        "(summed). Each tier holds at most extra_config.max_pending_write_bytes of queued writes "
-        "(default 512 MiB); a store that does not fit is dropped and counted as a failed chunk "
-        "(reason queue_full). Sampled while the engine steps: it keeps its last value when the "
-        "engine goes idle.",
+        "Chunk writes and deletes queued for the background writers of the disk and remote tiers, "
+        "on the busiest rank, as the workers last reported. Each tier holds at most "
+        "extra_config.max_pending_write_bytes of queued writes (default 512 MiB); a store that does "
+        "not fit is dropped and counted as a failed chunk (reason queue_full). An idle engine keeps "
+        "stepping until this is 0.",
         width=8,
     ),
     Panel(

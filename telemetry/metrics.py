@@ -17,10 +17,14 @@ over ranks.
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from connector.engine.snapshots import KnownLabels
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -58,6 +62,12 @@ _SHARED_TOTALS = (
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
+# Closed sets of label values telemetry itself defines; the connector's come in ``KnownLabels``.
+OPERATIONS = ("lookup", "load", "store")
+CHUNK_OPERATIONS = ("load", "store")
+_OWN_DOMAINS = {"operations": OPERATIONS, "chunk_operations": CHUNK_OPERATIONS}
+
+
 @dataclass(frozen=True, slots=True)
 class Metric:
     key: str  # short key used in the stats payload
@@ -65,10 +75,21 @@ class Metric:
     doc: str
     labels: tuple[str, ...] = ()  # bounded labels beyond model_name and engine
     buckets: tuple[float, ...] | None = None
+    # Per label, the closed set of its values (a ``KnownLabels`` field or one of
+    # ``_OWN_DOMAINS``): every combination exists at zero from start-up. None: the series
+    # appear with their first value (estimates that are unknown until measured, open sets).
+    domains: tuple[str, ...] | None = ()
 
     @property
     def name(self) -> str:
         return "vllm:kvlens_" + self.key
+
+    def label_domains(self) -> tuple[str, ...] | None:
+        if self.domains is None:
+            return None
+        if self.domains:
+            return self.domains
+        return tuple("tiers" if label == "tier" else "" for label in self.labels)
 
 
 _DEFINITIONS = (
@@ -79,9 +100,19 @@ _DEFINITIONS = (
     Metric("hit_tokens", COUNTER, "Prompt tokens KVLens held at lookup, by tier.", ("tier",)),
     Metric("hit_requests", COUNTER, "Looked-up requests of which KVLens held at least one chunk."),
     Metric(
-        "miss_requests", COUNTER, "Looked-up requests KVLens could not fully serve, by reason.", ("reason",)
+        "miss_requests",
+        COUNTER,
+        "Looked-up requests KVLens could not fully serve, by reason.",
+        ("reason",),
+        domains=("miss_reasons",),
     ),
-    Metric("save_skipped_requests", COUNTER, "Requests KVLens does not store, by reason.", ("reason",)),
+    Metric(
+        "save_skipped_requests",
+        COUNTER,
+        "Requests KVLens does not store, by reason.",
+        ("reason",),
+        domains=("save_skip_reasons",),
+    ),
     Metric(
         "ignored_request_params",
         COUNTER,
@@ -98,7 +129,13 @@ _DEFINITIONS = (
     Metric("load_tokens", COUNTER, "Tokens whose KV KVLens loaded into vLLM, by tier.", ("tier",)),
     Metric("load_bytes", COUNTER, "Bytes of KV KVLens loaded into vLLM (all ranks)."),
     Metric("failed_load_requests", COUNTER, "Requests whose load failed, in part or whole."),
-    Metric("failed_blocks", COUNTER, "vLLM blocks KVLens failed to load, by reason.", ("reason",)),
+    Metric(
+        "failed_blocks",
+        COUNTER,
+        "vLLM blocks KVLens failed to load, by reason.",
+        ("reason",),
+        domains=("failure_reasons",),
+    ),
     Metric(
         "recomputed_tokens",
         COUNTER,
@@ -109,11 +146,36 @@ _DEFINITIONS = (
         COUNTER,
         "Chunk reads or writes that failed, by operation, tier and reason.",
         ("operation", "tier", "reason"),
+        domains=("chunk_operations", "tiers", "failure_reasons"),
     ),
-    # stores (workers)
-    Metric("store_chunks", COUNTER, "Chunks KVLens stored, by tier.", ("tier",)),
-    Metric("store_tokens", COUNTER, "Tokens whose KV KVLens stored, by tier.", ("tier",)),
-    Metric("store_bytes", COUNTER, "Bytes of KV KVLens stored, by tier (all ranks).", ("tier",)),
+    # stores (workers, through the scheduler): counted once the tier holds them
+    Metric(
+        "store_chunks",
+        COUNTER,
+        "Chunks written to each tier, counted once the tier holds them (CPU at once, disk and remote "
+        "when the background write returned); failed or dropped writes are failed_chunks instead.",
+        ("tier",),
+    ),
+    Metric("store_tokens", COUNTER, "Tokens of the chunks in store_chunks, by tier.", ("tier",)),
+    Metric("store_bytes", COUNTER, "Bytes of the chunks in store_chunks, by tier (all ranks).", ("tier",)),
+    # where the bytes move, per stage and tier: throughput = transfer_bytes / transfer_seconds
+    Metric(
+        "transfer_bytes",
+        COUNTER,
+        "Bytes moved, by stage (gather: KV cache to a host buffer; write: to disk/remote; read: from "
+        "disk/remote; copy: into the KV cache) and tier. A gather feeding several tiers counts under "
+        "each. All ranks.",
+        ("stage", "tier"),
+        domains=("transfer_stages", "tiers"),
+    ),
+    Metric(
+        "transfer_seconds",
+        COUNTER,
+        "Time the bytes of transfer_bytes took to move, by stage and tier (rank-seconds; a tier's "
+        "overlapping reads count once).",
+        ("stage", "tier"),
+        domains=("transfer_stages", "tiers"),
+    ),
     # both
     Metric(
         "operation_seconds",
@@ -121,12 +183,14 @@ _DEFINITIONS = (
         "Time per request and operation (lookup, load, store).",
         ("operation",),
         SECONDS_BUCKETS,
+        ("operations",),
     ),
     Metric(
         "evictions",
         COUNTER,
         "Chunks evicted to make room, by tier (disk: counted by the engine whose delete removed the file).",
         ("tier",),
+        domains=("indexed_tiers",),
     ),
     # the remote tier (Redis / Valkey), per round trip
     Metric(
@@ -135,13 +199,21 @@ _DEFINITIONS = (
         "Remote tier round trips by operation (exists: a lookup; get: a load; put/delete: background).",
         ("operation",),
         SECONDS_BUCKETS,
+        ("remote_operations",),
     ),
-    Metric("remote_bytes", COUNTER, "Bytes moved to or from the remote tier, by operation.", ("operation",)),
+    Metric(
+        "remote_bytes",
+        COUNTER,
+        "Bytes moved to or from the remote tier, by operation.",
+        ("operation",),
+        domains=("remote_operations",),
+    ),
     Metric(
         "remote_errors",
         COUNTER,
         "Remote tier round trips that failed, by operation and kind (timeout, connection, oom, ...).",
         ("operation", "kind"),
+        domains=("remote_operations", "remote_error_kinds"),
     ),
     # gauges: internal sizes, so that leaks show
     Metric("request_trackers", GAUGE, "Requests the scheduler half tracks."),
@@ -150,7 +222,10 @@ _DEFINITIONS = (
     Metric("unfinished_requests", GAUGE, "Requests KVLens saw allocated and not yet finished."),
     Metric("invalid_block_ids", GAUGE, "Failed block ids not yet handed to vLLM (all ranks)."),
     Metric(
-        "pending_writes", GAUGE, "Chunk writes and deletes queued for background tier writers (all ranks)."
+        "pending_writes",
+        GAUGE,
+        "Chunk writes and deletes queued for the disk and remote tiers' background writers (the busiest "
+        "rank, as last reported): an idle engine keeps stepping until it is 0.",
     ),
     Metric(
         "reusable_buffer_bytes",
@@ -159,29 +234,51 @@ _DEFINITIONS = (
     ),
     Metric("suspect_blocks", GAUGE, "vLLM blocks whose load failed and that no step has rewritten yet."),
     Metric("pinned_requests", GAUGE, "Requests holding pins on cached chunks."),
-    Metric("pinned_chunks", GAUGE, "Chunks pinned (not evictable) by pending loads, by tier.", ("tier",)),
-    Metric("pinned_bytes", GAUGE, "Bytes pinned by pending loads, by tier.", ("tier",)),
+    Metric(
+        "pinned_chunks",
+        GAUGE,
+        "Chunks pinned (not evictable) by pending loads, by tier.",
+        ("tier",),
+        domains=("indexed_tiers",),
+    ),
+    Metric(
+        "pinned_bytes",
+        GAUGE,
+        "Bytes pinned by pending loads, by tier.",
+        ("tier",),
+        domains=("indexed_tiers",),
+    ),
     # storage: a store several engines share and each reports whole (a disk directory:
     # disk:<hash of host and path>, as in kvlens_info), "" for this engine's own: total = the
-    # sum over storage="" plus, per storage, the max (not the sum) over engines.
-    Metric("tier_chunks", GAUGE, _SHARED_TOTALS.format("Chunks each tier holds"), ("tier", "storage")),
+    # sum over storage="" plus, per storage, the max (not the sum) over engines. They appear
+    # with the first stats (the storage label is known only then).
+    Metric(
+        "tier_chunks",
+        GAUGE,
+        _SHARED_TOTALS.format("Chunks each tier holds"),
+        ("tier", "storage"),
+        domains=None,
+    ),
     Metric(
         "tier_used_bytes",
         GAUGE,
         _SHARED_TOTALS.format("Bytes each tier holds (one rank's share)"),
         ("tier", "storage"),
+        domains=None,
     ),
     Metric(
         "tier_capacity_bytes",
         GAUGE,
         _SHARED_TOTALS.format("Byte budget of each tier (one rank's share)"),
         ("tier", "storage"),
+        domains=None,
     ),
     Metric(
         "tier_stored_bytes",
         GAUGE,
         "Bytes the workers' CPU tiers actually hold (all ranks); equals tier_used_bytes x ranks.",
         ("tier",),
+        domains=None,  # the CPU tier's only: appears with the workers' first report
     ),
     Metric("tier_health", GAUGE, "Tier health: 2 healthy, 1 failing (still used), 0 skipped.", ("tier",)),
     Metric("telemetry_open_requests", GAUGE, "Requests KVLens telemetry keeps state for."),
@@ -201,23 +298,27 @@ _DEFINITIONS = (
             "quantization",
             "kv_cache_dtype",
         ),
+        domains=None,
     ),
     Metric(
         "whatif_hit_ratio",
         GAUGE,
         "Estimated token hit ratio of the tier at budget_factor times its configured size (sampled LRU).",
         ("tier", "budget_factor"),
+        domains=None,  # no curve before the tier's first reference
     ),
     Metric(
         "prefill_seconds_saved",
         COUNTER,
         "Estimated prefill compute seconds saved: tokens KVLens loaded x measured prefill cost per token.",
         ("tier",),
+        domains=None,  # unknown (no series) until the engine has measured a prefill cost
     ),
     Metric(
         "prefill_seconds_per_token",
         GAUGE,
         "This engine's measured prefill cost per token (cold prefill steps, decayed average).",
+        domains=None,  # unknown (no series) until measured
     ),
 )
 _NOT_IN_LOG_LINE = ("info", "whatif_hit_ratio")  # labels, not amounts: kept out of vLLM's log line
@@ -334,7 +435,7 @@ class PromRecorder:
         metric_types: Mapping[type, Callable[..., Any]],
         labelnames: list[str],
         per_engine_labelvalues: Mapping[int, list[object]],
-        tiers: Iterable[str] = (),
+        known: Any = None,
         registry: Any = None,
     ) -> None:
         from prometheus_client import Counter, Gauge, Histogram
@@ -356,17 +457,20 @@ class PromRecorder:
             if metric.buckets is not None:
                 kwargs["buckets"] = metric.buckets
             self._families[metric.key] = _register(cls[metric.kind], kwargs, registry)
-        self._prebind(tuple(tiers))
+        if known is not None:
+            self._prebind(known)
 
-    def _prebind(self, tiers: tuple[str, ...]) -> None:
-        """Create the series operators expect to see at zero before any traffic."""
-        for engine in self._per_engine:
-            for metric in _DEFINITIONS:
-                if not metric.labels:
-                    self._child(engine, metric.key)
-                elif metric.labels == ("tier",):
-                    for tier in tiers:
-                        self._child(engine, wire_key(metric.key, tier))
+    def _prebind(self, known: KnownLabels) -> None:
+        """Create, at zero, every series whose label values are all known in advance (Prometheus's
+        advice: panels show 0 instead of "No data" and ``rate()`` sees the first event)."""
+        for metric in _DEFINITIONS:
+            domains = metric.label_domains()
+            if domains is None:
+                continue
+            values = [_OWN_DOMAINS.get(d) or tuple(getattr(known, d)) for d in domains]
+            for combination in itertools.product(*values):
+                for engine in self._per_engine:
+                    self._child(engine, wire_key(metric.key, *combination))
 
     def _child(self, engine: int, key: str) -> Any:
         child = self._children.get((engine, key))
@@ -423,7 +527,7 @@ class LocalExporter:
     """KVLens metrics on 127.0.0.1:``port`` from a private registry, for engines whose stats
     vLLM does not publish (the offline ``vllm.LLM``). Lives in the engine-core process."""
 
-    def __init__(self, port: int, model_name: str, engine: str, tiers: Iterable[str] = ()) -> None:
+    def __init__(self, port: int, model_name: str, engine: str, known: KnownLabels | None = None) -> None:
         from functools import partial
 
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -431,7 +535,7 @@ class LocalExporter:
         self.registry = CollectorRegistry()
         types = {c: partial(c, registry=self.registry) for c in (Counter, Gauge, Histogram)}
         self._recorder = PromRecorder(
-            types, ["model_name", "engine"], {0: [model_name, engine]}, tiers, self.registry
+            types, ["model_name", "engine"], {0: [model_name, engine]}, known, self.registry
         )
         self._server, _thread = start_http_server(port, addr="127.0.0.1", registry=self.registry)
         self.port = self._server.server_address[1]

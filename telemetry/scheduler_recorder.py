@@ -12,19 +12,27 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import remote_calls
 from . import tracing as tr
+from .encoding import scheduler_gauges
 from .events import EventLog, load_failed_event
 from .metrics import LocalExporter, StatsBuffer, wire_key
 from .request_log import RequestLog, request_record
 from .settings import TelemetrySettings
 
 if TYPE_CHECKING:  # the connector's outcome types; telemetry only reads their fields
-    from connector.engine.outcomes import LoadOutcome, LookupOutcome, RequestSummary, StoreFailure
+    from connector.engine.outcomes import (
+        LoadOutcome,
+        LookupOutcome,
+        RequestSummary,
+        StoreFailure,
+        TierTraffic,
+    )
+    from connector.engine.snapshots import InsightSnapshot, KnownLabels, SchedulerSizes
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -65,10 +73,10 @@ class SchedulerRecorder:
         engine: str,
         block_size: int,
         recompute_on_failure: bool,
-        tiers: tuple[str, ...],
+        known: KnownLabels | None = None,
     ) -> None:
         self._settings = settings
-        self._exporter = _start_exporter(settings.metrics_port, model_name, engine, tiers)
+        self._exporter = _start_exporter(settings.metrics_port, model_name, engine, known)
         self._model, self._engine = model_name, engine
         self._block_size = block_size
         self._recompute = recompute_on_failure
@@ -180,6 +188,19 @@ class SchedulerRecorder:
             for f in store_failures:
                 self._buffer.inc(wire_key("failed_chunks", "store", f.tier, f.reason.value))
 
+    def traffic_reported(self, traffic: Mapping[str, TierTraffic]) -> None:
+        """Stores the tiers now hold and the bytes that moved for them, from the workers' report."""
+        if not self._metrics:
+            return
+        b = self._buffer
+        for tier, t in traffic.items():
+            b.inc(wire_key("store_chunks", tier), t.stored_chunks)
+            b.inc(wire_key("store_tokens", tier), t.stored_tokens)
+            b.inc(wire_key("store_bytes", tier), t.stored_bytes)
+            for stage, moved in t.moved.items():
+                b.inc(wire_key("transfer_bytes", stage.value, tier), moved.nbytes)
+                b.inc(wire_key("transfer_seconds", stage.value, tier), moved.seconds)
+
     def _count_load(self, outcome: LoadOutcome, affected: int) -> None:
         b = self._buffer
         by_tier = outcome.tokens_by_tier()
@@ -240,20 +261,23 @@ class SchedulerRecorder:
 
     def stats(
         self,
-        sizes: Mapping[str, float],
+        sizes: SchedulerSizes,
+        insight: Callable[[], InsightSnapshot] | None,
         idle: bool,
         evictions: Mapping[str, int],
         saved_seconds: Mapping[str, float] | None = None,
     ) -> dict[str, Any] | None:
-        """This step's payload for vLLM (None when empty or metrics are off). ``evictions`` and
-        ``saved_seconds`` (estimated prefill seconds saved) are per tier, since the last call."""
+        """This step's payload for vLLM (None when empty or metrics are off). ``insight`` is
+        asked only when gauges are sampled; ``evictions`` and ``saved_seconds`` (estimated
+        prefill seconds saved) are per tier, since the last call."""
         if not self._metrics:
             return None
         now = time.monotonic()
         if now - self._gauges_at >= GAUGE_INTERVAL_S or idle:
             self._gauges_at = now  # exact whenever nothing runs, so a drained engine shows zeros
             open_requests = len(self._timings) + len(self._lookup_ms)
-            self._set_gauges({**sizes, "telemetry_open_requests": open_requests})
+            snapshot = insight() if insight is not None else None
+            self._set_gauges({**scheduler_gauges(sizes, snapshot), "telemetry_open_requests": open_requests})
         for tier, n in evictions.items():
             self._buffer.inc(wire_key("evictions", tier), n)
         for tier, seconds in (saved_seconds or {}).items():
@@ -284,13 +308,13 @@ class SchedulerRecorder:
 
 
 def _start_exporter(
-    port: int | None, model: str, engine: str, tiers: tuple[str, ...]
+    port: int | None, model: str, engine: str, known: KnownLabels | None
 ) -> LocalExporter | None:
     """The optional localhost exporter; a busy port costs the exporter, never the engine."""
     if not port:
         return None
     try:
-        return LocalExporter(port, model, engine, tiers)
+        return LocalExporter(port, model, engine, known)
     except OSError as e:
         logger.warning("KVLens: no metrics exporter on 127.0.0.1:%d: %s", port, e)
         return None

@@ -53,16 +53,16 @@ class KVLensPromMetrics(KVConnectorPromMetrics):
         metric_types: dict[type, type],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
-        tiers: tuple[str, ...] = (),
+        known: Any = None,
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._recorder = PromRecorder(metric_types, labelnames, per_engine_labelvalues, tiers)
+        self._recorder = PromRecorder(metric_types, labelnames, per_engine_labelvalues, known)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         self._recorder.observe(transfer_stats_data, engine_idx)
 
 
-def scheduler_recorder(vllm_config: Any, engine: str, block_size: int, tiers: tuple[str, ...]) -> Any:
+def scheduler_recorder(vllm_config: Any, engine: str, block_size: int, known: Any) -> Any:
     from .scheduler_recorder import SchedulerRecorder
     from .settings import TelemetrySettings
 
@@ -73,7 +73,7 @@ def scheduler_recorder(vllm_config: Any, engine: str, block_size: int, tiers: tu
         engine=engine,
         block_size=block_size,
         recompute_on_failure=getattr(kv, "kv_load_failure_policy", "fail") == "recompute",
-        tiers=tiers,
+        known=known,
     )
 
 

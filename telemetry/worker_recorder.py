@@ -1,11 +1,11 @@
-"""Telemetry of a worker: load and store spans, store metrics, this rank's gauges.
+"""Telemetry of a worker: load and store spans, remote round trips, this rank's gauges.
 
 A load span is cut per request out of the step's loads. A request's stores spread over
 several steps (chunked prefill, decode saves); they accumulate into one record that becomes
 one ``kvlens.store`` span and one store-latency observation when the worker learns the
-request finished (``get_finished``) or at shutdown. Token and chunk counters come from rank
-0 only, so tensor parallelism does not multiply them; bytes come from every rank (each moves
-its own share), and gauges are reported per rank and summed.
+request finished (``get_finished``) or at shutdown. What the tiers hold and the bytes moved
+are counted by the scheduler's recorder from the workers' report, once a write has landed
+(``SchedulerRecorder.traffic_reported``). Gauges are reported per rank and summed.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from . import remote_calls
 from . import tracing as tr
-from .metrics import StatsBuffer, rank_key, wire_key
+from .encoding import worker_gauges
+from .metrics import StatsBuffer, rank_key
 from .settings import TelemetrySettings
 
 if TYPE_CHECKING:
     from connector.engine.jobs import LoadJob, StepPlan
     from connector.engine.outcomes import LoadOutcome, StoreFailure
+    from connector.engine.snapshots import WorkerSizes
 
 MAX_OPEN_STORE_RECORDS = 100_000  # safety net: a request never reported finished
 GAUGE_INTERVAL_S = 0.1
@@ -48,7 +50,7 @@ class WorkerRecorder:
         settings: TelemetrySettings,
         rank: int,
         block_nbytes: int,
-        sizes: Callable[[], dict[str, int]] | None = None,
+        sizes: Callable[[], WorkerSizes] | None = None,
         background_calls: Callable[[], list[Any]] | None = None,
     ) -> None:
         self._settings = settings
@@ -157,19 +159,9 @@ class WorkerRecorder:
         for job, nbytes in zip(stores, sizes, strict=True):
             duration = elapsed * nbytes // total
             ok = [tier for tier in job.tiers if (job.name, tier) not in failed]
-            if self._metrics:
-                self._count_store(job.num_tokens, nbytes, ok)
             self._record_store(job, nbytes, ok, t, t + duration, job.request_id not in seen)
             seen.add(job.request_id)
             t += duration
-
-    def _count_store(self, tokens: int, nbytes: int, tiers: list[str]) -> None:
-        b = self._buffer
-        for tier in tiers:
-            b.inc(wire_key("store_bytes", tier), nbytes)
-            if self._counts_tokens:
-                b.inc(wire_key("store_chunks", tier))
-                b.inc(wire_key("store_tokens", tier), tokens)
 
     def _record_store(
         self, job: Any, nbytes: int, ok: list[str], start: int, end: int, new_step: bool
@@ -247,7 +239,7 @@ class WorkerRecorder:
         draining = bool(self._last_gauges.get("pending_writes"))  # its drop to 0 may be the last step
         if self._sizes is not None and (now - self._gauges_at >= GAUGE_INTERVAL_S or draining):
             self._gauges_at = now
-            for key, value in self._sizes().items():
+            for key, value in worker_gauges(self._sizes()).items():
                 if self._last_gauges.get(key) != value:
                     self._last_gauges[key] = value
                     self._buffer.set(rank_key(key, self._rank), value)

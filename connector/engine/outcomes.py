@@ -68,16 +68,21 @@ class TierState(str, Enum):
         return {TierState.HEALTHY: 2, TierState.FAILING: 1, TierState.SKIPPED: 0}[self]
 
 
+REMOTE_OPERATIONS = ("exists", "get", "put", "delete")  # a RemoteCall's operation
+# RemoteUnavailable.kind (tiers/redis_tier.py); "error" for anything else
+REMOTE_ERROR_KINDS = ("timeout", "connection", "auth", "oom", "readonly", "cluster", "loading", "error")
+
+
 @dataclass(frozen=True, slots=True)
 class RemoteCall:
     """One round trip to the remote tier (for child spans and latency metrics)."""
 
-    operation: str  # exists, get, put
+    operation: str  # one of REMOTE_OPERATIONS
     start_ns: int
     end_ns: int
     keys: int
     nbytes: int = 0
-    error: str | None = None  # RemoteUnavailable.kind (timeout, connection, oom, ...)
+    error: str | None = None  # one of REMOTE_ERROR_KINDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +186,50 @@ class KeptChunk:
     nbytes: int
 
 
+class Stage(str, Enum):
+    """Where a chunk's bytes move, each stage timed where it runs."""
+
+    GATHER = "gather"  # vLLM's KV cache -> a host buffer, for a store (the CPU tier keeps that buffer)
+    WRITE = "write"  # the buffer -> a disk or remote tier, on its background writer
+    READ = "read"  # a disk or remote tier -> host memory, for a load (the CPU tier is read in place)
+    COPY = "copy"  # host memory -> vLLM's KV cache
+
+
+@dataclass(slots=True)
+class Moved:
+    nbytes: int = 0
+    seconds: float = 0.0  # rank-seconds: overlapping reads of one tier count once
+
+
+@dataclass(slots=True)
+class TierTraffic:
+    """One tier's stores that became durable and the bytes that moved for it since the last
+    report (summed over ranks when merged)."""
+
+    stored_chunks: int = 0  # writes the tier holds now (rank 0's, so a chunk counts once)
+    stored_tokens: int = 0  # rank 0's
+    stored_bytes: int = 0  # every rank's share
+    moved: dict[Stage, Moved] = field(default_factory=dict)
+
+    def add_stored(self, chunks: int, tokens: int, nbytes: int) -> None:
+        self.stored_chunks += chunks
+        self.stored_tokens += tokens
+        self.stored_bytes += nbytes
+
+    def add_moved(self, stage: Stage, nbytes: int, seconds: float) -> None:
+        moved = self.moved.setdefault(stage, Moved())
+        moved.nbytes += nbytes
+        moved.seconds += seconds
+
+    def is_empty(self) -> bool:
+        return not (self.stored_chunks or self.stored_bytes or self.moved)
+
+    def merge(self, other: TierTraffic) -> None:
+        self.add_stored(other.stored_chunks, other.stored_tokens, other.stored_bytes)
+        for stage, moved in other.moved.items():
+            self.add_moved(stage, moved.nbytes, moved.seconds)
+
+
 @dataclass(slots=True)
 class WorkerReport:
     """Workers to scheduler, once per step, merged across ranks."""
@@ -193,10 +242,18 @@ class WorkerReport:
     # queued background writes on the busiest rank; None: unchanged since the last report
     pending_writes: int | None = None
     step: int | None = None  # the step whose loads this report settles (None: it had none)
+    traffic: dict[str, TierTraffic] = field(default_factory=dict)  # by tier
+
+    def tier_traffic(self, tier: str) -> TierTraffic:
+        traffic = self.traffic.get(tier)
+        if traffic is None:
+            traffic = self.traffic[tier] = TierTraffic()
+        return traffic
 
     def is_empty(self) -> bool:
         return not (
             self.loads
+            or self.traffic
             or self.store_failures
             or self.kept
             or self.deleted
@@ -218,6 +275,8 @@ class WorkerReport:
             mine = self.tier_states.get(tier)
             if mine is None or state.level < mine.level:
                 self.tier_states[tier] = state
+        for tier, traffic in other.traffic.items():
+            self.tier_traffic(tier).merge(traffic)
         if other.pending_writes is not None:
             self.pending_writes = max(self.pending_writes or 0, other.pending_writes)
         if other.step is not None:

@@ -331,7 +331,8 @@ class WhatIfTracker:
 
     What counts as a reference (``record``), per tier, once per request, in prefix order: each
     whole chunk the lookup found plus the first whole chunk it missed on, and then each prompt
-    chunk past that one, when the request stores it (a larger tier might have held it). Chunks
+    chunk past that one, when the request stores it (a larger tier might have held it), its stored
+    unfull tail included (a repeat of the prompt finds it). Chunks
     written that no lookup asked for (generated tokens) are ``record_store``: they take room but
     are not counted. The missed chunk's own store is not recorded again.
     """

@@ -157,7 +157,7 @@ class Diagnosis:
                 {
                     "url": i.url,
                     "engine": i.engine,
-                    "info": dict(i.info),
+                    "identity": dict(i.info),  # its kvlens_info labels
                     "tiers": tier_findings(i),
                     "advice": whatif_advice(i),
                 }

@@ -18,11 +18,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..cpu_affinity import run_beside_worker
 from ..engine.health import TierHealth
-from ..engine.outcomes import FailureReason, RemoteCall
+from ..engine.outcomes import FailureReason, RemoteCall, Stage, TierTraffic
 from .base import Tier, classify
 
 logger = logging.getLogger("vllm.kvlens")
@@ -32,15 +32,26 @@ MAX_BATCH = 16  # writes sent in one pipelined call
 MAX_BATCH_BYTES = 64 * 1024**2
 
 
+class Written(NamedTuple):
+    """A write that landed: what the caller said it holds, its size and its share of the time."""
+
+    tokens: int
+    nbytes: int
+    seconds: float
+
+
 class QueueFull(Exception):
     """The tier's write queue holds its limit in bytes; the store is dropped."""
 
 
 class _Op:
-    __slots__ = ("kind", "name", "payload", "namespace", "done", "started")
+    __slots__ = ("kind", "name", "payload", "namespace", "tokens", "done", "started")
 
-    def __init__(self, kind: str, name: str, payload: memoryview | None = None, namespace: str = "") -> None:
-        self.kind, self.name, self.payload, self.namespace = kind, name, payload, namespace
+    def __init__(
+        self, kind: str, name: str, payload: memoryview | None = None, namespace: str = "", tokens: int = 0
+    ) -> None:
+        self.kind, self.name, self.payload = kind, name, payload
+        self.namespace, self.tokens = namespace, tokens
         self.done = threading.Event()
         self.started = 0.0
 
@@ -68,6 +79,8 @@ class BackgroundTier:
         self._failures: list[tuple[str, FailureReason, str]] = []
         self._kept: list[tuple[str, int]] = []  # deletes the tier declined: (name, bytes kept)
         self._deleted: list[str] = []  # deletes that removed a file (not one another engine removed)
+        self._written: list[Written] = []  # writes that landed, not yet taken
+        self._read_spans: list[tuple[float, float, int]] = []  # (start, end, bytes) of good reads
         self._closed = False
         # A tier that batches (put_many / get_many: one pipelined round trip per node) gets
         # consecutive writes and a load's reads in one call each; its calls are logged.
@@ -92,12 +105,13 @@ class BackgroundTier:
         with self._lock:
             return len(self._ops) + (self._current is not None)
 
-    def put(self, name: str, payload: memoryview, namespace: str = "") -> int:
-        """Queue the write (the payload must stay unchanged until written); its size."""
+    def put(self, name: str, payload: memoryview, namespace: str = "", tokens: int = 0) -> int:
+        """Queue the write (the payload must stay unchanged until written); its size.
+        ``tokens`` comes back with the write once it landed (``take_traffic``)."""
         with self._lock:
             if self._closed or self._pending_bytes + payload.nbytes > self._max_pending_bytes:
                 raise QueueFull(f"{self._pending_bytes} bytes queued for {self.name}")
-            op = _Op("put", name, payload, namespace)
+            op = _Op("put", name, payload, namespace, tokens)
             self._pending_bytes += payload.nbytes
             self._latest_write[name] = op
             self._ops.append(op)
@@ -123,6 +137,25 @@ class BackgroundTier:
         with self._lock:
             deleted, self._deleted = self._deleted, []
         return deleted
+
+    def take_traffic(self, counts_chunks: int = 1) -> TierTraffic:
+        """Writes that landed (the tier holds them now) and reads that succeeded since the last
+        call. Chunks and tokens count ``counts_chunks`` times (0 on ranks but the first)."""
+        with self._lock:
+            written, self._written = self._written, []
+            spans, self._read_spans = self._read_spans, []
+        traffic = TierTraffic()
+        for w in written:
+            traffic.add_stored(counts_chunks, w.tokens * counts_chunks, w.nbytes)
+            traffic.add_moved(Stage.WRITE, w.nbytes, w.seconds)
+        if spans:  # reads overlap on the reader threads: their union is the time spent
+            busy, reach = 0.0, float("-inf")
+            for start, end, _ in sorted(spans):
+                if end > reach:
+                    busy += end - max(start, reach)
+                    reach = end
+            traffic.add_moved(Stage.READ, sum(n for _, _, n in spans), busy)
+        return traffic
 
     def stuck(self) -> bool:
         """True when the operation in flight has run longer than the timeout."""
@@ -175,6 +208,7 @@ class BackgroundTier:
                     self._wake.notify_all()
 
     def _apply(self, batch: list[_Op]) -> None:
+        began = time.perf_counter()
         start = time.time_ns()
         nbytes = sum(op.payload.nbytes for op in batch if op.payload is not None)
         kind = batch[0].kind
@@ -203,7 +237,16 @@ class BackgroundTier:
                         self._deleted.append(batch[0].name)
         except Exception as e:  # noqa: BLE001 - any failure is a failed store, never a crash
             errors = [e] * len(batch)
+        seconds = time.perf_counter() - began
         self._log_write(kind, start, len(batch), nbytes, next((e for e in errors if e is not None), None))
+        if kind == "put":
+            landed = [
+                Written(op.tokens, op.payload.nbytes, seconds * op.payload.nbytes / (nbytes or 1))
+                for op, error in zip(batch, errors, strict=True)
+                if error is None and op.payload is not None
+            ]
+            with self._lock:
+                self._written.extend(landed)
         for op, error in zip(batch, errors, strict=True):
             if error is None:
                 continue
@@ -242,10 +285,11 @@ class BackgroundTier:
 
         The reads share one deadline of ``timeout_s`` from the call; one that misses it
         yields a ``TimeoutError``. A tier that reads in batches (one pipelined round trip
-        per node) is asked once for all of them.
+        per node) is asked once for all of them, a single name too, so that every round trip
+        is logged.
         """
         deadline = time.monotonic() + self.timeout_s
-        if self._batched and len(names) > 1:
+        if self._batched and names:
             batch = self._submit(lambda: self._read_batch(list(names)))
             try:
                 results = batch.result(timeout=self.timeout_s)
@@ -270,9 +314,12 @@ class BackgroundTier:
         for write in writes:
             if write is not None:
                 write.done.wait()
+        began = time.perf_counter()
         start = time.time_ns()
         results = self.inner.get_many(names)  # type: ignore[attr-defined]
         nbytes = sum(r.nbytes for r in results if isinstance(r, memoryview))
+        if nbytes:
+            self._note_read(began, nbytes)
         error = next((r for r in results if isinstance(r, OSError)), None)
         if self.calls is not None:
             self.reads.append(
@@ -294,9 +341,16 @@ class BackgroundTier:
         def read() -> memoryview:
             if write is not None:
                 write.done.wait()
-            return self.inner.get(name)
+            began = time.perf_counter()
+            payload = self.inner.get(name)
+            self._note_read(began, payload.nbytes)
+            return payload
 
         return self._submit(read)
+
+    def _note_read(self, began: float, nbytes: int) -> None:
+        with self._lock:
+            self._read_spans.append((began, time.perf_counter(), nbytes))
 
     def run(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run ``fn`` on a reader thread (probes): the caller decides how long to wait."""

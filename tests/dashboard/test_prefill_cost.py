@@ -26,8 +26,11 @@ INSTANCE = "a:8000"
 
 def test_the_canned_engine_measure_is_what_the_meter_gives_for_these_steps():
     meter = PrefillCostMeter()
-    meter.step(0.0, prefill_tokens=TOKENS, total_tokens=TOKENS, requests=["a", "b"], loads=False)
-    meter.step(STEP_S, prefill_tokens=0, total_tokens=2, requests=["a", "b"], loads=False)
+    t = 0.0
+    for _ in range(8):  # both prompts in one step, then their decodes (1 ms a step)
+        meter.step(t, prefill_tokens=TOKENS, total_tokens=TOKENS, requests=["a", "b"])
+        meter.step(t + STEP_S, prefill_tokens=0, total_tokens=2, requests=["a", "b"])
+        t += STEP_S + 0.001
     (gauge,) = [
         s.value for f in text_string_to_metric_families(SCRAPE) for s in f.samples if "per_token" in s.name
     ]

@@ -215,3 +215,21 @@ def test_remote_round_trips_and_errors_show_when_a_remote_tier_reports():
     assert views.remote_round_trips(f, "exists", window_s=10).loc[10, "p50"] == pytest.approx(0.0005)
     errors = views.remote_errors(f, window_s=10)
     assert errors.iloc[-1].sum() == pytest.approx(0.3)
+
+
+def test_throughput_by_tier_is_bytes_over_the_time_spent_where_they_moved():
+    bytes_total, seconds_total = "vllm:kvlens_transfer_bytes_total", "vllm:kvlens_transfer_seconds_total"
+    stored = "vllm:kvlens_store_bytes_total"
+    f = frame(
+        # the disk tier came to hold 2 GB in 10 s, after 1 s of gathers and 3 s of writes
+        *series(stored, [0, 2e9], tier="disk"),
+        *series(seconds_total, [0, 1.0], stage="gather", tier="disk"),
+        *series(seconds_total, [0, 3.0], stage="write", tier="disk"),
+        # 1 GB loaded from disk: 2 s reading, 0.5 s copying into the KV cache
+        *series(bytes_total, [0, 1e9], stage="copy", tier="disk"),
+        *series(seconds_total, [0, 2.0], stage="read", tier="disk"),
+        *series(seconds_total, [0, 0.5], stage="copy", tier="disk"),
+    )
+    out = views.throughput_by_tier(f, window_s=60)
+    assert out["store disk"].iloc[-1] == pytest.approx(2e9 / 4.0)
+    assert out["load disk"].iloc[-1] == pytest.approx(1e9 / 2.5)

@@ -9,6 +9,7 @@ halves can be inspected after the workload: trackers, pins, failed blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -222,7 +223,9 @@ def main() -> None:
     }
     if connector is not None:
         sched = connector._scheduler
-        state.update(sched.sizes())
+        sizes = sched.sizes()
+        state.update({f.name: getattr(sizes, f.name) for f in dataclasses.fields(sizes) if f.name != "tiers"})
+        state["tiers"] = {t.tier: {"chunks": t.chunks, "health": t.health.level} for t in sizes.tiers}
         state["pinned_chunks"] = sum(t.pinned_keys for t in sched.tiers.values())
         state["index_bytes"] = {name: t.used_bytes for name, t in sched.tiers.items()}
         cpu = worker.tiers.get("cpu") if worker is not None else None

@@ -57,7 +57,7 @@ def test_nothing_is_left_tracked_or_pinned_after_the_workload(cpu_run):
     assert state["request_trackers"] == 0 and state["load_specs"] == 0
     assert state["unfinished_requests"] == 0 and state["pinned_requests"] == 0
     assert state["pinned_chunks"] == 0 and state["failed_blocks"] == []
-    assert state["tier_chunks|cpu|"] > 0
+    assert state["tiers"]["cpu"]["chunks"] > 0
 
 
 def test_vllm_calls_the_layer_hooks_so_loads_overlap_the_forward_pass(cpu_run):

@@ -44,4 +44,4 @@ def test_the_broken_tier_is_skipped_after_it_fails_and_logged_once(broken_disk_r
 def test_the_tier_is_used_again_once_it_works(broken_disk_run):
     assert "disk tier is now healthy" in broken_disk_run["log"]
     assert lmcache_tokens(broken_disk_run["rounds"][-1]) == [640]
-    assert broken_disk_run["state"]["tier_health|disk"] == 2
+    assert broken_disk_run["state"]["tiers"]["disk"]["health"] == 2

@@ -15,6 +15,7 @@ from connector.engine.keys import storage_name
 from connector.engine.outcomes import MissReason, TierState
 from connector.kv_blocks import BlockCopier
 from connector.scheduler import ConnectorScheduler
+from connector.tiers import codec
 from connector.worker import ConnectorWorker
 
 from ..unit.fakes import request, step
@@ -53,7 +54,7 @@ class Engine:
         plan = self.sched.build_plan(
             step(new=[(req, blocks, need)], num_scheduled={req.request_id: req.num_tokens - need})
         )
-        self.worker.load(plan)
+        self.outcomes = self.worker.load(plan)
         self.worker.save(plan)
         self.worker.flush()
         report = self.worker.take_report()
@@ -83,6 +84,33 @@ def test_a_prefix_one_engine_stored_is_loaded_from_redis_by_another(redis_server
         # The chunks are kept in b's CPU tier: the next request loads them from there.
         need, plan, _ = b.run(request("z", PROMPT), list(range(20, 25)))
         assert [c.tier for c in plan.loads[0].chunks] == [CPU, CPU, CPU]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_one_chunk_load_counts_its_redis_get_and_the_bytes_read(redis_server):
+    """Checked against Redis's own count of GET calls and the record it holds."""
+    one_chunk = list(range(7000, 7000 + 2 * BS + 3))  # one whole chunk and a partial tail
+    a, b = (
+        Engine(redis_server.url, remote_key_prefix="one"),
+        Engine(redis_server.url, remote_key_prefix="one"),
+    )
+    try:
+        a.run(request("x", one_chunk), [0, 1, 2])
+        client = redis_server.client()
+        gets_before = client.info("commandstats").get("cmdstat_get", {}).get("calls", 0)
+        need, plan, failed = b.run(request("y", one_chunk), [10, 11, 12])
+        assert need == 2 * BS and not failed and [c.tier for c in plan.loads[0].chunks] == [REMOTE]
+        gets = client.info("commandstats")["cmdstat_get"]["calls"] - gets_before
+        (outcome,) = b.outcomes
+        calls = [c for c in outcome.remote_calls if c.operation == "get"]
+        assert len(calls) == gets == 1
+        key = f"one:{storage_name(plan.loads[0].chunks[0].name, 0)}"
+        payload = codec.decode(
+            memoryview(client.get(key)), storage_name(plan.loads[0].chunks[0].name, 0), "layout"
+        )
+        assert calls[0].nbytes == payload.nbytes == outcome.nbytes and calls[0].keys == 1
     finally:
         a.close()
         b.close()

@@ -231,6 +231,6 @@ def test_doctor_reads_the_servers_metrics(stack, capsys):
     assert result["unreachable"] == {} and result["cannot_share"] == []
     assert result["share_groups"] == [[srv.url, srv.url + "/metrics"]]
     first = result["instances"][0]
-    assert first["info"]["key_fingerprint"] == info(srv)["key_fingerprint"]
+    assert first["identity"]["key_fingerprint"] == info(srv)["key_fingerprint"]
     assert first["tiers"] == ["cpu tier: healthy", "disk tier: healthy", "remote tier: healthy"]
     assert any(a.startswith("cpu tier:") for a in first["advice"])

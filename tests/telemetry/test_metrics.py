@@ -8,6 +8,7 @@ from functools import partial
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from connector.engine.snapshots import KnownLabels
 from telemetry.metrics import (
     COUNTER,
     GAUGE,
@@ -21,7 +22,7 @@ from telemetry.metrics import (
 )
 
 # storage: one value per shared disk directory
-ALLOWED_LABELS = {"tier", "operation", "reason", "kind", "budget_factor", "storage"}
+ALLOWED_LABELS = {"tier", "operation", "reason", "kind", "budget_factor", "stage", "storage"}
 # The info metric's labels are fixed for the life of the engine: one series per instance.
 INFO_LABELS = {
     "version",
@@ -39,7 +40,9 @@ INFO_LABELS = {
 def recorder(tiers=("cpu",)) -> tuple[PromRecorder, CollectorRegistry]:
     registry = CollectorRegistry()
     types = {c: partial(c, registry=registry) for c in (Counter, Gauge, Histogram)}
-    rec = PromRecorder(types, ["model_name", "engine"], {0: ["tiny", "0"]}, tiers, registry)
+    rec = PromRecorder(
+        types, ["model_name", "engine"], {0: ["tiny", "0"]}, KnownLabels.for_tiers(tiers), registry
+    )
     return rec, registry
 
 
@@ -131,7 +134,7 @@ def test_series_without_traffic_exist_at_zero():
     assert got[("vllm:kvlens_lookup_requests_total", base)] == 0
     names = {name for name, _ in got}
     for metric in METRICS.values():
-        if not metric.labels:
+        if not metric.labels and metric.domains is not None:  # None: unknown until measured
             suffix = "_total" if metric.kind == COUNTER else ("" if metric.kind == GAUGE else "_count")
             assert metric.name + suffix in names, metric.name
 
@@ -145,8 +148,8 @@ def test_unknown_or_malformed_keys_are_ignored():
 def test_a_second_recorder_in_the_same_registry_reuses_the_families():
     registry = CollectorRegistry()
     types = {c: partial(c, registry=registry) for c in (Counter, Gauge, Histogram)}
-    first = PromRecorder(types, ["model_name", "engine"], {0: ["tiny", "0"]}, (), registry)
-    second = PromRecorder(types, ["model_name", "engine"], {0: ["tiny", "0"]}, (), registry)
+    first = PromRecorder(types, ["model_name", "engine"], {0: ["tiny", "0"]}, None, registry)
+    second = PromRecorder(types, ["model_name", "engine"], {0: ["tiny", "0"]}, None, registry)
     first.observe({"counters": {"lookup_requests": 1}}, 0)
     second.observe({"counters": {"lookup_requests": 2}}, 0)
     base = (("engine", "0"), ("model_name", "tiny"))

@@ -10,6 +10,7 @@ from connector.config import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU
 from connector.engine.outcomes import ChunkLoadResult, FailureReason, LoadOutcome, StoreFailure, WorkerReport
+from connector.engine.snapshots import KnownLabels
 from connector.scheduler import ConnectorScheduler
 from telemetry import tracing
 from telemetry.scheduler_recorder import SchedulerRecorder
@@ -49,7 +50,9 @@ class Wired:
 
     def stats(self):
         s = self.sched
-        return self.rec.stats(s.sizes(), not s.unfinished, s.take_evictions(), s.take_saved_seconds())
+        return self.rec.stats(
+            s.sizes(), s.insight_snapshot, not s.unfinished, s.take_evictions(), s.take_saved_seconds()
+        )
 
 
 def make(tmp_path, tracing_on=False, metrics=True, recompute=True, **env):
@@ -66,7 +69,9 @@ def make(tmp_path, tracing_on=False, metrics=True, recompute=True, **env):
             **env,
         },
     )
-    w = Wired(sched, SchedulerRecorder(settings, "tiny", "0", BLOCK, recompute, ("cpu",)))
+    w = Wired(
+        sched, SchedulerRecorder(settings, "tiny", "0", BLOCK, recompute, KnownLabels.for_tiers(("cpu",)))
+    )
     return w, w
 
 
@@ -356,17 +361,23 @@ def test_request_log_off_writes_nothing_and_keeps_no_state(tmp_path):
     assert not list(tmp_path.glob("*requests*")) and not tel.rec._lookup_ms
 
 
-def test_prefill_seconds_saved_are_counted_per_tier(tmp_path):
+def test_prefill_seconds_saved_are_counted_per_tier(tmp_path, monkeypatch):
+    monkeypatch.setattr("telemetry.scheduler_recorder.GAUGE_INTERVAL_S", 0.0)
     sched, tel = make(tmp_path)
-    sched.sched.insight.prefill_cost.step(0.0, 1000, 1000, {"x"}, loads=False)
-    sched.sched.insight.prefill_cost.step(2.0, 0, 1, {"x"}, loads=False)  # 2 ms a token
     admit(sched, tel, request("a", PROMPT), range(10, 15))
     finish(sched, tel, request("a", PROMPT))
     plan = admit(sched, tel, request("b", PROMPT), range(20, 25))
     tel.report(loaded(plan))
-    data = tel.stats()
-    assert abs(data["counters"]["prefill_seconds_saved|cpu"] - 1.024) < 1e-9
-    assert data["gauges"]["prefill_seconds_per_token"] == 0.002
+    data = tel.stats()  # the cost is unknown yet: no series rather than 0 s saved
+    assert not any(k.startswith("prefill_seconds") for k in [*data["counters"], *data["gauges"]])
+    meter, t = sched.sched.insight.prefill_cost, 0.0
+    for _ in range(8):
+        meter.step(t, 1000, 1000, {"x"})
+        meter.step(t + 2.0, 0, 1, {"x"})  # 2 ms a token
+        t += 2.001
+    data = tel.stats()  # the 512 tokens loaded earlier are priced once the cost is known
+    assert abs(data["counters"]["prefill_seconds_saved|cpu"] - 1.024) < 1e-6
+    assert abs(data["gauges"]["prefill_seconds_per_token"] - 0.002) < 1e-9
 
 
 def test_unknown_lmcache_params_are_ignored_counted_and_logged_once(tmp_path, caplog):

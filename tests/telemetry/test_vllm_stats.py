@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import pickle
 
 from prometheus_client import REGISTRY, generate_latest
@@ -67,3 +68,78 @@ def test_build_prom_metrics_registers_on_vllms_registry_and_observes():
         assert 'vllm:kvlens_evictions_total{engine="0",model_name="tiny",tier="cpu"} 0.0' in text
     finally:
         unregister_vllm_metrics()
+
+
+def _series(text: str) -> set[tuple[str, tuple]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine"))))
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name.startswith("vllm:kvlens_")
+    }
+
+
+def _build(extra_config: dict) -> set[tuple[str, tuple]]:
+    from prometheus_client import Counter, Gauge, Histogram
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    from connector.kv_connector import KVLensConnector
+
+    class Config:
+        class kv_transfer_config:  # noqa: N801
+            kv_connector_extra_config = extra_config
+
+    unregister_vllm_metrics()
+    try:
+        KVLensConnector.build_prom_metrics(
+            Config,
+            {Counter: Counter, Gauge: Gauge, Histogram: Histogram},
+            ["model_name", "engine"],
+            {0: ["m", "0"]},
+        )
+        return _series(generate_latest(REGISTRY).decode())
+    finally:
+        unregister_vllm_metrics()
+
+
+def test_every_known_label_value_exists_at_zero_from_start_up():
+    from connector.engine.outcomes import FailureReason, MissReason, SaveSkipReason
+
+    series = _build({"lmcache.local_disk": "/tmp/x", "lmcache.max_local_disk_size": 1})
+    tiers = ("cpu", "disk")
+    for reason in FailureReason:
+        assert ("vllm:kvlens_failed_blocks_total", (("reason", reason.value),)) in series
+        for op, tier in itertools.product(("load", "store"), tiers):
+            labels = (("operation", op), ("reason", reason.value), ("tier", tier))
+            assert ("vllm:kvlens_failed_chunks_total", labels) in series
+    for reason in MissReason:
+        assert ("vllm:kvlens_miss_requests_total", (("reason", reason.value),)) in series
+    for reason in SaveSkipReason:
+        assert ("vllm:kvlens_save_skipped_requests_total", (("reason", reason.value),)) in series
+    for op in ("lookup", "load", "store"):
+        assert ("vllm:kvlens_operation_seconds_count", (("operation", op),)) in series
+    names = {name for name, _ in series}
+    # tiers that are not configured and the remote tier's families stay absent
+    assert not any(dict(labels).get("tier") == "remote" for _, labels in series)
+    assert not any(name.startswith("vllm:kvlens_remote_") for name in names)
+
+
+def test_the_remote_tiers_families_exist_at_zero_when_it_is_configured():
+    from connector.engine.outcomes import REMOTE_ERROR_KINDS
+
+    series = _build({"lmcache.remote_url": "redis://127.0.0.1:6379", "lmcache.local_cpu": False})
+    for op in ("exists", "get", "put", "delete"):
+        assert ("vllm:kvlens_remote_seconds_count", (("operation", op),)) in series
+        assert ("vllm:kvlens_remote_bytes_total", (("operation", op),)) in series
+        for kind in REMOTE_ERROR_KINDS:
+            assert ("vllm:kvlens_remote_errors_total", (("kind", kind), ("operation", op))) in series
+    assert not any(dict(labels).get("tier") == "cpu" for _, labels in series)
+
+
+def test_estimates_without_a_measurement_have_no_series():
+    names = {name for name, _ in _build({})}
+    assert "vllm:kvlens_prefill_seconds_per_token" not in names  # unknown, not 0
+    assert not any(n.startswith("vllm:kvlens_prefill_seconds_saved") for n in names)
+    assert not any(n.startswith("vllm:kvlens_whatif_hit_ratio") for n in names)

@@ -138,7 +138,7 @@ def test_an_aborted_request_keeps_its_pins_until_its_load_is_reported_then_frees
     if "b" not in received:
         e.until_received("b")  # reported, so that vLLM frees its blocks
     assert e.sched.tiers[DISK].pinned_keys == 0 and not e.invalid
-    assert e.sched.sizes()["pinned_requests"] == 0 and not e.sched.state.async_loading
+    assert e.sched.sizes().pinned_requests == 0 and not e.sched.state.async_loading
 
 
 def test_an_asynchronous_load_is_settled_once_every_rank_has_reported(tmp_path):

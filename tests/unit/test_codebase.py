@@ -32,6 +32,8 @@ PURE = (
     "connector.engine.policy",
     "connector.engine.jobs",
     "connector.engine.outcomes",
+    "connector.engine.snapshots",
+    "connector.engine.prefill_cost",
     "connector.engine.health",
     "connector.engine.suspects",
     "connector.engine.facts",

@@ -219,9 +219,9 @@ def test_disk_gauges_name_the_shared_directory_so_engines_sharing_it_count_once(
     try:
         where = disk_identity(str(tmp_path))
         for s in (first, second):
-            sizes = s.sizes()
-            assert sizes[f"tier_capacity_bytes|disk|{where}"] == 1024**3
-            assert "tier_capacity_bytes|cpu|" in sizes  # this engine's own memory: no store named
+            tiers = {t.tier: t for t in s.sizes().tiers}
+            assert (tiers["disk"].storage, tiers["disk"].capacity_bytes) == (where, 1024**3)
+            assert tiers["cpu"].storage == ""  # this engine's own memory: no store named
     finally:
         first.shutdown()
         second.shutdown()

@@ -137,40 +137,154 @@ def test_lookups_and_stores_feed_the_whatif_curve_and_its_gauges():
             admit_fully(s, r, blocks(0, 4))
             s.finish(r)
     s.whatif.drain()
-    gauges = {k: v for k, v in s.insight_gauges().items() if k.startswith("whatif")}
-    assert set(gauges) == {
-        f"whatif_hit_ratio|cpu|{f}" for f in ("0.125", "0.25", "0.5", "1", "2", "4", "8", "16")
-    }
+    points = {(p.tier, p.budget_factor): p.hit_ratio for p in s.insight_snapshot().whatif}
+    assert set(points) == {(CPU, f) for f in (0.125, 0.25, 0.5, 1, 2, 4, 8, 16)}
     # a cyclic scan over 12 chunks: LRU of 4 hits nothing, 16 chunks (4x) holds them all
-    assert gauges["whatif_hit_ratio|cpu|1"] == pytest.approx(0.0, abs=0.01)
-    assert gauges["whatif_hit_ratio|cpu|4"] == pytest.approx(2 / 3, abs=0.02)  # all but round 1
+    assert points[CPU, 1.0] == pytest.approx(0.0, abs=0.01)
+    assert points[CPU, 4.0] == pytest.approx(2 / 3, abs=0.02)  # all but round 1
     s.shutdown()
+
+
+def exact_lru_hit_ratio(references: list[str], capacity: int) -> float:
+    """An LRU cache of ``capacity`` equal chunks, simulated: the share of references that hit."""
+    from collections import OrderedDict
+
+    cache: OrderedDict[str, None] = OrderedDict()
+    hits = 0
+    for key in references:
+        if key in cache:
+            hits += 1
+            cache.move_to_end(key)
+        else:
+            cache[key] = None
+            if len(cache) > capacity:
+                cache.popitem(last=False)
+    return hits / len(references)
+
+
+def test_an_idle_engine_publishes_the_whole_curve_and_its_advice_then_stops(caplog):
+    chunk = 2 * BLOCK_BYTES * LAYERS
+    s = scheduler(max_local_cpu_size=cpu_gb(4 * chunk))  # four chunks
+    s.whatif.close()  # no feeder thread: only what the scheduler's steps feed counts
+    s.whatif.min_references = 10
+    prompts = [[p * 1000 + t for t in range(512)] for p in range(6)]  # 2 chunks each
+    refs = []
+    for round_ in range(3):
+        for i, p in enumerate(prompts):
+            r = request(f"r{round_}-{i}", p)
+            admit_fully(s, r, blocks(0, 4))
+            s.finish(r)
+            refs += [f"{i}a", f"{i}b"]
+    busy = {(p.tier, p.budget_factor): p.hit_ratio for p in s.insight_snapshot().whatif}
+    assert busy == {}  # nothing fed while the requests ran
+    steps = 0
+    with caplog.at_level("INFO", logger="vllm.kvlens"):
+        while s.insight_behind():  # the facade's has_pending_push_work: vLLM steps, empty
+            s.build_plan(step())
+            published = {p.budget_factor: p.hit_ratio for p in s.insight_snapshot().whatif}
+            steps += 1
+            assert steps < 5
+    assert s.whatif.pending == 0 and not s.insight_behind()
+    for factor, ratio in published.items():
+        assert ratio == pytest.approx(exact_lru_hit_ratio(refs, int(4 * factor)), abs=0.01), factor
+    assert "KVLens sizing:" in caplog.text  # the advice follows the curve it was read from
+
+
+def test_a_stored_tail_is_a_reference_so_its_later_hits_count_as_hits():
+    s = scheduler()
+    s.whatif.close()
+    prompt = list(range(9000, 9700))  # two whole chunks and a 188-token tail: one 128-token block
+    for rid, first in (("a", 0), ("b", 10)):
+        r = request(rid, prompt)
+        admit_fully(s, r, blocks(first, 6))
+        s.finish(r)
+    s.whatif.drain()
+    (ratio,) = {p.hit_ratio for p in s.insight_snapshot().whatif if p.budget_factor == 1.0}
+    # b hit everything a stored, the tail too: half the bytes referenced were hits
+    assert s.lookups == {} and ratio == pytest.approx(0.5, abs=1e-4)
 
 
 def test_the_info_gauge_names_what_decides_sharing(tmp_path):
     s = scheduler(local_disk=str(tmp_path), max_local_disk_size=1)
-    (info,) = [k for k in s.insight_gauges() if k.startswith("info|")]
-    _, version, chunk, fingerprint, tiers, role, storage, model, quantization, kv_dtype = info.split("|")
-    assert chunk == "256" and len(fingerprint) == 12 and tiers == "cpu+disk" and role == "kv_both"
-    assert storage.startswith("disk:") and str(tmp_path) not in storage
-    assert (model, quantization, kv_dtype) == ("ckpt:0123456789abcdef", "none", "auto")
+    info = s.insight_snapshot().info
+    assert info.chunk_size == 256 and len(info.key_fingerprint) == 12
+    assert info.tiers == "cpu+disk" and info.role == "kv_both"
+    assert info.storage.startswith("disk:") and str(tmp_path) not in info.storage
+    assert (info.model_identity, info.quantization, info.kv_cache_dtype) == (
+        "ckpt:0123456789abcdef",
+        "none",
+        "auto",
+    )
     other = scheduler(local_disk=str(tmp_path), max_local_disk_size=1)
-    assert [k for k in other.insight_gauges() if k.startswith("info|")] == [info]
+    assert other.insight_snapshot().info == info
 
 
 # ---- what did it save --------------------------------------------------------------------
-def test_prefill_cost_is_measured_on_busy_cold_prefill_steps_only():
-    meter = PrefillCostMeter(min_tokens=64, half_life=1e9)
-    meter.step(0.0, 1000, 1000, {"a"}, loads=False)
-    meter.step(0.5, 0, 1, {"a"}, loads=False)  # a decodes: the prefill step took 0.5 s
-    assert meter.seconds_per_token == pytest.approx(0.5 / 1000)
-    meter.step(100.0, 1000, 1000, {"b"}, loads=False)  # idle gap before: step 2 was decode anyway
-    meter.step(200.0, 0, 1, {"c"}, loads=False)  # b finished and the engine idled: not counted
-    meter.step(201.0, 1000, 1000, {"d"}, loads=True)  # a load in the step: not counted
-    meter.step(202.0, 0, 1, {"d"}, loads=False)
-    meter.step(203.0, 100, 1000, {"e"}, loads=False)  # mostly decode: not counted
-    meter.step(204.0, 0, 1, {"e"}, loads=False)
-    assert meter.measured_steps == 1 and meter.saved(2000) == pytest.approx(1.0)
+A, B, C, L = 0.0004, 0.0001, 0.005, 0.00002  # s per prefill, decode, loaded token; s per step
+
+
+def run_steps(meter, steps, noise=0.0, seed=0):
+    """Feeds busy steps (prefill, decode, loaded) that take C + A*p + B*d + L*l seconds."""
+    import random
+
+    rnd = random.Random(seed)
+    t = 0.0
+    for p, d, loaded_tokens in steps:
+        meter.step(t, p, p + d, {"x"}, loaded_tokens)
+        t += (C + A * p + B * d + L * loaded_tokens) * (1 + rnd.uniform(-noise, noise))
+    meter.step(t, 0, 1, {"x"})  # closes the last one
+
+
+def test_prefill_cost_is_estimated_in_mixed_batches_of_decodes_and_a_prefill():
+    # 64 decodes beside a 512-token prefill (89% prefill), then decode-only steps: no step is
+    # 90% prefill, so a meter of cold prefill steps only never measures anything here
+    steps = [(512 if i % 4 == 0 else 0, 64 + i % 7, 0) for i in range(200)]
+    meter = PrefillCostMeter()
+    run_steps(meter, steps, noise=0.05)
+    assert meter.seconds_per_token == pytest.approx(A, rel=0.1)
+
+
+def test_prefill_cost_is_estimated_when_every_prompt_hits():
+    # a warm restart: every prompt loads 512 or 768 tokens and computes its tail, beside decodes
+    steps = []
+    for i in range(120):
+        loaded_tokens = 512 if i % 3 else 768
+        steps += [((i * 37) % 200 + 8, i % 5, loaded_tokens), (0, 1 + i % 5, 0), (0, 1 + i % 5, 0)]
+    meter = PrefillCostMeter()
+    run_steps(meter, steps, noise=0.05)
+    assert meter.seconds_per_token == pytest.approx(A, rel=0.15)
+
+
+def test_prefill_cost_is_unknown_until_the_steps_pin_it_down():
+    meter = PrefillCostMeter()
+    run_steps(meter, [(512, 0, 0)] * 3)
+    assert meter.seconds_per_token is None and meter.saved(100) is None  # too few steps
+    meter = PrefillCostMeter()
+    run_steps(meter, [(0, 8, 0)] * 50)
+    assert meter.seconds_per_token is None  # no prefill at all
+    meter = PrefillCostMeter()
+    run_steps(meter, [(100 * (i % 3 + 1), 0, 500 * (i % 3 + 1)) for i in range(50)])
+    assert meter.seconds_per_token is None  # prefill always in step with the loads: not separable
+    meter = PrefillCostMeter()
+    run_steps(meter, [(512 if i % 2 else 0, 8 if i % 2 else 0, 0) for i in range(60)], noise=3.0)
+    assert meter.seconds_per_token is None  # too noisy to say
+
+
+def test_equal_pure_prefill_steps_are_priced_at_their_seconds_per_token():
+    meter = PrefillCostMeter()
+    run_steps(meter, [(1000, 0, 0), (0, 2, 0)] * 8)
+    assert meter.seconds_per_token == pytest.approx((C + A * 1000) / 1000)  # the overhead included
+
+
+def test_idle_gaps_are_never_measured():
+    meter = PrefillCostMeter()
+    t = 0.0
+    for i in range(20):
+        meter.step(t, 512, 512, {f"r{i}"})
+        meter.step(t + 0.2, 0, 1, {f"r{i}"})  # busy: its decode follows
+        meter.step(t + 100.0, 256, 256, {f"n{i}"})  # a new request after an idle gap
+        t += 200.0
+    assert meter.measured_steps == 20
 
 
 def test_loaded_tokens_are_priced_at_the_measured_cost_per_tier():
@@ -183,7 +297,16 @@ def test_loaded_tokens_are_priced_at_the_measured_cost_per_tier():
     s.build_plan(step(new=[(a, blocks(0, 5), 0)], num_scheduled={"a": 600}))
     clock.now += 0.6  # the cold prefill of 600 tokens
     s.build_plan(step(cached=[("a", None, 600, False)], num_scheduled={"a": 1}))
-    assert s.insight_gauges()["prefill_seconds_per_token"] == pytest.approx(0.001)
+    assert s.insight_snapshot().prefill_seconds_per_token is None  # one step: unknown
+    for _ in range(8):
+        clock.now += 0.001  # decodes
+        s.build_plan(step(cached=[("a", None, 600, False)], num_scheduled={"a": 1}))
+    for _ in range(8):  # more of its prompt's length in prefill: 1 ms a token
+        clock.now += 0.001
+        s.build_plan(step(cached=[("a", None, 600, False)], num_scheduled={"a": 600}))
+        clock.now += 0.6
+        s.build_plan(step(cached=[("a", None, 600, False)], num_scheduled={"a": 1}))
+    assert s.insight_snapshot().prefill_seconds_per_token == pytest.approx(0.001)
     s.finish(a)
     b = request("b", PROMPT)
     need, plan = admit_fully(s, b, blocks(10, 5))

@@ -110,7 +110,7 @@ def test_reusable_buffers_and_chunks_stay_within_the_cpu_budget():
     w = worker(caches, max_local_cpu_size=budget / 1024**3)
 
     def held() -> int:
-        return w.tiers[CPU].used_bytes + w.sizes()["reusable_buffer_bytes"]
+        return w.tiers[CPU].used_bytes + w.sizes().reusable_buffer_bytes
 
     whole = [f"{i:032x}" for i in range(37)]
     for i, name in enumerate(whole):

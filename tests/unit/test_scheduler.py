@@ -182,7 +182,7 @@ def test_abort_after_lookup_releases_pins():
     assert s.tiers[CPU].pinned_keys == 2
     s.finish(b)
     assert s.tiers[CPU].pinned_keys == 0
-    assert s.sizes()["request_trackers"] == 1 and not s.lookups and len(s.pins) == 0
+    assert s.sizes().request_trackers == 1 and not s.lookups and len(s.pins) == 0
 
 
 def test_failed_load_drops_chunk_and_rollback_stores_it_again():

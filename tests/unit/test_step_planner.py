@@ -51,17 +51,17 @@ def test_a_failed_load_makes_its_blocks_suspect_until_a_step_rewrites_them():
     _, plan = admit_fully(s, b, blocks(10, 5))
     s.on_worker_report(WorkerReport(loads={"b": loaded(plan.loads[0], fail_at=0)}))
     # the 4 failed blocks and b's tail block, computed over them in the same step
-    assert s.sizes()["suspect_blocks"] == 5
+    assert s.sizes().suspect_blocks == 5
     # Another request got a prefix-cache hit in vLLM on b's (garbage) blocks before b recomputed.
     c = request("c", PROMPT[:512] + list(range(9000, 9400)))
     s.lookup(c, 512)
     s.after_alloc(c, 0)
     plan = s.build_plan(step(new=[(c, blocks(10, 4) + blocks(40, 4), 512)], num_scheduled={"c": 400}))
     assert not plan.stores  # its KV was computed over suspect blocks
-    assert s.sizes()["suspect_blocks"] == 9  # and so are the blocks it computed
+    assert s.sizes().suspect_blocks == 9  # and so are the blocks it computed
     # b recomputes its blocks: they are sound again; c's own blocks stay wrong.
     plan = s.build_plan(step(cached=[("b", None, 0, False)], num_scheduled={"b": 600}))
-    assert s.sizes()["suspect_blocks"] == 4
+    assert s.sizes().suspect_blocks == 4
     c.all_token_ids += [5]
     c.num_tokens += 1
     plan = s.build_plan(step(cached=[("c", None, 912, False)], num_scheduled={"c": 1}))
@@ -135,7 +135,7 @@ def test_a_skipped_tier_is_neither_looked_up_nor_written(tmp_path):
     assert s.lookups["b"].miss_reason is MissReason.TIER_UNHEALTHY
     _, plan = admit_fully(s, request("c", list(range(7000, 7600))), blocks(10, 5))
     assert all(j.tiers == (CPU,) for j in plan.stores) and plan.stores
-    assert s.sizes()["tier_health|disk"] == 0
+    assert {t.tier: t.health for t in s.sizes().tiers}["disk"] is TierState.SKIPPED
     s.shutdown()
 
 

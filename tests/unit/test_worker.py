@@ -8,7 +8,7 @@ import torch
 from connector.config import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU, DISK, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
-from connector.engine.outcomes import FailureReason, TierState
+from connector.engine.outcomes import FailureReason, Stage, TierState
 from connector.kv_blocks import BlockCopier
 from connector.tiers import disk as disk_files
 from connector.worker import ConnectorWorker
@@ -261,3 +261,71 @@ def test_the_drop_of_pending_writes_to_zero_is_reported(tmp_path, monkeypatch):
     assert w.flush(10)
     assert w.take_report().pending_writes == 0  # or the scheduler keeps the engine stepping for 30 s
     assert w.take_report() is None  # nothing changed since
+
+
+# ---- what the tiers hold and the bytes that moved (counted from the report) -------------
+def _files(path) -> list[str]:
+    return disk_files.chunk_files(str(path))
+
+
+def test_a_store_counts_once_the_tier_holds_it_and_a_failed_write_counts_as_failed(tmp_path):
+    import resource
+
+    caches = cpu_layout()
+    w = worker(caches, tmp_path)
+    nbytes = 2 * LAYERS * w.copier.block_bytes
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes // 2, hard))  # the disk refuses the file (EFBIG)
+    try:
+        w.save(StepPlan(writes=[StoreJob("a", NAME, (2, 5), (CPU, DISK), 32)]))
+        queued = w.take_report()  # the disk write may still be queued
+        w.flush()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    later = w.take_report()  # None if the write had failed before the first report
+    report = queued.merge(later) if later is not None else queued
+    assert _files(tmp_path) == []  # what the disk holds: nothing
+    stored = {
+        t: (x.stored_chunks, x.stored_tokens, x.stored_bytes)
+        for t, x in report.traffic.items()
+        if x.stored_chunks
+    }
+    assert stored == {CPU: (1, 32, nbytes)}  # the CPU tier held it at once; the disk never did
+    assert [(f.tier, f.reason) for f in report.store_failures] == [(DISK, FailureReason.IO_ERROR)]
+    assert "File too large" in report.store_failures[0].detail
+
+
+def test_a_background_write_is_counted_stored_when_it_lands_with_its_time(tmp_path):
+    caches = cpu_layout()
+    w = worker(caches, tmp_path)
+    nbytes = 2 * LAYERS * w.copier.block_bytes
+    w.save(StepPlan(writes=[StoreJob("a", NAME, (2, 5), (CPU, DISK), 32)]))
+    w.flush()
+    report = w.take_report()
+    disk, cpu = report.traffic[DISK], report.traffic[CPU]
+    assert (disk.stored_chunks, disk.stored_tokens, disk.stored_bytes) == (1, 32, nbytes)
+    (path,) = _files(tmp_path)
+    assert os.path.getsize(path) > nbytes  # the record: a header, then the payload
+    assert disk.moved[Stage.WRITE].nbytes == nbytes and disk.moved[Stage.WRITE].seconds > 0
+    for traffic in (disk, cpu):  # one gather fed both tiers
+        assert traffic.moved[Stage.GATHER].nbytes == nbytes and traffic.moved[Stage.GATHER].seconds > 0
+    assert Stage.WRITE not in cpu.moved  # the CPU tier keeps the gathered buffer: nothing more moves
+    w.take_report()
+    w.load(StepPlan(loads=[LoadJob("b", (ChunkLoad(NAME, DISK, (8, 9), 0, 32),))]))
+    loads = w.take_report().traffic[DISK].moved
+    assert loads[Stage.READ].nbytes == loads[Stage.COPY].nbytes == nbytes
+    assert loads[Stage.READ].seconds > 0 and loads[Stage.COPY].seconds > 0
+
+
+def test_ranks_but_the_first_count_bytes_not_chunks(tmp_path):
+    caches = cpu_layout()
+    cfg = {"lmcache.chunk_size": 2 * BS}
+    w = ConnectorWorker(load_config(cfg, env={}), facts(caches), rank=1)
+    w.register(caches, NUM_BLOCKS)
+    w.save(StepPlan(writes=[StoreJob("a", NAME, (2, 5), (CPU,), 32)]))
+    cpu = w.take_report().traffic[CPU]
+    assert (cpu.stored_chunks, cpu.stored_tokens, cpu.stored_bytes) == (
+        0,
+        0,
+        2 * LAYERS * w.copier.block_bytes,
+    )

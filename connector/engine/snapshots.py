@@ -1,0 +1,122 @@
+"""What the halves report for gauges and labels, as typed values; telemetry encodes them.
+
+The connector never spells a metric's name or wire key: it fills these records and the
+facade hands them to telemetry, which owns the encoding (``telemetry/encoding.py``). A field
+is meant for a metric unless its comment says otherwise; a test checks that each one reaches
+a series (``tests/telemetry/test_records.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .outcomes import (
+    REMOTE_ERROR_KINDS,
+    REMOTE_OPERATIONS,
+    FailureReason,
+    MissReason,
+    SaveSkipReason,
+    Stage,
+    TierState,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TierGauge:
+    """One tier as the scheduler sees it. The remote tier has no index here (lookups ask the
+    store itself), so only its health is known."""
+
+    tier: str
+    health: TierState
+    chunks: int | None = None  # None: not indexed by the scheduler (remote)
+    used_bytes: int | None = None  # one rank's share
+    capacity_bytes: int | None = None  # one rank's share
+    pinned_chunks: int | None = None  # pinned by pending loads
+    pinned_bytes: int | None = None
+    storage: str = ""  # a store engines share (a disk directory's id): dashboards take the max
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSizes:
+    """The scheduler half's internal sizes: each returns to zero once the engine drains."""
+
+    request_trackers: int
+    load_specs: int
+    unfinished_requests: int
+    pinned_requests: int
+    pending_saves: int
+    suspect_blocks: int
+    # Background writes and deletes queued on the busiest rank, as the workers last reported:
+    # what keeps an idle engine stepping until they land (so it is exact when the engine stops).
+    pending_writes: int = 0
+    tiers: tuple[TierGauge, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSizes:
+    """One worker rank's internal sizes (summed over ranks by telemetry)."""
+
+    invalid_block_ids: int
+    reusable_buffer_bytes: int
+    cpu_tier_bytes: int | None = None  # what this rank's CPU tier holds; None without one
+
+
+@dataclass(frozen=True, slots=True)
+class WhatIfPoint:
+    """The estimated hit ratio of ``tier`` at ``budget_factor`` times its configured size."""
+
+    tier: str
+    budget_factor: float
+    hit_ratio: float
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceInfo:
+    """What decides whether two instances can share KV (the labels of the info gauge)."""
+
+    version: str
+    chunk_size: int
+    key_fingerprint: str
+    tiers: str  # "cpu+disk"
+    role: str
+    storage: str
+    model_identity: str
+    quantization: str
+    kv_cache_dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class InsightSnapshot:
+    """The scheduler's answers beyond hits and misses, as of now."""
+
+    info: InstanceInfo
+    prefill_seconds_per_token: float | None  # None: not measured yet (no series: "unknown")
+    whatif: tuple[WhatIfPoint, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class KnownLabels:
+    """Every value a closed label can take, so that each series exists at zero from start-up.
+
+    Families labelled by tier get only the configured tiers; the remote tier's round-trip
+    families exist only when a remote tier is configured.
+    """
+
+    tiers: tuple[str, ...]
+    indexed_tiers: tuple[str, ...] = ()  # tiers whose chunks the scheduler indexes (not remote)
+    failure_reasons: tuple[str, ...] = tuple(r.value for r in FailureReason)
+    miss_reasons: tuple[str, ...] = tuple(r.value for r in MissReason)
+    save_skip_reasons: tuple[str, ...] = tuple(r.value for r in SaveSkipReason)
+    transfer_stages: tuple[str, ...] = tuple(s.value for s in Stage)
+    remote_operations: tuple[str, ...] = ()
+    remote_error_kinds: tuple[str, ...] = ()
+
+    @classmethod
+    def for_tiers(cls, tiers: tuple[str, ...]) -> KnownLabels:
+        remote = "remote" in tiers
+        return cls(
+            tiers,
+            tuple(t for t in tiers if t != "remote"),
+            remote_operations=REMOTE_OPERATIONS if remote else (),
+            remote_error_kinds=REMOTE_ERROR_KINDS if remote else (),
+        )
