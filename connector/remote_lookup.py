@@ -29,7 +29,9 @@ class RemoteLookup:
         self._tier = tier  # RedisTier (duck-typed: exists_many, ping, close)
         self._world = world_size
         self._clock = clock
-        self.health = TierHealth("remote", clock=clock)
+        # A lookup waits at most remote_lookup_timeout_ms (tens of ms): a busy Redis that misses
+        # it once costs that request its remote hits, not the whole tier for seconds.
+        self.health = TierHealth("remote", clock=clock, timeout_skips=False)
         self._answers: dict[str, tuple[float, tuple[str, ...], list[bool]]] = {}
 
     def present(self, request_id: str, names: Sequence[str]) -> tuple[list[bool], RemoteCall | None]:

@@ -31,8 +31,12 @@ class TierHealth:
         first_backoff_s: float = 1.0,
         max_backoff_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        timeout_skips: bool = True,
     ) -> None:
         self.tier = tier
+        # One timeout skips the tier (a stuck tier is not waited on again), unless every wait is
+        # short anyway (a lookup's existence check): then timeouts count like other errors.
+        self._timeout_skips = timeout_skips
         self._failures_to_skip = failures_to_skip
         self._first_backoff = first_backoff_s
         self._max_backoff = max_backoff_s
@@ -65,7 +69,8 @@ class TierHealth:
             return  # a missing or corrupt chunk says nothing about the tier
         with self._lock:
             self._errors_in_a_row += 1
-            if reason is FailureReason.TIMEOUT or self._errors_in_a_row >= self._failures_to_skip:
+            timed_out = reason is FailureReason.TIMEOUT and self._timeout_skips
+            if timed_out or self._errors_in_a_row >= self._failures_to_skip:
                 if self._state is not TierState.SKIPPED:
                     self._next_probe = self._clock() + self._backoff
                 self._set(TierState.SKIPPED, f"{reason.value}: {detail}")

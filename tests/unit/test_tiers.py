@@ -171,3 +171,25 @@ def test_a_chunk_another_engine_wrote_recently_is_not_deleted_but_our_own_is(tmp
     theirs.put(NAME, memoryview(b"x" * 64))
     assert ours.delete(NAME) is False and _record_path(tmp_path).exists()
     assert theirs.delete(NAME) is True and not _record_path(tmp_path).exists()
+
+
+def test_a_lookup_that_times_out_once_costs_a_miss_not_the_whole_remote_tier():
+    from connector.remote_lookup import RemoteLookup
+    from connector.tiers.redis_tier import RemoteUnavailable
+
+    class BusyRedis:
+        calls = 0
+
+        def exists_many(self, keys):
+            BusyRedis.calls += 1
+            if BusyRedis.calls <= 1 or BusyRedis.calls >= 3:
+                raise RemoteUnavailable("exists_many timed out", op="exists_many", kind="timeout")
+            return [True] * len(keys)
+
+    lookup = RemoteLookup(BusyRedis(), world_size=1)
+    assert lookup.present("a", ["x"])[0] == [False]  # a miss for this request
+    assert lookup.usable()  # the next lookup still asks
+    assert lookup.present("b", ["x"])[0] == [True]
+    for rid in ("c", "d", "e"):  # timeouts in a row: now the tier is skipped
+        lookup.present(rid, ["x"])
+    assert not lookup.health.usable()
