@@ -11,17 +11,19 @@ another tier), and the worker drops it only when it makes a step's evictions, af
 load of that step has been copied. On CUDA the buffers are page-locked (the device gathers
 into them) and every copy to or from them runs in order on KVLens's one copy stream, so a
 reused buffer is written only after the loads that read it. Buffers are kept per shape, up
-to ``max_bytes`` in all; beyond that they are freed.
+in the room ``room()`` says is left (``engine/cpu_budget.py``); beyond that they are freed.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 
 class PayloadPool:
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
+    def __init__(self, room: Callable[[], int]) -> None:
+        self._room = room  # bytes the pool may hold now
         self.bytes = 0  # held for reuse
         self._free: dict[tuple[int, ...], list[torch.Tensor]] = {}
         self._owned: dict[int, torch.Tensor] = {}  # id of a view the CPU tier holds -> its buffer
@@ -42,10 +44,18 @@ class PayloadPool:
     def dropped(self, view: memoryview) -> None:
         """The CPU tier no longer holds ``view`` (called while the view is still alive)."""
         buffer = self._owned.pop(id(view), None)
-        if buffer is None or self.bytes + buffer.nbytes > self.max_bytes:
+        if buffer is None or self.bytes + buffer.nbytes > self._room():
             return
         self._free.setdefault(tuple(buffer.shape), []).append(buffer)
         self.bytes += buffer.nbytes
+
+    def trim(self) -> None:
+        """Free kept buffers until they fit the room left (after the tier took new memory)."""
+        room = self._room()
+        for free in self._free.values():
+            while free and self.bytes > room:
+                self.bytes -= free.pop().nbytes
+        self._free = {shape: free for shape, free in self._free.items() if free}
 
     def clear(self) -> None:
         self._free.clear()

@@ -16,7 +16,6 @@ from typing import Any
 
 from .config import ConfigError, KVLensConfig
 from .disk_sync import DiskWatcher, SharedDiskView
-from .engine import cpu_budget
 from .engine.block_events import BlockEvents
 from .engine.facts import EngineFacts
 from .engine.index import PinTable, TierIndex
@@ -53,7 +52,7 @@ class SchedulerState:
         self.tails = TailDirectory() if only_cpu else None
         if config.local_cpu:
             on_drop = self.tails.discard if self.tails is not None else None
-            budget = cpu_budget.chunk_bytes(config.cpu_budget_bytes)
+            budget = config.cpu_budget_bytes  # dropped buffers kept for reuse fit in what chunks leave
             self.tiers[CPU] = TierIndex(CPU, budget, on_drop, policy=config.cache_policy)
         self.disk_view: SharedDiskView | None = None
         # Disk chunks evicted (or reset) whose file this engine's delete removed: engines sharing

@@ -81,7 +81,8 @@ class ConnectorWorker:
         self._background: list[BackgroundTier] = []
         extra = config.extra_config
         # buffers the CPU tier dropped, kept for the next stores' gathers (within its budget)
-        self._pool = PayloadPool(cpu_budget.reusable_bytes(config.cpu_budget_bytes))
+        budget = config.cpu_budget_bytes
+        self._pool = PayloadPool(lambda: cpu_budget.reusable_bytes(budget, self._cpu_used()))
         if config.local_cpu:
             self.tiers[CPU] = CpuTier(self._pool.dropped)
             self.health[CPU] = TierHealth(CPU)
@@ -580,6 +581,7 @@ class ConnectorWorker:
             tier.put(name, payload, namespace, tokens)
             return
         tier.put(name, payload, namespace)
+        self._pool.trim()  # the chunks may have taken room the kept buffers held
         n = self._counts_chunks
         self._report.tier_traffic(tier_name).add_stored(n, tokens * n, payload.nbytes)
 
@@ -645,6 +647,10 @@ class ConnectorWorker:
 
     def tier_states(self) -> dict[str, TierState]:
         return {name: h.state for name, h in self.health.items()}
+
+    def _cpu_used(self) -> int:
+        cpu = self.tiers.get(CPU)
+        return cpu.used_bytes if isinstance(cpu, CpuTier) else 0
 
     def sizes(self) -> WorkerSizes:
         """Internal sizes, for leak-spotting gauges."""

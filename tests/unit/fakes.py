@@ -18,8 +18,8 @@ def gb(nbytes: int) -> float:
 
 
 def cpu_gb(nbytes: int) -> float:
-    """``max_local_cpu_size`` whose share for chunks (``engine.cpu_budget``) is ``nbytes``."""
-    return gb(-(-nbytes * 16 // 15) + 16)
+    """``max_local_cpu_size`` for a CPU tier of ``nbytes`` (chunks may use the whole budget)."""
+    return gb(nbytes)
 
 
 IDENTITY = ModelIdentity("ckpt:0123456789abcdef", "c0ffee", "bfloat16", "none", "auto")

@@ -64,18 +64,33 @@ def cpu_view_after_store(w, name, blocks, tiers):
     return cpu_view(w, name)
 
 
-def test_the_pool_keeps_at_most_its_bytes_and_only_buffers_it_was_told_it_owns():
-    pool = PayloadPool(max_bytes=100)
+def test_the_pool_keeps_at_most_the_room_left_and_only_buffers_it_was_told_it_owns():
+    room = [100]
+    pool = PayloadPool(lambda: room[0])
     a, b, c = (torch.empty(60, dtype=torch.uint8) for _ in range(3))
     va, vb, vc = (memoryview(t.numpy()) for t in (a, b, c))
     pool.own(va, a)
     pool.own(vb, b)
     pool.dropped(va)
-    pool.dropped(vb)  # over max_bytes: freed, not kept
+    pool.dropped(vb)  # over the room left: freed, not kept
     pool.dropped(vc)  # never owned (e.g. a payload shared with a disk write)
     assert pool.bytes == 60
     assert pool.take((60,)) is a
     assert pool.take((60,)) is None and pool.bytes == 0
+
+
+def test_kept_buffers_are_freed_when_the_chunks_need_their_room():
+    room = [200]
+    pool = PayloadPool(lambda: room[0])
+    buffers = [torch.empty(60, dtype=torch.uint8) for _ in range(3)]
+    for t in buffers:
+        view = memoryview(t.numpy())
+        pool.own(view, t)
+        pool.dropped(view)
+    assert pool.bytes == 180
+    room[0] = 70  # the CPU tier took new memory
+    pool.trim()
+    assert pool.bytes == 60 and pool.take((60,)) is not None and pool.take((60,)) is None
 
 
 def test_stores_to_the_cpu_tier_alone_take_pool_buffers_of_the_same_shape_only():
@@ -106,7 +121,7 @@ def test_reusable_buffers_and_chunks_stay_within_the_cpu_budget():
     caches = cpu_layout()
     w = worker(caches)
     chunk = w.copier.payload_nbytes(2)
-    budget = 40 * chunk  # a sixteenth (2.5 chunks) for reusable buffers, 37.5 chunks for chunks
+    budget = 40 * chunk  # chunks may use all of it; dropped buffers only the room they leave
     w = worker(caches, max_local_cpu_size=budget / 1024**3)
 
     def held() -> int:
