@@ -56,6 +56,7 @@ MISS_REASONS = {
     "invalid_params": "malformed lmcache.* request parameters",
     "other_namespace": "stored, under another namespace (model, dtype, layout, cache_salt or tags differ)",
     "load_failed": "the load failed; vLLM recomputed",
+    "slower_than_recompute": "stored, but its tier loads slower than prefill computes it",
 }
 
 

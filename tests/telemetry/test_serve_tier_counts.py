@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import struct
 import threading
 import time
@@ -72,7 +71,7 @@ def bytes_per_token(records: list[bytes]) -> float:
 
 
 def disk_records(stack) -> list[bytes]:
-    return [(stack.disk / f).read_bytes() for f in os.listdir(stack.disk) if f.endswith(".kvlens")]
+    return [f.read_bytes() for f in stack.disk.rglob("*.kvlens")]  # records lie in subdirectories
 
 
 def redis_records(stack) -> list[bytes]:

@@ -6,7 +6,6 @@ count of disk-cached tokens and the chunk files."""
 from __future__ import annotations
 
 import json
-import os
 import struct
 import time
 from types import SimpleNamespace
@@ -52,18 +51,17 @@ def warm(tiny_model, tmp_path_factory):
 def whole_chunk_bytes(disk) -> int:
     """The payload a whole chunk's record on disk declares (the largest record's)."""
     sizes = []
-    for name in os.listdir(disk):
-        if name.endswith(".kvlens"):
-            record = (disk / name).read_bytes()
-            (hlen,) = LEN.unpack(record[len(MAGIC) : len(MAGIC) + LEN.size])
-            start = len(MAGIC) + LEN.size
-            sizes.append(json.loads(record[start : start + hlen])["nbytes"])
+    for path in disk.rglob("*.kvlens"):  # records lie in subdirectories
+        record = path.read_bytes()
+        (hlen,) = LEN.unpack(record[len(MAGIC) : len(MAGIC) + LEN.size])
+        start = len(MAGIC) + LEN.size
+        sizes.append(json.loads(record[start : start + hlen])["nbytes"])
     return max(sizes)
 
 
 def plain_read_speed(disk) -> float:
     """Bytes per second reading every chunk file whole, best of three passes (page cache warm)."""
-    files = [disk / f for f in os.listdir(disk) if f.endswith(".kvlens")]
+    files = list(disk.rglob("*.kvlens"))
     best = float("inf")
     for _ in range(3):
         started = time.perf_counter()
