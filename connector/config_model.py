@@ -120,8 +120,11 @@ class KVLensConfig(BaseModel):
     # LMCache: it changes when copies run, never what is stored. CPU KV only (elsewhere the
     # copies run in the step, as with false).
     use_layerwise: bool = True
-    # Accepted; loads still complete within the step that needs them (see docs/coming-from-lmcache.md).
-    enable_async_loading: bool = False
+    # Chunks found on the disk or remote tier load outside the step: the request waits while the
+    # batch goes on (CPU-tier hits stay in the step). On by default, unlike LMCache: a slow
+    # tier never stalls the running requests, and a failed load is known before the request
+    # computes anything over its blocks.
+    enable_async_loading: bool = True
     extra_config: ExtraConfig = ExtraConfig()
     _remote: RemoteURL | None = PrivateAttr(None)
     _unused: tuple[str, ...] = PrivateAttr(())
