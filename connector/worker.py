@@ -198,10 +198,11 @@ class ConnectorWorker:
             return LoadOutcome(job.request_id)
         _, outcome, staged = self._read_job(job, effects)
         outcome.failed_block_ids.extend(job.fail_blocks)
-        started = time.perf_counter()
-        for position, (_, load, _) in enumerate(staged):
+        copied: dict[str, list[float]] = {}  # tier -> [bytes, seconds] copied into the KV cache
+        for position, (result, load, chunk) in enumerate(staged):
             if cancelled():
                 break
+            started = time.perf_counter()
             try:
                 if load.pairs is not None:  # numpy copies: no GIL and no OpenMP team while bytes move
                     for layer in load.pairs:
@@ -212,8 +213,19 @@ class ConnectorWorker:
             except Exception as e:  # noqa: BLE001 - this chunk on is recomputed
                 self._fail_from(outcome, staged[position:], e)
                 break
-        outcome.seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            outcome.seconds += seconds
+            if result.tier is not None:
+                moved = copied.setdefault(result.tier, [0, 0.0])
+                moved[0] += self._payload_bytes(chunk)
+                moved[1] += seconds
+        if copied:  # counted on the step thread, with the step's report
+            effects.append(lambda: self._count_copies(copied))
         return outcome
+
+    def _count_copies(self, copied: dict[str, list[float]]) -> None:
+        for tier, (nbytes, seconds) in copied.items():
+            self._report.tier_traffic(tier).add_moved(Stage.COPY, int(nbytes), seconds)
 
     def take_finished_loads(self, idle: bool = False) -> tuple[set[str], list[tuple[LoadJob, LoadOutcome]]]:
         """Asynchronous loads done since the last step: vLLM's ``finished_recving``; their

@@ -175,3 +175,23 @@ def test_cpu_tier_hits_and_the_setting_off_stay_in_the_step(tmp_path):
     stored(e2)
     c = request("c", PROMPT)
     assert e2.sched.lookup(c, 0) == 64 and not e2.sched.loads_async("c")  # found in the CPU tier
+
+
+def test_an_asynchronous_load_reports_the_bytes_it_read_and_copied(tmp_path):
+    e = Engine(tmp_path)
+    stored(e)
+    b = request("b", PROMPT)
+    e.sched.lookup(b, 0)
+    e.sched.after_alloc(b, 64, list(range(20, 26)))
+    reports = []
+    w, sched = e.worker, e.sched
+    sched_report = sched.on_worker_report
+    sched.on_worker_report = lambda report: (reports.append(report), sched_report(report))
+    e.until_received("b")
+    e.step()  # the step after: its report carries what the load's thread moved
+    moved = {}
+    for report in reports:
+        for stage, m in report.tier_traffic(DISK).moved.items():
+            moved[stage.value] = moved.get(stage.value, 0) + m.nbytes
+    payload = 2 * LAYERS * (CHUNK // BS) * w.copier.block_bytes  # two chunks
+    assert moved.get("read") == payload and moved.get("copy") == payload, moved
