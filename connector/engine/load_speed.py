@@ -4,7 +4,9 @@ prefill cost per token, it says whether loading a chunk beats recomputing it.
 A load's time (reads, checks and copies into vLLM's KV cache, on one rank) over its bytes,
 averaged with exponential decay per tier so that it follows a tier that slows down or recovers.
 A tier judged slower than recomputing is not loaded from, except once every ``recheck_s``, so
-that a tier that got faster is measured again. Pure logic: no vLLM, no torch.
+that a tier that got faster is measured again; that load's measurement replaces the decayed
+average (a long slow spell would otherwise outweigh it for minutes of rechecks). Pure logic: no
+vLLM, no torch.
 """
 
 from __future__ import annotations
@@ -35,10 +37,15 @@ class TierSpeeds:
         self._clock = clock
         self._tiers: dict[str, _Speed] = {}
         self._rechecked: dict[str, float] = {}
+        self._remeasure: set[str] = set()  # tiers whose next load is a recheck's: a fresh start
 
     def observe(self, tier: str, nbytes: float, seconds: float) -> None:
         """One load from ``tier``: ``nbytes`` on one rank in ``seconds``."""
         if nbytes <= 0 or seconds <= 0:
+            return
+        if tier in self._remeasure:
+            self._remeasure.discard(tier)
+            self._tiers[tier] = _Speed(seconds, nbytes, self._min_loads)
             return
         s = self._tiers.setdefault(tier, _Speed())
         s.seconds = s.seconds * self._keep + seconds
@@ -62,4 +69,5 @@ class TierSpeeds:
         if now - self._rechecked.setdefault(tier, now) < self._recheck_s:
             return False
         self._rechecked[tier] = now
+        self._remeasure.add(tier)
         return True

@@ -1,5 +1,7 @@
 """Settings accepted at start-up change what the scheduler half does (not only pass validation)."""
 
+import pytest
+
 from .fakes import BLOCK_BYTES, LAYERS, admit_fully, blocks, cpu_gb, request, scheduler
 
 CHUNK = 2 * BLOCK_BYTES * LAYERS
@@ -66,3 +68,22 @@ def test_a_tier_measured_slower_than_recompute_is_not_loaded_from():
     assert s.lookup(request("c", prompt), 0) == 512
     off, need, _ = looked_up(extra_config={"load_only_if_faster": False})
     assert need == 512
+
+
+def test_a_slow_tier_that_got_fast_is_loaded_from_again_after_one_recheck():
+    from connector.engine.load_speed import TierSpeeds
+
+    from .test_insight import Clock
+
+    clock = Clock()
+    speeds = TierSpeeds(clock=clock)
+    for _ in range(20):  # a long slow spell: 1 s per MB
+        speeds.observe("remote", 1e6, 1.0)
+    assert speeds.seconds("remote", 1e6) == pytest.approx(1.0)
+    assert not speeds.recheck("remote")  # judged slow: not loaded from for recheck_s
+    clock.now += 11
+    assert speeds.recheck("remote")  # loaded from anyway, and the tier is fast again
+    speeds.observe("remote", 1e6, 0.001)
+    assert speeds.seconds("remote", 1e6) == pytest.approx(0.001)  # the recheck is the new truth
+    speeds.observe("remote", 1e6, 0.003)  # later loads average from there
+    assert 0.001 < speeds.seconds("remote", 1e6) < 0.003
