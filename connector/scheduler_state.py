@@ -99,6 +99,8 @@ class SchedulerState:
         # and abandoned by finished requests (for the next plan).
         self.async_jobs: list[LoadJob] = []
         self.async_loading: set[str] = set()
+        # chunks each asynchronous load promotes into the CPU tier (pinned there until reported)
+        self.async_promotions: dict[str, list[str]] = {}
         self.async_cancels: list[str] = []
         # Settled asynchronous loads, by request: (tokens planned, outcome), until its schedule.
         self.async_outcomes: dict[str, tuple[int, LoadOutcome]] = {}

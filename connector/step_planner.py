@@ -134,6 +134,13 @@ class StepPlanner:
         job = self._load_job(scratch, request_id, result, block_ids, trace, set())
         self._s.queue_evictions(scratch.evictions)
         chunks = job.chunks if job is not None else ()
+        # The CPU tier receives a promoted chunk when the load finishes, steps from now: until
+        # then the index must not evict it (its eviction would run before the copy lands).
+        cpu = self._s.tiers.get(CPU)
+        promoted = [c.name for c in chunks if CPU in c.promote_to]
+        if cpu is not None and promoted:
+            self._s.pins.add(request_id, ((cpu, name) for name in promoted))
+            self._s.async_promotions[request_id] = promoted
         return LoadJob(request_id, chunks, trace, tuple(scratch.fail_blocks))
 
     def _load_job(

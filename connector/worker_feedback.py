@@ -7,6 +7,7 @@ an eviction counts when a delete removed the file (on a shared disk, only one en
 
 from __future__ import annotations
 
+from .engine.jobs import CPU
 from .engine.outcomes import FailureReason, LoadOutcome, WorkerReport
 from .insight_feed import InsightFeed
 from .responses import Responses
@@ -72,6 +73,10 @@ class WorkerFeedback:
         s.async_loading.discard(rid)
         self._measure(outcome)
         s.pins.release(rid)
+        promoted = s.async_promotions.pop(rid, ())
+        if outcome.cancelled:  # its promotions may not have landed: drop them on both sides
+            for name in promoted:
+                s.forget(CPU, name, FailureReason.MISSING)
         self._forget_failed_load(outcome)
         s.suspects.add(outcome.failed_block_ids)
         loaded = outcome.tokens_by_tier()

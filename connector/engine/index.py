@@ -202,6 +202,12 @@ class PinTable:
         if held:
             self._by_request[request_id] = held
 
+    def add(self, request_id: str, pins: Iterable[tuple[TierIndex, str]]) -> None:
+        """More pins for ``request_id``, released with the ones it holds."""
+        held = [(tier, key, entry) for tier, key in pins if (entry := tier.hold(key)) is not None]
+        if held:
+            self._by_request.setdefault(request_id, []).extend(held)
+
     def release(self, request_id: str) -> int:
         held = self._by_request.pop(request_id, [])
         for tier, key, entry in held:

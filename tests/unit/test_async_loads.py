@@ -14,6 +14,7 @@ import torch
 from connector.config import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import DISK
+from connector.engine.outcomes import FailureReason
 from connector.kv_blocks import BlockCopier
 from connector.scheduler import ConnectorScheduler
 from connector.tiers.disk import chunk_files
@@ -195,3 +196,55 @@ def test_an_asynchronous_load_reports_the_bytes_it_read_and_copied(tmp_path):
             moved[stage.value] = moved.get(stage.value, 0) + m.nbytes
     payload = 2 * LAYERS * (CHUNK // BS) * w.copier.block_bytes  # two chunks
     assert moved.get("read") == payload and moved.get("copy") == payload, moved
+
+
+def test_a_chunk_an_asynchronous_load_promotes_is_not_evicted_before_it_lands(tmp_path):
+    from connector.engine.jobs import CPU
+
+    from .fakes import cpu_gb
+
+    chunk_bytes = LAYERS * (CHUNK // BS) * BlockCopier(Engine(tmp_path / "probe").kv, NUM_BLOCKS).block_bytes
+    e = Engine(tmp_path, local_cpu=True, max_local_cpu_size=cpu_gb(2 * chunk_bytes))
+    stored(e)  # PROMPT's two chunks, in the CPU tier and on disk
+    other, third = list(range(3000, 3064)), list(range(5000, 5064))
+    for rid, prompt, first in (("o", other, 30), ("t", third, 40)):
+        r = request(rid, prompt)
+        e.sched.lookup(r, 0)
+        e.sched.after_alloc(r, 0)
+        plan = step(new=[(r, range(first, first + 4), 0)], num_scheduled={rid: 64})
+        if rid == "o":  # other's chunks push PROMPT's out of the CPU tier: b's hit is on disk
+            e.step(plan)
+            e.sched.finish(r)
+            b = request("b", PROMPT)
+            assert e.sched.lookup(b, 0) == 64 and e.sched.loads_async("b")
+            e.sched.after_alloc(b, 64, list(range(20, 26)))  # promotes PROMPT's chunks to CPU
+        else:  # in the step that starts b's load, another request stores two chunks
+            e.step(plan)
+    e.until_received("b")
+    for _ in range(3):
+        e.step()
+    held = {name.removesuffix(".r0") for name in e.worker.tiers[CPU]._chunks}
+    assert held == set(e.sched.tiers[CPU].keys())  # the tier holds exactly what the index says
+    assert e.worker.tiers[CPU].used_bytes <= 2 * chunk_bytes
+
+
+def test_an_aborted_load_leaves_the_cpu_tier_and_its_index_agreeing(tmp_path):
+    from connector.engine.jobs import CPU
+
+    e = Engine(tmp_path, local_cpu=True)
+    stored(e)
+    for name in e.sched.tiers[CPU].keys():  # PROMPT's chunks only on disk now
+        e.sched.state.forget(CPU, name, FailureReason.MISSING)
+    e.step()
+    b = request("b", PROMPT)
+    assert e.sched.lookup(b, 0) == 64 and e.sched.loads_async("b")
+    e.sched.after_alloc(b, 64, list(range(20, 26)))  # its chunks are promoted into the CPU tier
+    assert len(e.sched.tiers[CPU]) == 2 and e.sched.tiers[CPU].pinned_keys == 2
+    e.sched.finish(b)  # aborted before its load started: nothing is read, nothing promoted
+    _, received = e.step()
+    if "b" not in received:
+        e.until_received("b")
+    e.step()
+    held = {name.removesuffix(".r0") for name in e.worker.tiers[CPU]._chunks}
+    assert held == set(e.sched.tiers[CPU].keys())
+    assert e.sched.tiers[CPU].pinned_keys == 0 and not e.sched.state.async_promotions
