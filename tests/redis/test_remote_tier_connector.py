@@ -4,6 +4,7 @@ stops or loses chunks costs misses and recomputes, never wrong KV or a stuck eng
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -30,6 +31,14 @@ def caches() -> dict[str, torch.Tensor]:
     return {f"layer.{i}": storage[i] for i in range(LAYERS)}
 
 
+@dataclasses.dataclass
+class Steps:
+    """What the steps that served one request did: its loads (in the step or outside it) and stores."""
+
+    loads: list
+    stores: list
+
+
 class Engine:
     """A scheduler half and a worker half over their own KV tensors, stepping like vLLM."""
 
@@ -49,19 +58,50 @@ class Engine:
         self.worker.register(self.kv, NUM_BLOCKS)
 
     def run(self, req, blocks, computed_hint=None):
+        """vLLM's schedule of one request: a load outside the step first when the scheduler asks
+        for one (remote chunks, by default), then the step that computes the rest. Returns the
+        tokens KVLens supplies, the request's loads and stores, and the blocks reported failed."""
+        rid = req.request_id
         need = self.sched.lookup(req, 0)
-        self.sched.after_alloc(req, need)
+        async_loads: list = []
+        failed: set[int] = set()
+        self.outcomes = []
+        if need and self.sched.loads_async(rid):  # vLLM parks it in WAITING_FOR_REMOTE_KVS
+            self.sched.after_alloc(req, need, list(blocks))
+            async_loads, failed = self._load_outside_step(rid)
+            self.sched.after_alloc(req, 0)  # scheduled again, its loaded tokens computed
+        else:
+            self.sched.after_alloc(req, need)
         plan = self.sched.build_plan(
             step(new=[(req, blocks, need)], num_scheduled={req.request_id: req.num_tokens - need})
         )
-        self.outcomes = self.worker.load(plan)
+        self.outcomes += self.worker.load(plan)
         self.worker.save(plan)
         self.worker.flush()
+        self._report()
+        failed |= self.worker.take_failed_blocks()
+        return need, Steps(plan.loads + async_loads, plan.stores), failed
+
+    def _load_outside_step(self, rid: str, timeout_s: float = 10.0):
+        jobs, failed = [], set()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            plan = self.sched.build_plan(step())
+            jobs += [j for j in plan.async_loads if j.request_id == rid]
+            self.worker.load(plan)
+            self.worker.save(plan)
+            received, done = self.worker.take_finished_loads(idle=True)
+            self.outcomes += [outcome for _, outcome in done]
+            failed |= self.worker.take_failed_blocks()
+            self._report()
+            if rid in received:
+                return jobs, failed
+        raise AssertionError(f"{rid}'s load never finished")
+
+    def _report(self) -> None:
         report = self.worker.take_report()
         if report is not None:
             self.sched.on_worker_report(report)
-        failed = self.worker.take_failed_blocks()
-        return need, plan, failed
 
     def close(self):
         self.sched.shutdown()

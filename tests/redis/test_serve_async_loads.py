@@ -111,3 +111,33 @@ def test_a_request_aborted_while_its_kv_loads_leaves_nothing_behind(setup):
 
     wait_until(served_from_redis, timeout=90, interval=1.0, what="served from Redis again")
     idle(srv)
+
+
+def test_a_tier_slower_than_recomputing_is_skipped_until_it_is_fast_again(setup):
+    proxy, srv = setup
+    stored_prompts = [stored(srv, seed) for seed in (44, 45, 46, 47)]
+    proxy.delay_s = 0.05  # every large read from Redis waits: a chunk loads far slower than it computes
+    usages = []
+    try:
+        for prompt, cold in stored_prompts:  # loaded (and measured slow) until judged slower
+            out = srv.complete(prompt, max_tokens=8)
+            assert text(out) == text(cold)  # loaded or computed, vLLM's own answer
+            usages.append(out["kv_transfer_params"]["kvlens"])
+            if usages[-1]["miss_reason"] == "slower_than_recompute":
+                break
+    finally:
+        proxy.delay_s = 0.0
+    usage = usages[-1]
+    assert usage["miss_reason"] == "slower_than_recompute" and not usage["loaded_tokens"], usages
+    detail = usage["miss_detail"]
+    assert detail["tier"] == "remote" and detail["load_ms"] > detail["compute_ms"]
+    assert all(u["loaded_tokens"] in ({}, {"remote": 640}) for u in usages)
+
+    def served_from_redis() -> bool:  # fast again: a recheck (every 10 s) measures it anew
+        srv.reset_prefix_cache()
+        again = srv.complete(prompt, max_tokens=8)
+        assert text(again) == text(cold)
+        return loaded(again) == {"remote": 640}
+
+    wait_until(served_from_redis, timeout=40, interval=2.0, what="loaded from Redis again")
+    idle(srv)
