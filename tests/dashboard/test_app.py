@@ -68,6 +68,7 @@ def test_live_endpoint_charts_and_an_unreachable_one(
         "Failures",
         "Requests",
         "Insights",
+        "Tenants",
     ]
     metrics = {m.label: m.value for m in app.metric}
     assert (
