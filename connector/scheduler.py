@@ -25,7 +25,7 @@ from .engine.jobs import DISK, REMOTE, StepPlan
 from .engine.outcomes import LookupOutcome, RequestSummary, TierState, WorkerReport
 from .engine.policy import trace_headers
 from .engine.snapshots import InsightSnapshot, SchedulerSizes, TierGauge
-from .engine.tenants import TenantUsage
+from .engine.tenants import DEFAULT, TenantUsage, tenant_id
 from .engine.tracker import StorePolicy
 from .insight_feed import InsightFeed
 from .prefix_lookup import PrefixLookup
@@ -152,8 +152,12 @@ class ConnectorScheduler:
 
     # ---- finish, reset, shutdown --------------------------------------------------------
     def finish(self, request: Any) -> FinishResult:
+        policy = self.state.policies.get(request.request_id)
         result = self.responses.finish(request)
         self._count_tenant(result.unscheduled_lookup)
+        tenant = tenant_id(policy.namespace if policy is not None else None)
+        if result.params is not None and "kvlens" in result.params and tenant != DEFAULT:
+            result.params["kvlens"]["tenant"] = tenant  # the id its per-tenant series carry
         return result
 
     def take_done(self) -> list[RequestSummary]:

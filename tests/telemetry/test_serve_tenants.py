@@ -59,6 +59,7 @@ def test_per_tenant_hits_loads_and_bytes_match_the_responses(server, tmp_path):
                 body = server.complete(prompt, **t.extra)
                 looked_up[t.id] = looked_up.get(t.id, 0) + len(prompt)
                 hit = body["kv_transfer_params"]["num_lmcache_cached_tokens"]
+                assert body["kv_transfer_params"]["kvlens"].get("tenant", "default") == t.id
                 cached[t.id] = cached.get(t.id, 0) + hit
     assert all(n > 0 for n in cached.values())  # each tenant's repeats hit its own chunks only
 

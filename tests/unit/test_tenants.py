@@ -118,6 +118,16 @@ def test_evictions_and_resets_take_bytes_from_the_tenant_that_held_them():
     assert s.take_tenant_usage().bytes_held[(bob, CPU)] == 0
 
 
+def test_a_salted_response_names_its_tenant_id_and_a_default_one_none():
+    s = scheduler()
+    r = request("a1", PROMPT, cache_salt="alice")
+    admit_fully(s, r, blocks(0, 5))
+    assert s.finish(r).params["kvlens"]["tenant"] == tenant_id(salted("alice"))
+    d = request("d1", PROMPT)
+    admit_fully(s, d, blocks(10, 5))
+    assert "tenant" not in s.finish(d).params["kvlens"]
+
+
 def test_tenant_labels_max_is_a_setting():
     s = scheduler(extra_config={"tenant_labels_max": 1})
     _serve(s, "a1", "alice", 0)
