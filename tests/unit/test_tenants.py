@@ -1,12 +1,12 @@
 """Per-tenant accounting: ids that never carry a salt, bounded labels, bytes held that follow
 the tiers, and counts that add up to the responses' own."""
 
-from connector.engine.jobs import CPU
+from connector.engine.jobs import CPU, DISK
 from connector.engine.keys import Namespace
 from connector.engine.outcomes import ChunkLoadResult, LoadOutcome, WorkerReport
 from connector.engine.tenants import DEFAULT, OTHER, TenantBook, tenant_id, value_id
 
-from .fakes import BLOCK_BYTES, LAYERS, admit_fully, blocks, cpu_gb, request, scheduler
+from .fakes import BLOCK_BYTES, LAYERS, admit_fully, blocks, cpu_gb, request, scheduler, step
 
 BASE = Namespace("m", "bf16", "layout")
 PROMPT = list(range(1000, 1600))  # two whole chunks and a tail
@@ -134,3 +134,19 @@ def test_tenant_labels_max_is_a_setting():
     _serve(s, "b1", "bob", 10)
     usage = s.take_tenant_usage()
     assert set(usage.lookup_tokens) == {tenant_id(salted("alice")), OTHER}
+
+
+def test_a_chunk_promoted_from_disk_counts_for_its_tenant_in_the_cpu_tier(tmp_path):
+    s = scheduler(local_disk=str(tmp_path), max_local_disk_size=1)
+    _, plan = admit_fully(s, request("a", PROMPT, cache_salt="alice"), blocks(0, 5))
+    alice = tenant_id(salted("alice"))
+    usage = s.take_tenant_usage()
+    assert usage.bytes_held[(alice, CPU)] == usage.bytes_held[(alice, DISK)] == 2 * CHUNK_BYTES
+    s.tiers[CPU].remove(plan.stores[1].name)  # leaves the CPU tier: alice holds less there
+    assert s.take_tenant_usage().bytes_held[(alice, CPU)] == CHUNK_BYTES
+    c = request("c", PROMPT, cache_salt="alice")
+    s.after_alloc(c, s.lookup(c, 0), blocks(10, 5))  # the disk chunk loads, and is kept in CPU
+    (job,) = [j for j in s.build_plan(step()).async_loads if j.request_id == "c"]
+    assert [ch.promote_to for ch in job.chunks] == [(), (CPU,)]
+    assert s.take_tenant_usage().bytes_held[(alice, CPU)] == 2 * CHUNK_BYTES == s.tiers[CPU].used_bytes
+    s.shutdown()
