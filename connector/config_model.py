@@ -69,6 +69,9 @@ class ExtraConfig(BaseModel):
     # LMCache's tag_keys: names of kv_transfer_params entries whose values become key tags, as
     # if sent as lmcache.tag.<name> (requests with other values never share KV).
     tag_keys: tuple[str, ...] = ()
+    # Tenants (cache salt and tags) shown under their own label in the per-tenant metrics: the
+    # first this many seen; later ones are counted under "other" (bounded label cardinality).
+    tenant_labels_max: int = Field(10, ge=0, le=100)
     # LMCache's Valkey settings, for valkey:// and valkeys:// URLs.
     valkey_username: str | None = None
     valkey_password: SecretStr | None = None

@@ -247,6 +247,7 @@ class KVLensConnector(KVConnectorBase_V1):
                 not sched.unfinished,
                 sched.take_evictions(),
                 sched.take_saved_seconds(),
+                sched.take_tenant_usage(),
             )
         else:
             data = self._worker_telemetry.stats()

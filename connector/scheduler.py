@@ -25,6 +25,7 @@ from .engine.jobs import DISK, REMOTE, StepPlan
 from .engine.outcomes import LookupOutcome, RequestSummary, TierState, WorkerReport
 from .engine.policy import trace_headers
 from .engine.snapshots import InsightSnapshot, SchedulerSizes, TierGauge
+from .engine.tenants import DEFAULT, TenantUsage, tenant_id
 from .engine.tracker import StorePolicy
 from .insight_feed import InsightFeed
 from .prefix_lookup import PrefixLookup
@@ -76,7 +77,10 @@ class ConnectorScheduler:
 
     def lookup(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens KVLens will load beyond vLLM's hit (side-effect free but for pins)."""
-        return self.prefix.lookup(request, num_computed_tokens)
+        need = self.prefix.lookup(request, num_computed_tokens)
+        policy = self.state.policies.get(request.request_id)
+        self.state.tenants.open(request.request_id, policy.namespace if policy is not None else None)
+        return need
 
     def loads_async(self, request_id: str) -> bool:
         """The lookup's tokens load outside the step (the request waits outside the batch)."""
@@ -98,7 +102,13 @@ class ConnectorScheduler:
             result.async_planned = True
         if request.request_id not in self.trackers:  # first schedule (a resumed one is not counted again)
             self.insight.note_references(request, result)
-        return self.prefix.outcome(request, result, scheduled=True)
+        return self._count_tenant(self.prefix.outcome(request, result, scheduled=True))
+
+    def _count_tenant(self, outcome: LookupOutcome | None) -> LookupOutcome | None:
+        """A final lookup counts for its tenant as it does in lookup_tokens (a resumed one not)."""
+        if outcome is not None and not outcome.resumed:
+            self.state.tenants.looked_up(outcome.request_id, outcome.prompt_tokens, outcome.hit_tokens)
+        return outcome
 
     def lookup_outcome(self, request: Any, result: Any, scheduled: bool) -> LookupOutcome:
         return self.prefix.outcome(request, result, scheduled)
@@ -132,6 +142,8 @@ class ConnectorScheduler:
     # ---- feedback -----------------------------------------------------------------------
     def on_worker_report(self, report: WorkerReport) -> dict[str, int]:
         """Apply what the workers did; returns, per failed load, the tokens vLLM recomputes."""
+        for rid, outcome in report.loads.items():
+            self.state.tenants.loaded(rid, sum(outcome.tokens_by_tier().values()))
         return self.feedback.apply(report)
 
     def step_done(self) -> None:
@@ -140,10 +152,23 @@ class ConnectorScheduler:
 
     # ---- finish, reset, shutdown --------------------------------------------------------
     def finish(self, request: Any) -> FinishResult:
-        return self.responses.finish(request)
+        policy = self.state.policies.get(request.request_id)
+        result = self.responses.finish(request)
+        self._count_tenant(result.unscheduled_lookup)
+        tenant = tenant_id(policy.namespace if policy is not None else None)
+        if result.params is not None and "kvlens" in result.params and tenant != DEFAULT:
+            result.params["kvlens"]["tenant"] = tenant  # the id its per-tenant series carry
+        return result
 
     def take_done(self) -> list[RequestSummary]:
-        return self.responses.take_done()
+        done = self.responses.take_done()
+        for summary in done:  # its load is reported: its tenant is no longer needed
+            self.state.tenants.close(summary.request_id)
+        return done
+
+    def take_tenant_usage(self) -> TenantUsage:
+        """Per-tenant lookups, hits and loads since the last call, and the bytes held now."""
+        return self.state.tenants.take()
 
     def take_saved_seconds(self) -> dict[str, float]:
         """Estimated prefill seconds saved per tier since the last call."""

@@ -27,6 +27,7 @@ from .engine.outcomes import FailureReason, LoadOutcome, TierState
 from .engine.policy import RecentlyEvicted, RequestPolicy
 from .engine.suspects import SuspectBlocks, downstream
 from .engine.tails import TailDirectory
+from .engine.tenants import TenantBook
 from .engine.tracker import LookupResult, RequestTracker
 from .instance_info import disk_identity
 from .remote_lookup import RemoteLookup
@@ -107,6 +108,10 @@ class SchedulerState:
         # Blocks loaded (or failed as unloadable) per step whose report has not arrived yet.
         self._unreported_loads: dict[int, frozenset[int]] = {}
         self.reported_through = -1  # the newest step whose report was processed
+        # Per-tenant accounting (engine/tenants.py): bytes held follow admissions and drops.
+        self.tenants = TenantBook(config.extra_config.tenant_labels_max, tuple(self.tiers))
+        for name, index in self.tiers.items():
+            index.also_on_drop(lambda chunk, tier=name: self.tenants.dropped(tier, chunk))
 
     def _check_budgets(self) -> None:
         if not self.facts.stores:
@@ -219,6 +224,14 @@ class SchedulerState:
                 self._dropped_from_disk(names)
             self.recently_evicted.add(names, tier.name)
             self.evict_later(tier.name, names)
+
+    def tenants_hold(self, tiers: Iterable[str], chunk: str, request_id: str, num_tokens: int) -> None:
+        """Indexed tiers just admitted ``chunk`` for ``request_id``: its tenant holds the bytes."""
+        label = self.tenants.request_label(request_id)
+        nbytes = self.facts.chunk_nbytes(num_tokens)
+        for tier in tiers:
+            if tier in self.tiers:
+                self.tenants.held(tier, chunk, label, nbytes)
 
     def shutdown(self) -> None:
         if self.disk_view is not None:

@@ -174,6 +174,8 @@ class StepPlanner:
             loaded.update(chunk.block_ids)
             if chunk.tier != CPU:
                 chunks[i] = self._promote(plan, chunk, sizes[chunk.name])
+                if chunks[i].promote_to:
+                    self._s.tenants_hold(chunks[i].promote_to, chunk.name, request_id, sizes[chunk.name])
         return LoadJob(request_id, tuple(chunks), trace)
 
     def _promote(self, plan: StepPlan, chunk: ChunkLoad, num_tokens: int) -> ChunkLoad:
@@ -226,6 +228,7 @@ class StepPlanner:
                     self._stop(tracker, key)
                     return
                 tiers = self._admit(plan, key, held)
+                self._s.tenants_hold(tiers, key.hex, tracker.request_id, key.num_tokens)
                 if CPU in tiers and key.num_tokens < self.policy.chunk_size and self._s.tails is not None:
                     self._s.tails.add(tracker.hasher.parent_at(key.start), key.num_tokens, key.hex)
                 if tiers and self._s.block_events.enabled:

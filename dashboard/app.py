@@ -40,6 +40,7 @@ from dashboard import (  # noqa: E402
     settings,
     sidebar,
     sources,
+    tenants_page,
     text,
     views,
 )
@@ -56,6 +57,7 @@ ROWS = (
     "Failures",
     "Requests",
     "Insights",
+    "Tenants",
 )
 
 
@@ -376,6 +378,8 @@ def live(cfg: settings.Settings) -> None:
             requests_view(cfg.requests)
         with tabs[6], guarded("Insights"):
             insights_page.show(frame, fleet, window)
+        with tabs[7], guarded("Tenants"):
+            tenants_page.show(frame, window)
         st.caption(f"Updated {time.strftime('%H:%M:%S')}; refreshes every {cfg.refresh_s:g} s.")
 
 

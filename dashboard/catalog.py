@@ -34,6 +34,7 @@ LABELS = (
     "le",
     "budget_factor",
     "stage",
+    "tenant",
     *INFO_LABELS,
 )
 

@@ -31,8 +31,17 @@ from .panel_types import (
     rate_sum,
     ratio,
 )
+from .tenant_panels import TENANT_PANELS
 
-ROWS = ("Overview", "Hits and misses", "Latency and throughput", "Tiers and leaks", "Failures", "Insights")
+ROWS = (
+    "Overview",
+    "Hits and misses",
+    "Latency and throughput",
+    "Tiers and leaks",
+    "Failures",
+    "Insights",
+    "Tenants",
+)
 
 __all__ = ["PANELS", "ROWS", "STAT", "TABLE", "TIMESERIES", "TREND", "Panel", "Target", "with_selector"]
 
@@ -515,6 +524,7 @@ PANELS: tuple[Panel, ...] = (
         traces=TRACES_FAILED_LOADS,
     ),
     *INSIGHT_PANELS,
+    *TENANT_PANELS,
 )
 
 # Failed loads as annotations on every time series. The counter without a reason label is

@@ -12,6 +12,7 @@ from .metrics import METRICS, SEP, wire_key
 
 if TYPE_CHECKING:
     from connector.engine.snapshots import InsightSnapshot, InstanceInfo, SchedulerSizes, WorkerSizes
+    from connector.engine.tenants import TenantUsage
 
 _TIER_FIELDS = (  # (field, metric key, labelled with the storage it describes)
     ("chunks", "tier_chunks", True),
@@ -72,3 +73,25 @@ def worker_gauges(sizes: WorkerSizes) -> dict[str, float]:
     if sizes.cpu_tier_bytes is not None:
         out[wire_key("tier_stored_bytes", "cpu")] = sizes.cpu_tier_bytes
     return out
+
+
+_TENANT_COUNTERS = (  # (TenantUsage field, metric key)
+    ("lookup_tokens", "tenant_lookup_tokens"),
+    ("hit_tokens", "tenant_hit_tokens"),
+    ("load_tokens", "tenant_load_tokens"),
+)
+
+
+def tenant_counters(usage: TenantUsage) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for field, key in _TENANT_COUNTERS:
+        for label, n in getattr(usage, field).items():
+            out[wire_key(key, label_value(label))] = n
+    return out
+
+
+def tenant_gauges(usage: TenantUsage) -> dict[str, float]:
+    return {
+        wire_key("tenant_bytes", label_value(label), label_value(tier)): n
+        for (label, tier), n in usage.bytes_held.items()
+    }

@@ -321,7 +321,41 @@ _DEFINITIONS = (
         domains=None,  # unknown (no series) until measured
     ),
 )
+# per tenant (cache salt or tags, as a short id; connector/engine/tenants.py): the first
+# tenant_labels_max tenants seen have their own label, later ones count under "other"
+_DEFINITIONS += (
+    Metric(
+        "tenant_lookup_tokens",
+        COUNTER,
+        "Prompt tokens looked up, by tenant (default: no salt or tag; other: beyond tenant_labels_max).",
+        ("tenant",),
+        domains=("tenants",),
+    ),
+    Metric(
+        "tenant_hit_tokens",
+        COUNTER,
+        "Prompt tokens KVLens held at lookup, by tenant (the responses' num_lmcache_cached_tokens).",
+        ("tenant",),
+        domains=("tenants",),
+    ),
+    Metric(
+        "tenant_load_tokens",
+        COUNTER,
+        "Tokens whose KV KVLens loaded into vLLM, by tenant.",
+        ("tenant",),
+        domains=("tenants",),
+    ),
+    Metric(
+        "tenant_bytes",
+        GAUGE,
+        "Bytes each tenant's chunks hold in each indexed tier (one rank's share; chunks this engine "
+        "stored or promoted).",
+        ("tenant", "tier"),
+        domains=("tenants", "indexed_tiers"),
+    ),
+)
 _NOT_IN_LOG_LINE = ("info", "whatif_hit_ratio")  # labels, not amounts: kept out of vLLM's log line
+_NOT_IN_LOG_LINE += ("tenant_bytes",)  # a value per tenant and tier: too many for one line
 
 METRICS: dict[str, Metric] = {m.key: m for m in _DEFINITIONS}
 NAMES = frozenset(m.name for m in _DEFINITIONS)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import remote_calls
 from . import tracing as tr
-from .encoding import scheduler_gauges
+from .encoding import scheduler_gauges, tenant_counters, tenant_gauges
 from .events import EventLog, load_failed_event
 from .metrics import LocalExporter, StatsBuffer, wire_key
 from .request_log import RequestLog, request_record
@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the connector's outcome types; telemetry only reads their f
         TierTraffic,
     )
     from connector.engine.snapshots import InsightSnapshot, KnownLabels, SchedulerSizes
+    from connector.engine.tenants import TenantUsage
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -266,10 +267,11 @@ class SchedulerRecorder:
         idle: bool,
         evictions: Mapping[str, int],
         saved_seconds: Mapping[str, float] | None = None,
+        tenants: TenantUsage | None = None,
     ) -> dict[str, Any] | None:
         """This step's payload for vLLM (None when empty or metrics are off). ``insight`` is
         asked only when gauges are sampled; ``evictions`` and ``saved_seconds`` (estimated
-        prefill seconds saved) are per tier, since the last call."""
+        prefill seconds saved) are per tier, since the last call; ``tenants``: per tenant."""
         if not self._metrics:
             return None
         now = time.monotonic()
@@ -282,6 +284,10 @@ class SchedulerRecorder:
             self._buffer.inc(wire_key("evictions", tier), n)
         for tier, seconds in (saved_seconds or {}).items():
             self._buffer.inc(wire_key("prefill_seconds_saved", tier), seconds)
+        if tenants is not None:
+            for key, n in tenant_counters(tenants).items():
+                self._buffer.inc(key, n)
+            self._set_gauges(tenant_gauges(tenants))
         data = self._buffer.take()
         if data is not None and self._exporter is not None:
             self._exporter.observe(data)

@@ -44,6 +44,19 @@ class TierIndex:
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
+    def also_on_drop(self, callback: Callable[[str], None]) -> None:
+        """Tell ``callback`` too of every key that leaves (after the callback given before)."""
+        first = self._on_drop
+        if first is None:
+            self._on_drop = callback
+            return
+
+        def both(key: str) -> None:
+            first(key)
+            callback(key)
+
+        self._on_drop = both
+
     def __len__(self) -> int:
         return len(self._entries)
 

@@ -110,6 +110,7 @@ class KnownLabels:
     transfer_stages: tuple[str, ...] = tuple(s.value for s in Stage)
     remote_operations: tuple[str, ...] = ()
     remote_error_kinds: tuple[str, ...] = ()
+    tenants: tuple[str, ...] = ("default", "other")  # the labels every engine has (tenants.py)
 
     @classmethod
     def for_tiers(cls, tiers: tuple[str, ...]) -> KnownLabels:

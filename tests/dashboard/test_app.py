@@ -68,6 +68,7 @@ def test_live_endpoint_charts_and_an_unreachable_one(
         "Failures",
         "Requests",
         "Insights",
+        "Tenants",
     ]
     metrics = {m.label: m.value for m in app.metric}
     assert (
@@ -296,3 +297,27 @@ def test_served_on_every_interface_by_default_it_shows_nothing_but_how_to_fix_it
     assert error.startswith("This app is listening on every network interface")
     assert "--server.address 127.0.0.1" in error and ".streamlit/config.toml" in error
     assert not app.tabs and not app.sidebar.radio and not app.metric
+
+
+def test_the_tenants_view_shows_each_tenant_by_its_id(app, monkeypatch, text_server, metrics_text):
+    text_server.text = metrics_text + (DATA / "metrics-tenants.txt").read_text()
+    monkeypatch.setenv("KVLENS_DASHBOARD_METRICS", text_server.endpoint)
+    app.run()
+    time.sleep(1.1)
+    app.run()
+    assert_clean(app)
+    (table,) = [d.value for d in app.dataframe if "hit ratio" in d.value.columns]
+    assert set(table.index) == {"default", "other", "salt:a575499155", "salt:bd9603f407", "user:c0147d233c"}
+    assert table.loc["salt:a575499155", "held (tokens)"] == 1152
+    assert table.loc["salt:a575499155", "looked up (tokens)"] == 2600
+    assert table.loc["default", "loaded (tokens)"] == 640
+    assert table.loc["user:c0147d233c", "bytes held (cpu)"] == 2359296
+    assert "Bytes held per tenant and tier" in texts(app.subheader)
+
+
+def test_the_tenants_view_without_tenant_series_says_so(app, monkeypatch, text_server, metrics_text):
+    text_server.text = metrics_text
+    monkeypatch.setenv("KVLENS_DASHBOARD_METRICS", text_server.endpoint)
+    app.run()
+    assert_clean(app)
+    assert any(t.startswith("No per-tenant series yet") for t in texts(app.info))

@@ -57,6 +57,7 @@ def test_rows_in_order_and_every_panel_under_one():
             "Tiers and leaks",
             "Failures",
             "Insights",
+            "Tenants",
         ]
     )
     assert d["panels"][0]["type"] == "row"

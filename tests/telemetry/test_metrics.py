@@ -22,7 +22,8 @@ from telemetry.metrics import (
 )
 
 # storage: one value per shared disk directory
-ALLOWED_LABELS = {"tier", "operation", "reason", "kind", "budget_factor", "stage", "storage"}
+# tenant: at most extra_config.tenant_labels_max values plus default and other (tenants.py)
+ALLOWED_LABELS = {"tier", "operation", "reason", "kind", "budget_factor", "stage", "storage", "tenant"}
 # The info metric's labels are fixed for the life of the engine: one series per instance.
 INFO_LABELS = {
     "version",

@@ -188,3 +188,18 @@ def test_tier_gauges_of_a_shared_store_carry_its_storage_label():
     gauges = scheduler_gauges(sizes, None)
     assert gauges["tier_chunks|disk|disk:ab12"] == 3 and gauges["tier_capacity_bytes|disk|disk:ab12"] == 100
     assert gauges["tier_used_bytes|cpu|"] == 10 and gauges["pinned_chunks|disk"] == 0
+
+
+def test_every_field_of_the_tenants_usage_reaches_a_series():
+    from connector.engine.tenants import TenantUsage
+
+    usage = TenantUsage({"salt:aa": 7001}, {"salt:aa": 7014}, {"user:bb": 7027}, {("salt:aa", "cpu"): 7040})
+    rec = SchedulerRecorder(SETTINGS, "m", "0", 128, True)
+    sizes = snapshots.SchedulerSizes(0, 0, 0, 0, 0, 0)
+    values, labels = exposed([rec.stats(sizes, None, True, {}, {}, usage)])
+    expected = [(f.name, v) for f in dataclasses.fields(usage) for v in getattr(usage, f.name).values()]
+    assert not shows([*expected, ("tenant", "salt:aa"), ("tenant", "user:bb")], values, labels)
+    again = rec.stats(
+        sizes, None, True, {}, {}, TenantUsage({"salt:aa": 5}, {}, {}, {("salt:aa", "cpu"): 7040})
+    )
+    assert again["counters"] == {"tenant_lookup_tokens|salt:aa": 5} and not again["gauges"]  # unchanged

@@ -1,0 +1,154 @@
+"""Per-tenant accounting: hit ratio, tokens loaded and bytes held, by tenant.
+
+A tenant is what separates one group of requests' KV from another's: the cache salt and the
+key tags (``lmcache.tag.<name>``, ``tag_keys``) of the request's namespace. Requests with
+neither belong to ``default``. A tenant is shown by an id that never carries a salt or a tag
+value: each is replaced by a short BLAKE2b keyed with a fixed KVLens label (``salt:3fa1c2d90b``,
+``user:9e2a41c07d``); tag names, which the operator chooses, are kept.
+
+Label cardinality is bounded, and counters stay monotonic per label, by giving a tenant its
+own label on first sight while fewer than ``max_labels`` tenants have one; every later
+tenant is counted under ``other`` for the engine's lifetime. A label never moves, so no
+series flaps between scrapes and no counter ever goes back; the price is that the first
+tenants keep their labels (restart the engine, or raise ``tenant_labels_max``, to re-rank).
+
+Bytes held follow the scheduler's index: a chunk this engine admits to a tier is its
+tenant's until the tier drops it (evicted, removed, cleared). A chunk's key depends on the
+namespace, so each chunk belongs to exactly one tenant. Chunks another engine wrote to a
+shared disk directory are nobody's here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .keys import Namespace
+
+DEFAULT = "default"  # neither a cache salt nor a tag
+OTHER = "other"  # tenants beyond the first max_labels
+_ID_KEY = b"kvlens-tenant"
+_ID_HEX = 10  # 40 bits: distinct for any number of tenants a dashboard shows
+_NAME = re.compile(r"[^A-Za-z0-9_.-]")
+_MAX_NAME = 32
+_MAX_OPEN = 100_000  # requests whose tenant is remembered until their load is reported
+
+
+def value_id(value: str) -> str:
+    """A short id of a salt or tag value: keyed BLAKE2b, so the id names no value and cannot be
+    undone (a guessable, low-entropy value can still be confirmed by hashing guesses)."""
+    return hashlib.blake2b(value.encode(), digest_size=_ID_HEX // 2, key=_ID_KEY).hexdigest()
+
+
+def tenant_id(namespace: Namespace | None) -> str:
+    """The tenant of a request's namespace: ``default``, or its salt and tags as ids."""
+    if namespace is None or (namespace.cache_salt is None and not namespace.tags):
+        return DEFAULT
+    parts = [] if namespace.cache_salt is None else [f"salt:{value_id(namespace.cache_salt)}"]
+    parts += [f"{_NAME.sub('_', name)[:_MAX_NAME]}:{value_id(value)}" for name, value in namespace.tags]
+    return ",".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantUsage:
+    """What the tenants did since the last ``take`` (counters) and hold now (gauges), by label."""
+
+    lookup_tokens: Mapping[str, int]  # prompt tokens looked up
+    hit_tokens: Mapping[str, int]  # of those, tokens KVLens held (num_lmcache_cached_tokens)
+    load_tokens: Mapping[str, int]  # tokens KVLens loaded into vLLM
+    bytes_held: Mapping[tuple[str, str], int]  # (label, tier) -> bytes (one rank's share); 0 kept
+
+
+class TenantBook:
+    """Labels, counters and bytes held per tenant, for the scheduler half (no I/O, no vLLM)."""
+
+    def __init__(self, max_labels: int, tiers: tuple[str, ...] = ()) -> None:
+        self.max_labels = max_labels
+        self._labels: dict[str, str] = {DEFAULT: DEFAULT}  # tenant id -> its label
+        self._own = 0  # tenants given their own label
+        self._by_namespace: dict[Namespace | None, str] = {}
+        self._requests: OrderedDict[str, str] = OrderedDict()  # request id -> label
+        self._chunks: dict[tuple[str, str], tuple[str, int]] = {}  # (tier, chunk) -> (label, bytes)
+        self._bytes: dict[tuple[str, str], int] = {(label, t): 0 for label in (DEFAULT, OTHER) for t in tiers}
+        self._lookup: dict[str, int] = {}
+        self._hit: dict[str, int] = {}
+        self._load: dict[str, int] = {}
+
+    # ---- labels ---------------------------------------------------------------------------
+    def label(self, namespace: Namespace | None) -> str:
+        """The label a namespace's tenant is counted under (assigned once, never moved)."""
+        label = self._by_namespace.get(namespace)
+        if label is None:
+            label = self._label_of(tenant_id(namespace))
+            if len(self._by_namespace) < _MAX_OPEN:
+                self._by_namespace[namespace] = label
+        return label
+
+    def _label_of(self, tenant: str) -> str:
+        label = self._labels.get(tenant)
+        if label is not None:
+            return label
+        if self._own >= self.max_labels:
+            return OTHER  # not remembered: the set of tenants seen stays bounded
+        self._own += 1
+        self._labels[tenant] = tenant
+        return tenant
+
+    def labels(self) -> list[str]:
+        """Every label in use: default, the tenants', and other."""
+        return [*self._labels, OTHER]
+
+    # ---- requests -------------------------------------------------------------------------
+    def open(self, request_id: str, namespace: Namespace | None) -> str:
+        """The request's label, remembered until ``close`` (its load may be reported late)."""
+        label = self._requests.get(request_id)
+        if label is None:
+            label = self._requests[request_id] = self.label(namespace)
+            if len(self._requests) > _MAX_OPEN:
+                self._requests.popitem(last=False)
+        return label
+
+    def request_label(self, request_id: str) -> str:
+        return self._requests.get(request_id, DEFAULT)
+
+    def close(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def looked_up(self, request_id: str, prompt_tokens: int, hit_tokens: int) -> None:
+        """A request's final lookup (a preempted request's second lookup is not counted)."""
+        label = self.request_label(request_id)
+        self._lookup[label] = self._lookup.get(label, 0) + prompt_tokens
+        self._hit[label] = self._hit.get(label, 0) + hit_tokens
+
+    def loaded(self, request_id: str, tokens: int) -> None:
+        if tokens:
+            label = self.request_label(request_id)
+            self._load[label] = self._load.get(label, 0) + tokens
+
+    # ---- bytes held -----------------------------------------------------------------------
+    def held(self, tier: str, chunk: str, label: str, nbytes: int) -> None:
+        """``tier`` admitted ``chunk`` for a request counted under ``label``."""
+        key = (tier, chunk)
+        if key in self._chunks:
+            self.dropped(tier, chunk)
+        self._chunks[key] = (label, nbytes)
+        self._bytes[(label, tier)] = self._bytes.get((label, tier), 0) + nbytes
+
+    def dropped(self, tier: str, chunk: str) -> None:
+        """``tier`` no longer holds ``chunk`` (a chunk this engine did not admit is ignored)."""
+        gone = self._chunks.pop((tier, chunk), None)
+        if gone is not None:
+            label, nbytes = gone
+            self._bytes[(label, tier)] -= nbytes
+
+    def bytes_held(self, label: str, tier: str) -> int:
+        return self._bytes.get((label, tier), 0)
+
+    def take(self) -> TenantUsage:
+        """Counters since the last call, and the bytes every label holds now."""
+        usage = TenantUsage(self._lookup, self._hit, self._load, dict(self._bytes))
+        self._lookup, self._hit, self._load = {}, {}, {}
+        return usage
