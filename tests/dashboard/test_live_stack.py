@@ -302,6 +302,7 @@ def test_app_in_headless_chromium(live, tmp_path):
             "Failures",
             "Requests",
             "Insights",
+            "Tenants",
         ]
         for index, name in enumerate(names[1:], start=1):
             open_tab(driver, index)
