@@ -107,6 +107,11 @@ def test_a_second_instance_explains_misses_by_namespace_and_announces_promotions
             {"differs_in": ["cache_salt"]},
             {"differs_in": ["tags"]},
         ]
+        from dashboard import request_records  # the app's "Why did this request miss?" view
+
+        frame, _ = request_records.load_requests([str(log)])
+        shown = request_records.explain(request_records.find_request(frame, records[0]["request_id"]).iloc[0])
+        assert "Missed: other_namespace" in shown and "cache_salt" in shown, shown
     finally:
         log = tmp_path / "requests.jsonl"
         if stream is not None:
