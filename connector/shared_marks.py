@@ -41,7 +41,6 @@ logger = logging.getLogger("vllm.kvlens")
 
 READ_S = 10.0
 MAX_QUEUED = 4096  # marks waiting for the writer (more are dropped: an explanation, not a hit)
-MAX_KNOWN_RECORDS = 4096
 MAX_RECORD_READS = 256  # records looked up per read of the marks
 MARK_KEY = "nsmark:"
 
@@ -125,15 +124,16 @@ class SharedMarks:
         for store in stores.values():
             for raw in _read_buckets(store, range(BUCKETS)).values():
                 entries += decode(raw)
-        unknown = {fp for _, fp in entries if fp not in self._records and valid_fingerprint(fp)}
-        for fp in sorted(unknown)[:MAX_RECORD_READS]:  # a record not found yet is asked for again
-            for store in stores.values():
-                record = _read_record(store, fp)
-                if record is not None:
-                    self._records[fp] = record
-                    break
-        while len(self._records) > MAX_KNOWN_RECORDS:
-            self._records.pop(next(iter(self._records)))
+        # Every referenced record is read again (one batch per store), so a namespace that was
+        # cleared stops explaining misses; past MAX_RECORD_READS, the rest keep what was read.
+        referenced = sorted({fp for _, fp in entries if valid_fingerprint(fp)})
+        ask = set(referenced[:MAX_RECORD_READS])
+        found: dict[str, NamespaceRecord] = {}
+        for store in stores.values():
+            found.update(_read_records(store, sorted(ask - set(found))))
+        self._records = {
+            fp: r for fp in referenced if (r := found.get(fp) if fp in ask else self._records.get(fp))
+        }
         self.view.replace(entries, self._records)
 
 
@@ -184,18 +184,27 @@ def _write_bucket(store: store_records.Store, bucket: int, raw: bytes, ttl_s: in
         raise reply
 
 
-def _read_record(store: store_records.Store, fp: str) -> NamespaceRecord | None:
-    try:
-        if isinstance(store, store_records.DiskRecords):
-            path = os.path.join(store.root, store_records.NAMESPACE_DIR, f"{fp}.json")
-            with open(path, "rb") as f:
-                raw: Any = f.read(MAX_RECORD_BYTES + 1)
-        else:
-            key = store.tier.key(store_records.NAMESPACE_KEY + fp)
-            (raw,) = store.tier.execute("namespaces", [("GET", key)])
-            if raw is None or isinstance(raw, Exception):
-                return None
-        record = NamespaceRecord.from_json(bytes(raw))
-    except (OSError, ValueError):
-        return None
-    return record if record.fingerprint == fp else None
+def _read_records(store: store_records.Store, fps: list[str]) -> dict[str, NamespaceRecord]:
+    """The readable namespace records of these fingerprints (one round trip on Redis)."""
+    raws: list[Any] = []
+    if isinstance(store, store_records.DiskRecords):
+        for fp in fps:
+            try:
+                with open(os.path.join(store.root, store_records.NAMESPACE_DIR, f"{fp}.json"), "rb") as f:
+                    raws.append(f.read(MAX_RECORD_BYTES + 1))
+            except OSError:
+                raws.append(None)
+    elif fps:
+        tier = store.tier
+        raws = tier.execute("namespaces", [("GET", tier.key(store_records.NAMESPACE_KEY + fp)) for fp in fps])
+    out = {}
+    for fp, raw in zip(fps, raws, strict=True):
+        if raw is None or isinstance(raw, Exception):
+            continue
+        try:
+            record = NamespaceRecord.from_json(bytes(raw))
+        except ValueError:
+            continue
+        if record.fingerprint == fp:
+            out[fp] = record
+    return out
