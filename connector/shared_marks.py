@@ -85,7 +85,7 @@ class SharedMarks:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._closing or self._queued or self._due(), timeout=READ_S)
+                self._cond.wait_for(lambda: self._closing or self._queued or self._due(), timeout=1.0)
                 closing, queued, self._queued = self._closing, self._queued, []
                 read = self._due()
                 if read:
