@@ -42,6 +42,7 @@ from .engine.jobs import CPU, DISK, REMOTE, StepPlan, StoreJob
 from .engine.keys import key_fingerprint
 from .engine.namespace_records import NamespaceRecord, Selector, select
 from .scheduler_state import SchedulerState
+from .shared_marks import SharedMarks
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -83,6 +84,9 @@ class CacheAdmin:
         self._active: set[str] = set()  # fingerprints that stored since the last refresh
         self._refreshed_at = clock()
         self._stores = _Stores(state)
+        self.marks: SharedMarks | None = None  # first-chunk marks other instances explain misses with
+        if state.config.local_disk or state.config.remote is not None:
+            self.marks = state.shared_marks = SharedMarks(self._stores.all, self._stores.ttl_s)
         self._clearing = threading.Lock()  # one clear at a time through the endpoint
         self._wake: Callable[[], None] | None = None
         self.server: Any = None
@@ -131,6 +135,8 @@ class CacheAdmin:
             fp = job.namespace
             if CPU in job.tiers or DISK in job.tiers:
                 self._chunk_ns[job.name] = fp
+            if self.marks is not None and (DISK in job.tiers or REMOTE in job.tiers):
+                self._mark_first_chunk(job)
             self._active.add(fp)
             if fp not in self._records:
                 self._learn(fp, job.request_id)
@@ -144,6 +150,16 @@ class CacheAdmin:
             self._chunk_ns = {
                 k: v for k, v in self._chunk_ns.items() if any(k in t for t in s.tiers.values())
             }
+
+    def _mark_first_chunk(self, job: StoreJob) -> None:
+        """A request's first chunk went to a shared tier: leave a mark for other instances."""
+        s, rid = self._s, job.request_id
+        hasher, request = s.hashers.get(rid), s.unfinished.get(rid)
+        first = hasher.full_keys(0, s.config.chunk_size) if hasher is not None else []
+        if first and first[0].hex == job.name and request is not None and self.marks is not None:
+            fingerprint = hasher.fingerprint(request.all_token_ids)  # type: ignore[union-attr]
+            if fingerprint is not None:
+                self.marks.stored(fingerprint, job.namespace)
 
     def _learn(self, fp: str, request_id: str) -> None:
         policy = self._s.policies.get(request_id)
@@ -263,6 +279,8 @@ class CacheAdmin:
     def shutdown(self) -> None:
         if self.server is not None:
             self.server.close()
+        if self.marks is not None:
+            self.marks.close()  # writes the marks still queued
         self._stores.close()
 
 
@@ -281,6 +299,14 @@ class _Stores:
         self._writes: queue.SimpleQueue[tuple[list[NamespaceRecord], bool] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._warned = False
+
+    def ttl_s(self) -> int | None:
+        """The expiry of records in Redis (none when the tier's keys never expire)."""
+        ttl = self._config.extra_config.remote_ttl_s
+        return max(ttl, int(4 * REFRESH_S)) if ttl else None
+
+    def all(self) -> dict[str, store_records.Store]:
+        return self._all()
 
     def _all(self) -> dict[str, store_records.Store]:
         with self._lock:

@@ -17,6 +17,7 @@ from .checkpoint_identity import AdapterFingerprints
 from .engine.index import TierIndex
 from .engine.jobs import DISK, REMOTE
 from .engine.keys import ChunkKey, PrefixHasher, block_aligned_keys, block_prefixes
+from .engine.namespace_marks import record_differences
 from .engine.namespaces import namespace_differences
 from .engine.outcomes import LookupOutcome, MissReason, RemoteCall
 from .engine.policy import RequestPolicy, decide_policy, miss_reason, trace_headers
@@ -165,14 +166,25 @@ class PrefixLookup:
     ) -> tuple[MissReason, dict[str, Any] | None]:
         """A first chunk never stored here may have been stored under another namespace."""
         s = self._s
-        namespace = policy.namespace
-        if namespace is None or not s.first_chunks.others_than(namespace):
+        namespace, shared = policy.namespace, s.shared_marks
+        if namespace is None:
+            return reason, None
+        local = s.first_chunks.others_than(namespace)
+        if not local and (shared is None or not shared.view):  # no other namespace known
+            if shared is not None:
+                shared.wanted()
             return reason, None
         fingerprint = s.hashers[rid].fingerprint(tokens)
-        other = s.first_chunks.other(fingerprint, namespace) if fingerprint else None
-        if other is None:
+        other = s.first_chunks.other(fingerprint, namespace) if fingerprint and local else None
+        if other is not None:
+            return MissReason.OTHER_NAMESPACE, {"differs_in": namespace_differences(namespace, other)}
+        if shared is None or fingerprint is None:
             return reason, None
-        return MissReason.OTHER_NAMESPACE, {"differs_in": namespace_differences(namespace, other)}
+        record = shared.view.other(fingerprint, namespace)  # another instance's, from the store
+        if record is None:
+            shared.wanted()
+            return reason, None
+        return MissReason.OTHER_NAMESPACE, {"differs_in": record_differences(namespace, record)}
 
     def _find_hits(
         self, rid: str, tokens: Any, upto: int

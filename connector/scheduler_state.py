@@ -12,7 +12,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import ConfigError, KVLensConfig
 from .disk_sync import DiskWatcher, SharedDiskView
@@ -33,6 +33,9 @@ from .instance_info import disk_identity
 from .remote_lookup import RemoteLookup
 from .tiers.disk import DiskTier
 from .tiers.redis_tier import RedisTier
+
+if TYPE_CHECKING:
+    from .shared_marks import SharedMarks
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -93,6 +96,7 @@ class SchedulerState:
         self.recently_evicted = RecentlyEvicted()
         self.suspects = SuspectBlocks()
         self.first_chunks = FirstChunkNamespaces()
+        self.shared_marks: SharedMarks | None = None  # what other instances stored (admin.py sets it)
         self.tier_speeds = TierSpeeds()  # how fast each tier loaded, as measured
         self.block_events = BlockEvents(facts.block_size, facts.kv_events and facts.stores)
         self._pending_evictions: list[Eviction] = []

@@ -166,29 +166,34 @@ class StepPlanner:
             logger.error("KVLens: request %s: %s; its external tokens are reported failed", request_id, e)
             self._fail_blocks(plan, block_ids[result.vllm_cached_tokens // bs :], loaded)
             return None
-        sizes = {h.key.hex: h.key.num_tokens for h in result.hits}
+        keys = {h.key.hex: h.key for h in result.hits}
         for i, chunk in enumerate(chunks):
             index = self._s.tiers.get(chunk.tier)
             if index is not None:
                 index.touch(chunk.name)
             loaded.update(chunk.block_ids)
             if chunk.tier != CPU:
-                chunks[i] = self._promote(plan, chunk, sizes[chunk.name])
+                chunks[i] = self._promote(plan, chunk, keys[chunk.name], request_id)
                 if chunks[i].promote_to:
-                    self._s.tenants_hold(chunks[i].promote_to, chunk.name, request_id, sizes[chunk.name])
+                    self._s.tenants_hold(
+                        chunks[i].promote_to, chunk.name, request_id, keys[chunk.name].num_tokens
+                    )
         return LoadJob(request_id, tuple(chunks), trace)
 
-    def _promote(self, plan: StepPlan, chunk: ChunkLoad, num_tokens: int) -> ChunkLoad:
-        """A chunk loaded from disk or the remote is kept in the CPU tier, if it has room."""
+    def _promote(self, plan: StepPlan, chunk: ChunkLoad, key: ChunkKey, request_id: str) -> ChunkLoad:
+        """A chunk loaded from disk or the remote is kept in the CPU tier, if it has room (and
+        routers hear of it as a store in ``cpu``)."""
         s = self._s
         cpu = s.tiers.get(CPU)
         if cpu is None or not s.usable(CPU) or chunk.name in cpu:
             return chunk
-        victims = cpu.admit(chunk.name, s.facts.chunk_nbytes(num_tokens))
+        victims = cpu.admit(chunk.name, s.facts.chunk_nbytes(key.num_tokens))
         if victims is None:
             return chunk
         self._evict(plan, cpu, victims)
         s.recently_evicted.discard(chunk.name)
+        if s.block_events.enabled:
+            s.block_events.promoted(chunk.name, key.start, key.num_tokens, s.unfinished.get(request_id), CPU)
         return dataclasses.replace(chunk, promote_to=(CPU,))
 
     def _evict(self, plan: StepPlan, tier: TierIndex, victims: list[str]) -> None:

@@ -207,6 +207,10 @@ class RedisRecords:
     def __repr__(self) -> str:
         return f"{self._tier.url.redacted()} prefix {self.prefix!r}"
 
+    @property
+    def tier(self) -> RedisTier:
+        return self._tier
+
     def _keys(self, under: str = "") -> Iterator[tuple[Any, list[bytes]]]:
         """Batches of this prefix's keys (those starting ``<prefix>:<under>``), each with the
         client of the master holding them."""

@@ -8,7 +8,9 @@ can send a request to the instance whose KVLens holds its prefix even after vLLM
 let it go.
 
 Events follow the plan the scheduler issues: a store is reported for the tiers it is written
-to once its step is planned (a store withdrawn within the same plan is not reported); an
+to once its step is planned (a store withdrawn within the same plan is not reported), and a
+chunk loaded from disk or Redis and kept in the CPU tier (a promotion) as a store in ``cpu``
+once its load is planned; an
 eviction, a failed chunk dropped, a reset, or another engine deleting it from a shared disk is
 reported for each tier that held the chunk (and its tokens are forgotten); a reset or a clear of
 every tier is also reported as ``AllBlocksCleared``.
@@ -96,6 +98,13 @@ class BlockEvents:
                 self._stored(job.name, job.tiers)
             elif isinstance(job, Eviction):
                 self._removed(job.tier, job.name)
+
+    def promoted(self, name: str, start: int, num_tokens: int, request: Any, tier: str) -> None:
+        """A chunk read from a slower tier is kept in ``tier`` (planned with its load): a store
+        there. If the copy never comes, the chunk's eviction reports it removed."""
+        if self.enabled and request is not None:
+            self.describe(name, start, num_tokens, request)
+            self._stored(name, (tier,))
 
     def dropped(self, tier: str, names: Iterable[str]) -> None:
         """Chunks that left ``tier`` outside a plan (another engine deleted them from a shared disk)."""

@@ -405,3 +405,49 @@ def test_chunks_another_engine_deletes_from_a_shared_disk_are_reported_removed_a
         (BlocksRemoved, "disk", e.block_hashes) for e in stored
     }
     assert len(s.block_events) == 0
+
+
+def test_a_chunk_promoted_from_disk_into_the_cpu_tier_is_a_cpu_store_event(tmp_path):
+    from connector.engine.block_events import BlocksRemoved, BlocksStored
+
+    chunk = 2 * BLOCK_BYTES * LAYERS
+    s = _events_scheduler(
+        max_local_cpu_size=cpu_gb(2 * chunk), local_disk=str(tmp_path), max_local_disk_size=1
+    )
+    a = _hashed("a", PROMPT)
+    admit_fully(s, a, blocks(0, 5))
+    s.finish(a)
+    admit_fully(s, _hashed("b", list(range(5000, 5600))), blocks(10, 5))  # a's chunks leave the CPU tier
+    s.block_events.take()
+    c = _hashed("c", PROMPT)  # a's prompt again: its chunks load from disk and are kept in the CPU tier
+    need = s.lookup(c, 0)
+    assert need == 512 and s.loads_async("c")  # disk hits load outside the step (the default)
+    s.after_alloc(c, need, blocks(20, 5))
+    plan = s.build_plan(step())
+    assert [ch.promote_to for ch in plan.async_loads[0].chunks] == [("cpu",), ("cpu",)]
+    events = s.block_events.take()
+    stored = [(e.medium, e.block_hashes, e.parent_block_hash) for e in events if isinstance(e, BlocksStored)]
+    assert (
+        stored
+        == [  # by the hashes vLLM gave the chunk's blocks (the same tokens: a's, in vLLM)
+            ("cpu", tuple(a.block_hashes[0:2]), None),
+            ("cpu", tuple(a.block_hashes[2:4]), a.block_hashes[1]),
+        ]
+    )
+    assert all(e.medium == "cpu" for e in events if isinstance(e, BlocksRemoved))  # b's chunks made room
+
+
+def test_a_chunk_only_the_remote_held_is_described_by_the_request_that_promotes_it(tmp_path):
+    from connector.engine.block_events import BlockEvents
+
+    events = BlockEvents(128, enabled=True)
+    c = _hashed("c", PROMPT)
+    events.promoted("x" * 32, 256, 256, c, "cpu")
+    events.promoted("y" * 32, 0, 256, None, "cpu")  # no request (finished meanwhile): nothing
+    (stored,) = events.take()
+    assert (stored.medium, stored.block_hashes, stored.parent_block_hash) == (
+        "cpu",
+        tuple(c.block_hashes[2:4]),
+        c.block_hashes[1],
+    )
+    assert stored.token_ids == tuple(PROMPT[256:512]) and len(events) == 1

@@ -1,0 +1,125 @@
+"""First-chunk marks: which namespaces stored a prompt, told through a shared store so that
+another instance can explain its miss (``other_namespace``) for a prompt it never saw stored.
+
+``namespaces.py`` remembers, in one engine's memory, the namespaces its own requests stored a
+first chunk under. Engines that share a disk directory or a Redis prefix also leave marks
+there: a mark pairs the first 8 bytes of a prompt's namespace-free first-chunk fingerprint
+(``keys.first_chunk_fingerprint``) with the key fingerprint of the namespace that stored it.
+The namespace's parts are read from its namespace record (``namespace_records.py``), which
+holds no cache salt and no tag value, so an explanation names what differs and never a value.
+
+Marks live in ``BUCKETS`` blobs chosen by the mark's first byte, each holding at most
+``PER_BUCKET`` entries (most recent last): at most 256 x 256 x 14 bytes (under 1 MiB) per
+store, however many prompts are stored. Writers merge their new entries into a bucket (read,
+merge, write: two engines writing the same bucket at once may lose an entry, which costs an
+explanation, never a hit). Readers keep the whole set in memory (``MarkView``), refreshed off
+the step loop, so a lookup never waits on the store. Pure logic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import fields
+
+from .keys import Namespace, key_fingerprint
+from .namespace_records import FINGERPRINT, NamespaceRecord
+
+MAGIC = b"KVLM1"
+MARK_BYTES = 8
+FP_BYTES = 6  # a key fingerprint: 12 hex digits
+ENTRY_BYTES = MARK_BYTES + FP_BYTES
+BUCKETS = 256
+PER_BUCKET = 256
+MAX_BUCKET_BYTES = len(MAGIC) + PER_BUCKET * ENTRY_BYTES
+
+Entry = tuple[bytes, str]  # (mark, namespace key fingerprint)
+
+
+def mark_of(fingerprint: bytes) -> bytes:
+    return fingerprint[:MARK_BYTES]
+
+
+def bucket_of(mark: bytes) -> int:
+    return mark[0]
+
+
+def encode(entries: Iterable[Entry]) -> bytes:
+    return MAGIC + b"".join(mark + bytes.fromhex(fp) for mark, fp in entries)
+
+
+def decode(raw: bytes | bytearray | None) -> list[Entry]:
+    """A bucket's entries; a missing, damaged or foreign blob reads as empty (never raises)."""
+    if not raw or len(raw) > MAX_BUCKET_BYTES or not bytes(raw[: len(MAGIC)]) == MAGIC:
+        return []
+    body = bytes(raw[len(MAGIC) :])
+    if len(body) % ENTRY_BYTES:
+        return []
+    return [
+        (body[i : i + MARK_BYTES], body[i + MARK_BYTES : i + ENTRY_BYTES].hex())
+        for i in range(0, len(body), ENTRY_BYTES)
+    ]
+
+
+def merge(existing: Iterable[Entry], new: Iterable[Entry], limit: int = PER_BUCKET) -> list[Entry]:
+    """``existing`` then ``new`` (an entry seen again moves to the end), the oldest dropped."""
+    out: dict[Entry, None] = {}
+    for entry in (*existing, *new):
+        out.pop(entry, None)
+        out[entry] = None
+    return list(out)[-limit:]
+
+
+def record_differences(mine: Namespace, other: NamespaceRecord) -> list[str]:
+    """The names of the namespace parts that differ, as far as ``other``'s record tells: a salt
+    or tag values it does not hold differ when every part it does hold is the same."""
+    plain = [f.name for f in fields(Namespace) if f.name not in ("cache_salt", "tags")]
+    out = [name for name in plain if getattr(mine, name) != getattr(other, name)]
+    salted = mine.cache_salt is not None
+    tag_names = sorted(name for name, _ in mine.tags)
+    if salted != other.salted:
+        out.append("cache_salt")
+    if tag_names != sorted(other.tag_names):
+        out.append("tags")
+    if not out:  # the same described parts under another fingerprint: a salt's or tags' values
+        out += ["cache_salt"] if salted else []
+        out += ["tags"] if tag_names else []
+    return out
+
+
+class MarkView:
+    """The marks of the shared stores, as last read: mark -> namespace fingerprints (most recent
+    last), with the records that describe them. Bounded by what the stores can hold."""
+
+    def __init__(self) -> None:
+        self._by_mark: dict[bytes, tuple[str, ...]] = {}
+        self._records: dict[str, NamespaceRecord] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_mark)
+
+    def replace(self, entries: Iterable[Entry], records: Mapping[str, NamespaceRecord]) -> None:
+        by_mark: dict[bytes, list[str]] = {}
+        for mark, fp in entries:
+            if fp in records:
+                spaces = by_mark.setdefault(mark, [])
+                if fp in spaces:
+                    spaces.remove(fp)
+                spaces.append(fp)
+        self._by_mark = {m: tuple(fps) for m, fps in by_mark.items()}
+        self._records = dict(records)
+
+    def others_than(self, fingerprint: str) -> bool:
+        """Whether any namespace but this one left marks (else a lookup need not ask)."""
+        return len(self._records) > (fingerprint in self._records)
+
+    def other(self, first_chunk: bytes, namespace: Namespace) -> NamespaceRecord | None:
+        """The record of the most recent other namespace that stored this first chunk."""
+        mine = key_fingerprint(namespace)
+        for fp in reversed(self._by_mark.get(mark_of(first_chunk), ())):
+            if fp != mine:
+                return self._records[fp]
+        return None
+
+
+def valid_fingerprint(fp: str) -> bool:
+    return bool(FINGERPRINT.match(fp))
