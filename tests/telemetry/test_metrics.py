@@ -22,7 +22,7 @@ from telemetry.metrics import (
 )
 
 # storage: one value per shared disk directory
-ALLOWED_LABELS = {"tier", "operation", "reason", "kind", "budget_factor", "stage", "storage"}
+ALLOWED_LABELS = {"tier", "operation", "reason", "kind", "budget_factor", "stage", "storage", "retention"}
 # The info metric's labels are fixed for the life of the engine: one series per instance.
 INFO_LABELS = {
     "version",
