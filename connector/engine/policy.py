@@ -40,7 +40,7 @@ def _bool_param(params: Mapping[str, Any], name: str) -> bool:
     raise ValueError(f"{name} must be a boolean, got {type(value).__name__}")
 
 
-_KNOWN_PARAMS = frozenset({"lmcache.skip_save"})
+_KNOWN_PARAMS = frozenset({"lmcache.skip_save"}) | RETENTION_PARAMS
 _TAG_PREFIX = "lmcache.tag."
 _warned_params: set[str] = set()  # names already logged (bounded below)
 
@@ -53,10 +53,9 @@ def unknown_params(params: Mapping[Any, Any]) -> int:
         k
         for k in params
         if isinstance(k, str)
-        and (
-            (k.startswith("lmcache.") and k not in _KNOWN_PARAMS and not k.startswith(_TAG_PREFIX))
-            or (k.startswith("kvlens.") and k not in RETENTION_PARAMS)
-        )
+        and k.startswith(("lmcache.", "kvlens."))
+        and k not in _KNOWN_PARAMS
+        and not k.startswith(_TAG_PREFIX)
     ]
     for name in unknown:
         if name not in _warned_params and len(_warned_params) < 256:
