@@ -48,7 +48,11 @@ class TierIndex:
         self._pinned_keys = 0
         self._pinned_bytes = 0
         self.evictions = 0
-        self.retention = RetentionBook(capacity_bytes, max_retained_share, clock)
+        # Retained keys leave the policy's order (so that a walk for victims never passes over
+        # them) and return to it as the first to evict when their retention ends.
+        self.retention = RetentionBook(
+            capacity_bytes, max_retained_share, clock, lambda key: self._order.add(key, False)
+        )
         self.tenant_quota = tenant_quota
         self._tenant_bytes: dict[str, int] = {}
         self.retained_evictions = 0  # evictions that had to take a retained key
@@ -75,7 +79,7 @@ class TierIndex:
 
     def keys(self) -> list[str]:
         """Every key, first to be evicted first (pinned ones included)."""
-        return list(self._order.candidates())
+        return [*self._order.candidates(), *self.retention.last_resort()]
 
     def touch(self, key: str) -> None:
         """A use of ``key`` (a hit loaded, a store of a chunk already held): LRU and MRU move
@@ -124,8 +128,11 @@ class TierIndex:
     def retain(self, key: str, retention: Retention | None) -> None:
         """A request that stores or hits ``key`` asks it to be kept (None: asks nothing)."""
         entry = self._entries.get(key)
-        if retention is not None and entry is not None:
-            self.retention.retain(key, entry.nbytes, retention)
+        if retention is None or entry is None:
+            return
+        if key not in self.retention:
+            self._order.discard(key)
+        self.retention.retain(key, entry.nbytes, retention)
 
     def bytes_by_class(self) -> tuple[int, ...]:
         """Bytes held per retention priority, 0 (normal) first."""
@@ -148,7 +155,7 @@ class TierIndex:
                 if freed >= need:
                     return freed
                 e = self._entries[k]
-                if e.pins or k in chosen or (k in retained) != last_resort:
+                if e.pins or k in chosen:
                     continue
                 if tenant is not None and e.tenant != tenant:
                     continue
@@ -237,7 +244,7 @@ class TierIndex:
 
     def clear(self) -> list[str]:
         """Drop every unpinned key (a cache reset); returns what was dropped."""
-        dropped = [k for k in self._order.candidates() if self._entries[k].pins == 0]
+        dropped = [k for k in self.keys() if self._entries[k].pins == 0]
         for k in dropped:
             self._drop(k)
         return dropped

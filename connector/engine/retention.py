@@ -4,10 +4,11 @@ A request sends ``kvlens.retention_priority`` (1-3; 0 is normal) and/or ``kvlens
 (seconds from the store or hit; a time alone means priority 1, a priority alone has no end)
 in its ``kv_transfer_params``. A chunk keeps the highest priority and the latest end any
 request gave it. A tier evicts its unretained chunks first, in its ``cache_policy`` order,
-then retained ones, lowest priority and earliest end first. Past its end a chunk is normal.
-No chunk may stay retained beyond ``max_retained_share`` of a tier's budget: the lowest are
-demoted to normal (they stay stored). LMCache has no such parameter, hence the ``kvlens.``
-prefix. Only the tiers KVLens evicts (CPU, disk) retain; Redis evicts by itself.
+then retained ones, lowest priority and earliest end first. Retained bytes may not exceed
+``max_retained_share`` of a tier's budget: the lowest are demoted. A chunk past its end or
+demoted stays stored, as a normal chunk and the first one to evict. LMCache has no such
+parameter, hence the ``kvlens.`` prefix. Only the tiers KVLens evicts (CPU, disk) retain;
+Redis evicts by itself.
 """
 
 from __future__ import annotations
@@ -81,9 +82,16 @@ class RetentionBook:
     """The retained chunks of one tier: priority, end and size, the bytes per class, and the
     cap. The index asks it which keys to spare and in which order to take them last."""
 
-    def __init__(self, capacity_bytes: int, max_share: float, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        max_share: float,
+        clock: Callable[[], float],
+        on_normal: Callable[[str], None] = lambda key: None,
+    ) -> None:
         self._cap_bytes = max_share * capacity_bytes
         self._clock = clock
+        self._on_normal = on_normal  # told each key that expired or was demoted (still stored)
         self._held: dict[str, _Held] = {}
         self._ends: list[tuple[float, str]] = []  # heap of (end, key); stale entries skipped
         self.retained_bytes = [0] * (MAX_PRIORITY + 1)  # index 0 unused (normal = used - retained)
@@ -116,6 +124,9 @@ class RetentionBook:
             self.retained_bytes[held.priority] += held.nbytes
         if held.until != math.inf:
             heapq.heappush(self._ends, (held.until, key))
+            if len(self._ends) > 2 * len(self._held) + 64:  # hits renew ends: drop stale entries
+                self._ends = [(h.until, k) for k, h in self._held.items() if h.until != math.inf]
+                heapq.heapify(self._ends)
         self._apply_cap()
 
     def forget(self, key: str) -> None:
@@ -138,6 +149,7 @@ class RetentionBook:
             held = self._held.get(key)
             if held is not None and held.until == until:
                 self.forget(key)
+                self._on_normal(key)
 
     def last_resort(self) -> Iterator[str]:
         """Retained keys in the order they are taken when nothing else is left: lowest
@@ -151,5 +163,6 @@ class RetentionBook:
         for key in list(self.last_resort()):
             self.forget(key)
             self.demotions += 1
+            self._on_normal(key)
             if self.total_bytes() <= self._cap_bytes:
                 return

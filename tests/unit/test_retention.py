@@ -13,6 +13,8 @@ from connector.engine.keys import Namespace
 from connector.engine.policy import decide_policy
 from connector.engine.retention import Retention, parse_retention, tenant_of
 
+from .test_properties import json_values
+
 
 class Clock:
     def __init__(self) -> None:
@@ -112,8 +114,8 @@ def test_retention_expires_and_the_chunk_becomes_normal():
     assert tier.bytes_by_class() == (2, 0, 1, 0)
     clock.now += 31
     assert tier.bytes_by_class() == (3, 0, 0, 0)
-    assert tier.admit("x", 1) == ["old"]
-    assert tier.admit("y", 1) == ["kept"]  # normal again, in LRU order
+    assert tier.admit("x", 1) == ["kept"]  # normal again, and the first to go
+    assert tier.admit("y", 1) == ["old"]
     assert tier.retained_evictions == 0
 
 
@@ -161,7 +163,8 @@ def test_retained_bytes_beyond_the_cap_are_demoted_lowest_first():
     assert "p1" not in tier.retention and len(tier.retention) == 3
     assert tier.retention.demotions == 1
     assert tier.bytes_by_class() == (1, 0, 2, 1)
-    assert len(tier) == 4  # demoted, not evicted
+    assert len(tier) == 4  # demoted, not evicted: the first to go
+    assert tier.admit("x", 7) == ["p1"]
 
 
 def test_a_zero_share_retains_nothing():
@@ -265,3 +268,14 @@ def test_admissions_report_exactly_what_left_the_index(ops, policy, quota, share
         assert tier.retention.total_bytes() <= share * 8
         if quota is not None:
             assert all(tier.tenant_bytes(t) <= quota for t in ("a", "b"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values, json_values)
+def test_any_retention_value_is_read_or_refused_cleanly(priority, seconds):
+    base = Namespace("m", "bf16", "L")
+    params = {"kvlens.retention_priority": priority, "kvlens.retain_for_s": seconds}
+    policy = decide_policy(base, "r", params, None, None, 0, False, "kv_both", None, False)
+    assert policy.namespace is not None  # always served and cached
+    r = policy.retention
+    assert r is None or (1 <= r.priority <= 3 and (r.seconds is None or 0 < r.seconds <= 30 * 86400))
