@@ -113,10 +113,11 @@ class TierIndex:
                 if freed < over:
                     self.quota_refusals += 1
                     return None
-                self.quota_evictions += len(victims)
+        own = len(victims)
         need = self._used - freed + nbytes - self.capacity_bytes
         if need > 0 and self._choose(victims, need) < need:
             return None
+        self.quota_evictions += own
         self._evict(victims)
         self._entries[key] = Entry(nbytes, tenant=tenant)
         self._order.add(key)

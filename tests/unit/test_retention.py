@@ -206,6 +206,16 @@ def test_quota_and_budget_evict_together_without_double_counting():
     assert tier.used_bytes == 3 and "b1" in tier
 
 
+def test_a_quota_eviction_that_does_not_happen_is_not_counted():
+    tier, _ = index(4, quota=3)
+    tier.admit("a1", 1, tenant="a")
+    tier.admit("b1", 3, tenant="b")
+    tier.pin("b1")
+    # a's own a1 makes room within its quota, but the tier needs b1's bytes too: nothing happens
+    assert tier.admit("a2", 3, tenant="a") is None
+    assert tier.quota_evictions == 0 and tier.quota_refusals == 0 and "a1" in tier
+
+
 def test_a_tenants_quota_keeps_its_own_retained_chunks_last():
     tier, _ = index(10, quota=2)
     tier.admit("a-kept", 1, KEEP, tenant="a")
