@@ -14,6 +14,7 @@ Redis evicts by itself.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -94,6 +95,10 @@ class RetentionBook:
         self._on_normal = on_normal  # told each key that expired or was demoted (still stored)
         self._held: dict[str, _Held] = {}
         self._ends: list[tuple[float, str]] = []  # heap of (end, key); stale entries skipped
+        # Heap of (priority, end, order, key), lowest first: a key's rank only rises, so an entry
+        # that no longer matches its key's rank is stale and skipped.
+        self._ranks: list[tuple[int, float, int, str]] = []
+        self._order = itertools.count()
         self.retained_bytes = [0] * (MAX_PRIORITY + 1)  # index 0 unused (normal = used - retained)
         self.demotions = 0  # chunks made normal by the cap
 
@@ -118,15 +123,17 @@ class RetentionBook:
             held = self._held[key] = _Held(retention.priority, until, nbytes)
             self.retained_bytes[held.priority] += nbytes
         else:
+            if retention.priority <= held.priority and until <= held.until:
+                return
             self.retained_bytes[held.priority] -= held.nbytes
             held.priority = max(held.priority, retention.priority)
             held.until = max(held.until, until)
             self.retained_bytes[held.priority] += held.nbytes
+        heapq.heappush(self._ranks, (held.priority, held.until, next(self._order), key))
         if held.until != math.inf:
             heapq.heappush(self._ends, (held.until, key))
-            if len(self._ends) > 2 * len(self._held) + 64:  # hits renew ends: drop stale entries
-                self._ends = [(h.until, k) for k, h in self._held.items() if h.until != math.inf]
-                heapq.heapify(self._ends)
+        if len(self._ranks) > 2 * len(self._held) + 64:  # renewed ranks and ends: drop stale entries
+            self._compact()
         self._apply_cap()
 
     def forget(self, key: str) -> None:
@@ -153,16 +160,28 @@ class RetentionBook:
 
     def last_resort(self) -> Iterator[str]:
         """Retained keys in the order they are taken when nothing else is left: lowest
-        priority, then earliest end, then first retained."""
-        ranked = sorted(self._held.items(), key=lambda item: (item[1].priority, item[1].until))
-        return iter([key for key, _ in ranked])
+        priority, then earliest end, then first ranked. Do not retain or forget while iterating."""
+        heap, seen = list(self._ranks), set()
+        while heap:
+            rank = heapq.heappop(heap)
+            if self._current(rank) and rank[3] not in seen:  # a key stored again ranks twice
+                seen.add(rank[3])
+                yield rank[3]
+
+    def _current(self, rank: tuple[int, float, int, str]) -> bool:
+        held = self._held.get(rank[3])
+        return held is not None and held.priority == rank[0] and held.until == rank[1]
 
     def _apply_cap(self) -> None:
-        if self.total_bytes() <= self._cap_bytes:
-            return
-        for key in list(self.last_resort()):
-            self.forget(key)
-            self.demotions += 1
-            self._on_normal(key)
-            if self.total_bytes() <= self._cap_bytes:
-                return
+        while self.total_bytes() > self._cap_bytes and self._ranks:
+            rank = heapq.heappop(self._ranks)
+            if self._current(rank):
+                self.forget(rank[3])
+                self.demotions += 1
+                self._on_normal(rank[3])
+
+    def _compact(self) -> None:
+        self._ranks = [r for r in self._ranks if self._current(r)]
+        heapq.heapify(self._ranks)
+        self._ends = [(h.until, k) for k, h in self._held.items() if h.until != math.inf]
+        heapq.heapify(self._ends)

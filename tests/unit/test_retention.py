@@ -131,6 +131,14 @@ def test_a_chunk_keeps_the_highest_priority_and_latest_end_any_request_gave_it()
     assert tier.bytes_by_class() == (1, 0, 0, 0)
 
 
+def test_a_chunk_evicted_and_stored_again_is_listed_once():
+    tier, _ = index(1)
+    tier.admit("k", 1, KEEP)
+    assert tier.admit("x", 1) == ["k"]
+    tier.admit("k", 1, KEEP)
+    assert tier.keys() == ["k"] and tier.bytes_by_class() == (0, 1, 0, 0)
+
+
 def test_a_hit_retains_a_stored_chunk():
     tier, _ = index(2)
     tier.admit("a", 1)
