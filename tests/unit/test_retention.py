@@ -297,3 +297,22 @@ def test_any_retention_value_is_read_or_refused_cleanly(priority, seconds):
     assert policy.namespace is not None  # always served and cached
     r = policy.retention
     assert r is None or (1 <= r.priority <= 3 and (r.seconds is None or 0 < r.seconds <= 30 * 86400))
+
+
+def test_chunks_other_engines_wrote_overflow_before_retained_ones():
+    tier, _ = index(3)
+    tier.admit("kept", 1, KEEP)
+    tier.admit("mine", 1)
+    tier.add_known("theirs", 1)
+    tier.add_known("theirs-too", 1)  # a shared disk directory grew beyond this engine's budget
+    assert tier.overflow_victims() == ["theirs-too"]
+    tier.add_known("more", 2)
+    assert tier.overflow_victims() == ["more"]
+    tier.pin("theirs")
+    tier.pin("mine")
+    tier.add_known("last", 1)  # only pinned and retained chunks left besides it
+    assert tier.overflow_victims() == ["last"]
+    tier.unpin("mine")
+    tier.update_size("theirs", 2)
+    assert tier.overflow_victims() == ["mine"]
+    assert "kept" in tier and tier.retained_evictions == 0
