@@ -6,7 +6,7 @@ this module only says what a valid configuration is.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -72,6 +72,12 @@ class ExtraConfig(BaseModel):
     # Tenants (cache salt and tags) shown under their own label in the per-tenant metrics: the
     # first this many seen; later ones are counted under "other" (bounded label cardinality).
     tenant_labels_max: int = Field(10, ge=0, le=100)
+    # Retention (kv_transfer_params kvlens.retention_priority / kvlens.retain_for_s): the share of
+    # each CPU or disk tier's budget retained chunks may hold; beyond it the lowest become normal.
+    max_retained_share: float = Field(0.5, ge=0, le=1)
+    # Optional byte budget per tenant (cache salt and key tags) and tier, e.g. {cpu: 1073741824}:
+    # a tenant at its quota evicts its own chunks to store more, never another's. Off by default.
+    tenant_quota_bytes: tuple[tuple[Literal["cpu", "disk"], Annotated[int, Field(gt=0)]], ...] = ()
     # LMCache's Valkey settings, for valkey:// and valkeys:// URLs.
     valkey_username: str | None = None
     valkey_password: SecretStr | None = None
@@ -89,6 +95,19 @@ class ExtraConfig(BaseModel):
         if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
             raise ValueError("must be a list of kv_transfer_params names, e.g. [user]")
         return value
+
+    @field_validator("tenant_quota_bytes", mode="before")
+    @classmethod
+    def _quota_per_tier(cls, value: Any) -> Any:
+        if isinstance(value, tuple | list) and all(isinstance(p, tuple | list) for p in value):
+            return value  # already pairs (a dumped config read back)
+        if not isinstance(value, dict):
+            raise ValueError("must map a tier to bytes, e.g. {cpu: 1073741824}")
+        return tuple(value.items())
+
+    def tenant_quota(self, tier: str) -> int | None:
+        """A tenant's byte budget in ``tier`` (None: no quota)."""
+        return dict(self.tenant_quota_bytes).get(tier)  # type: ignore[arg-type]
 
     @field_validator("valkey_mode", mode="before")
     @classmethod

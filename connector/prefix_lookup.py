@@ -306,6 +306,8 @@ class PrefixLookup:
         rid = request.request_id
         s.unfinished[rid] = request
         result = s.lookups.get(rid)
+        if result is not None:
+            self._retain_hits(rid, result)
         if result is not None and result.async_planned:
             return None
         if result is None:
@@ -326,6 +328,15 @@ class PrefixLookup:
         if not result.can_load:
             s.pins.release(rid)
         return result
+
+    def _retain_hits(self, rid: str, result: LookupResult) -> None:
+        """A scheduled request's retention reaches the chunks it hit, in every tier holding them."""
+        policy = self._s.policies.get(rid)
+        if policy is None or policy.retention is None:
+            return
+        for hit in result.hits:
+            for tier in self._s.tiers.values():
+                tier.retain(hit.key.hex, policy.retention)
 
     def outcome(self, request: Any, result: LookupResult, scheduled: bool) -> LookupOutcome:
         policy = self._s.policies.get(request.request_id)

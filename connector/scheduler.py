@@ -24,7 +24,7 @@ from .engine.facts import EngineFacts
 from .engine.jobs import DISK, REMOTE, StepPlan
 from .engine.outcomes import LookupOutcome, RequestSummary, TierState, WorkerReport
 from .engine.policy import trace_headers
-from .engine.snapshots import InsightSnapshot, SchedulerSizes, TierGauge
+from .engine.snapshots import InsightSnapshot, SchedulerSizes, TierGauge, TierRetention
 from .engine.tenants import DEFAULT, TenantUsage, tenant_id
 from .engine.tracker import StorePolicy
 from .insight_feed import InsightFeed
@@ -222,6 +222,17 @@ class ConnectorScheduler:
             suspect_blocks=len(self.suspects),
             pending_writes=self.feedback.pending_writes,
             tiers=tuple(self._tier_gauge(name) for name in self.tier_states),
+            retention=tuple(
+                TierRetention(
+                    name,
+                    index.bytes_by_class(),
+                    index.retained_evictions,
+                    index.retention.demotions,
+                    index.quota_evictions,
+                    index.quota_refusals,
+                )
+                for name, index in self.tiers.items()
+            ),
         )
 
     def _tier_gauge(self, name: str) -> TierGauge:

@@ -57,7 +57,7 @@ class SchedulerState:
         if config.local_cpu:
             on_drop = self.tails.discard if self.tails is not None else None
             budget = config.cpu_budget_bytes  # dropped buffers kept for reuse fit in what chunks leave
-            self.tiers[CPU] = TierIndex(CPU, budget, on_drop, policy=config.cache_policy)
+            self.tiers[CPU] = TierIndex(CPU, budget, on_drop, config.cache_policy, *self._retention(CPU))
         self.disk_view: SharedDiskView | None = None
         # Disk chunks evicted (or reset) whose file this engine's delete removed: engines sharing
         # the directory may all decide to evict a chunk, only the one whose delete removed it counts.
@@ -68,7 +68,9 @@ class SchedulerState:
             {DISK: disk_identity(config.local_disk)} if config.local_disk else {}
         )
         if config.local_disk:
-            self.tiers[DISK] = TierIndex(DISK, config.disk_budget_bytes, policy=config.cache_policy)
+            self.tiers[DISK] = TierIndex(
+                DISK, config.disk_budget_bytes, None, config.cache_policy, *self._retention(DISK)
+            )
             extra = config.extra_config
             disk = DiskTier(config.local_disk, facts.kv_layout, extra.disk_shared_grace_s)
             watcher = DiskWatcher(disk, facts.world_size, extra.disk_scan_interval_s)
@@ -116,6 +118,11 @@ class SchedulerState:
         self.tenants = TenantBook(config.extra_config.tenant_labels_max, tuple(self.tiers))
         for name, index in self.tiers.items():
             index.also_on_drop(lambda chunk, tier=name: self.tenants.dropped(tier, chunk))
+
+    def _retention(self, tier: str) -> tuple[float, int | None, Callable[[], float]]:
+        """A tier index's retention cap, tenant quota and clock."""
+        extra = self.config.extra_config
+        return extra.max_retained_share, extra.tenant_quota(tier), self.clock
 
     def _check_budgets(self) -> None:
         if not self.facts.stores:

@@ -23,7 +23,7 @@ from typing import Any
 from .engine.index import TierIndex
 from .engine.jobs import CPU, DISK, REMOTE, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
 from .engine.keys import ChunkKey, key_fingerprint
-from .engine.policy import trace_headers
+from .engine.policy import RequestPolicy, trace_headers
 from .engine.suspects import rewritten_blocks
 from .engine.tracker import LookupResult, RequestTracker, StorePolicy, cdiv, plan_chunk_loads
 from .scheduler_state import SchedulerState
@@ -167,27 +167,31 @@ class StepPlanner:
             self._fail_blocks(plan, block_ids[result.vllm_cached_tokens // bs :], loaded)
             return None
         keys = {h.key.hex: h.key for h in result.hits}
+        policy = self._s.policies.get(request_id)
         for i, chunk in enumerate(chunks):
             index = self._s.tiers.get(chunk.tier)
             if index is not None:
                 index.touch(chunk.name)
             loaded.update(chunk.block_ids)
             if chunk.tier != CPU:
-                chunks[i] = self._promote(plan, chunk, keys[chunk.name], request_id)
+                chunks[i] = self._promote(plan, chunk, keys[chunk.name], request_id, policy)
                 if chunks[i].promote_to:
                     self._s.tenants_hold(
                         chunks[i].promote_to, chunk.name, request_id, keys[chunk.name].num_tokens
                     )
         return LoadJob(request_id, tuple(chunks), trace)
 
-    def _promote(self, plan: StepPlan, chunk: ChunkLoad, key: ChunkKey, request_id: str) -> ChunkLoad:
+    def _promote(
+        self, plan: StepPlan, chunk: ChunkLoad, key: ChunkKey, request_id: str, policy: RequestPolicy | None
+    ) -> ChunkLoad:
         """A chunk loaded from disk or the remote is kept in the CPU tier, if it has room (and
         routers hear of it as a store in ``cpu``)."""
         s = self._s
         cpu = s.tiers.get(CPU)
         if cpu is None or not s.usable(CPU) or chunk.name in cpu:
             return chunk
-        victims = cpu.admit(chunk.name, s.facts.chunk_nbytes(key.num_tokens))
+        retention, tenant = (policy.retention, policy.tenant) if policy is not None else (None, None)
+        victims = cpu.admit(chunk.name, s.facts.chunk_nbytes(key.num_tokens), retention, tenant)
         if victims is None:
             return chunk
         self._evict(plan, cpu, victims)
@@ -232,7 +236,7 @@ class StepPlanner:
                         )
                     self._stop(tracker, key)
                     return
-                tiers = self._admit(plan, key, held)
+                tiers = self._admit(plan, key, held, self._s.policies.get(tracker.request_id))
                 self._s.tenants_hold(tiers, key.hex, tracker.request_id, key.num_tokens)
                 if CPU in tiers and key.num_tokens < self.policy.chunk_size and self._s.tails is not None:
                     self._s.tails.add(tracker.hasher.parent_at(key.start), key.num_tokens, key.hex)
@@ -264,18 +268,26 @@ class StepPlanner:
         if key.start >= tracker.prompt_len - tracker.prompt_len % size:
             tracker.tails_done = False
 
-    def _admit(self, plan: StepPlan, key: ChunkKey, held: list[tuple[TierIndex, str]]) -> list[str]:
+    def _admit(
+        self,
+        plan: StepPlan,
+        key: ChunkKey,
+        held: list[tuple[TierIndex, str]],
+        policy: RequestPolicy | None,
+    ) -> list[str]:
         """Admit the chunk to every usable tier that can take it; the tiers to write."""
         s = self._s
         nbytes = s.facts.chunk_nbytes(key.num_tokens)
+        retention, tenant = (policy.retention, policy.tenant) if policy is not None else (None, None)
         written: list[str] = []
         for tier in s.tiers.values():
             if not s.usable(tier.name):
                 continue
             if key.hex in tier:
                 tier.touch(key.hex)
+                tier.retain(key.hex, retention)
                 continue
-            victims = tier.admit(key.hex, nbytes)
+            victims = tier.admit(key.hex, nbytes, retention, tenant)
             if victims is None:
                 continue  # everything left in this tier is pinned or held
             self._evict(plan, tier, victims)

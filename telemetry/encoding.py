@@ -49,9 +49,29 @@ def scheduler_gauges(sizes: SchedulerSizes, insight: InsightSnapshot | None) -> 
             if value is not None:
                 labels = (tier, label_value(t.storage)) if shared else (tier,)
                 out[wire_key(key, *labels)] = value
+    for r in sizes.retention:
+        for retention, nbytes in enumerate(r.bytes_by_class):
+            out[wire_key("retention_bytes", label_value(r.tier), str(retention))] = nbytes
     if insight is not None:
         out.update(insight_gauges(insight))
     return out
+
+
+RETENTION_COUNTERS = (  # (TierRetention field, counter key): cumulative there, increments here
+    ("retained_evictions", "retained_evictions"),
+    ("demotions", "retention_demotions"),
+    ("quota_evictions", "quota_evictions"),
+    ("quota_refusals", "quota_refusals"),
+)
+
+
+def retention_counts(sizes: SchedulerSizes) -> dict[str, int]:
+    """The retention counters' cumulative values, by wire key."""
+    return {
+        wire_key(key, label_value(r.tier)): getattr(r, field)
+        for r in sizes.retention
+        for field, key in RETENTION_COUNTERS
+    }
 
 
 def insight_gauges(insight: InsightSnapshot) -> dict[str, float]:

@@ -320,6 +320,42 @@ _DEFINITIONS = (
         "This engine's measured prefill cost per token (cold prefill steps, decayed average).",
         domains=None,  # unknown (no series) until measured
     ),
+    # retention (kvlens.retention_priority / kvlens.retain_for_s) and tenant quotas, CPU and disk
+    Metric(
+        "retention_bytes",
+        GAUGE,
+        "Bytes each tier holds by retention class (0 normal, 1-3 the retention priority; one rank's share).",
+        ("tier", "retention"),
+        domains=("indexed_tiers", "retention_classes"),
+    ),
+    Metric(
+        "retained_evictions",
+        COUNTER,
+        "Retained chunks evicted because nothing unretained and unpinned was left, by tier.",
+        ("tier",),
+        domains=("indexed_tiers",),
+    ),
+    Metric(
+        "retention_demotions",
+        COUNTER,
+        "Retained chunks made normal because retained chunks exceeded max_retained_share, by tier.",
+        ("tier",),
+        domains=("indexed_tiers",),
+    ),
+    Metric(
+        "quota_evictions",
+        COUNTER,
+        "Chunks a tenant at its tenant_quota_bytes evicted of its own to store new ones, by tier.",
+        ("tier",),
+        domains=("indexed_tiers",),
+    ),
+    Metric(
+        "quota_refusals",
+        COUNTER,
+        "Chunks not stored because their tenant was at its quota and its own chunks could not make room.",
+        ("tier",),
+        domains=("indexed_tiers",),
+    ),
 )
 # per tenant (cache salt or tags, as a short id; connector/engine/tenants.py): the first
 # tenant_labels_max tenants seen have their own label, later ones count under "other"

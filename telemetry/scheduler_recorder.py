@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import remote_calls
 from . import tracing as tr
-from .encoding import scheduler_gauges, tenant_counters, tenant_gauges
+from .encoding import retention_counts, scheduler_gauges, tenant_counters, tenant_gauges
 from .events import EventLog, load_failed_event
 from .metrics import LocalExporter, StatsBuffer, wire_key
 from .request_log import RequestLog, request_record
@@ -84,6 +84,7 @@ class SchedulerRecorder:
         self._buffer = StatsBuffer()
         self._timings: dict[str, _Timing] = {}
         self._last_gauges: dict[str, float] = {}
+        self._counted_totals: dict[str, int] = {}  # retention counters' totals already counted
         self._gauges_at = float("-inf")
         self._events: EventLog | None = None
         self._requests = RequestLog.from_settings(settings)  # None: the request log is off
@@ -282,6 +283,7 @@ class SchedulerRecorder:
             self._set_gauges({**scheduler_gauges(sizes, snapshot), "telemetry_open_requests": open_requests})
         for tier, n in evictions.items():
             self._buffer.inc(wire_key("evictions", tier), n)
+        self._count_growth(retention_counts(sizes))
         for tier, seconds in (saved_seconds or {}).items():
             self._buffer.inc(wire_key("prefill_seconds_saved", tier), seconds)
         if tenants is not None:
@@ -292,6 +294,14 @@ class SchedulerRecorder:
         if data is not None and self._exporter is not None:
             self._exporter.observe(data)
         return data if self._ship else None
+
+    def _count_growth(self, totals: Mapping[str, int]) -> None:
+        """Counters the connector reports as totals since start-up: add what each grew by."""
+        seen = self._counted_totals
+        for key, total in totals.items():
+            if total > seen.get(key, 0):
+                self._buffer.inc(key, total - seen.get(key, 0))
+                seen[key] = total
 
     def _set_gauges(self, gauges: Mapping[str, float]) -> None:
         last = self._last_gauges

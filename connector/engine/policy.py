@@ -11,6 +11,8 @@ from typing import Any
 
 from .keys import Namespace, parse_tags
 from .outcomes import MissReason, SaveSkipReason
+from .retention import PARAMS as RETENTION_PARAMS
+from .retention import Retention, parse_retention, tenant_of
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -22,7 +24,9 @@ class RequestPolicy:
     namespace: Namespace | None  # None: KVLens neither loads nor stores for this request
     skip_reason: MissReason | None  # why nothing is loaded or stored, when namespace is None
     save_skip_reason: SaveSkipReason | None  # why nothing is stored (loads may still happen)
-    ignored_params: int = 0  # lmcache.* request parameters KVLens does not know (ignored, counted)
+    ignored_params: int = 0  # lmcache.* / kvlens.* request parameters ignored (unknown or invalid)
+    retention: Retention | None = None  # what the request asks for the chunks it stores or hits
+    tenant: str = ""  # whose quota its chunks count against (retention.tenant_of)
 
 
 def _bool_param(params: Mapping[str, Any], name: str) -> bool:
@@ -36,19 +40,20 @@ def _bool_param(params: Mapping[str, Any], name: str) -> bool:
     raise ValueError(f"{name} must be a boolean, got {type(value).__name__}")
 
 
-_KNOWN_PARAMS = frozenset({"lmcache.skip_save"})
+_KNOWN_PARAMS = frozenset({"lmcache.skip_save"}) | RETENTION_PARAMS
 _TAG_PREFIX = "lmcache.tag."
 _warned_params: set[str] = set()  # names already logged (bounded below)
 
 
 def unknown_params(params: Mapping[Any, Any]) -> int:
-    """How many ``lmcache.*`` keys KVLens does not know; each new name is logged once (a typo such
-    as ``lmcache.tags.user`` would otherwise silently share KV). The request is served as usual."""
+    """How many ``lmcache.*`` and ``kvlens.*`` keys KVLens does not know; each new name is logged
+    once (a typo such as ``lmcache.tags.user`` would otherwise silently share KV). The request is
+    served as usual."""
     unknown = [
         k
         for k in params
         if isinstance(k, str)
-        and k.startswith("lmcache.")
+        and k.startswith(("lmcache.", "kvlens."))
         and k not in _KNOWN_PARAMS
         and not k.startswith(_TAG_PREFIX)
     ]
@@ -103,6 +108,11 @@ def decide_policy(
         logger.warning("KVLens: request %s: %s; not caching this request", request_id, e)
         return RequestPolicy(None, MissReason.INVALID_PARAMS, SaveSkipReason.INVALID_PARAMS)
     ignored = unknown_params(params)
+    try:
+        retention = parse_retention(params)
+    except ValueError as e:  # only how long the chunks stay is at stake: serve it without retention
+        logger.warning("KVLens: request %s: %s; storing without retention", request_id, e)
+        retention, ignored = None, ignored + 1
     namespace = base.with_request(lora_name, cache_salt, tags)
     save_skip: SaveSkipReason | None = None
     if kv_role == "kv_consumer":
@@ -113,7 +123,7 @@ def decide_policy(
         save_skip = SaveSkipReason.SKIP_SAVE
     elif priority_limit is not None and priority > priority_limit:
         save_skip = SaveSkipReason.PRIORITY_LIMIT
-    return RequestPolicy(namespace, None, save_skip, ignored)
+    return RequestPolicy(namespace, None, save_skip, ignored, retention, tenant_of(namespace))
 
 
 def miss_reason(

@@ -19,6 +19,7 @@ from .outcomes import (
     Stage,
     TierState,
 )
+from .retention import CLASSES as RETENTION_CLASSES
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,19 @@ class TierGauge:
 
 
 @dataclass(frozen=True, slots=True)
+class TierRetention:
+    """Retention in one tier KVLens evicts (``retention.py``): bytes held per class now, and
+    counts since start-up (telemetry counts what they grew by)."""
+
+    tier: str
+    bytes_by_class: tuple[int, ...]  # by retention priority, 0 (normal) first
+    retained_evictions: int  # chunks evicted although retained: nothing unretained was left
+    demotions: int  # retained chunks made normal by max_retained_share
+    quota_evictions: int  # chunks a tenant at its quota evicted of its own
+    quota_refusals: int  # chunks not stored: their tenant's own could not make room
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerSizes:
     """The scheduler half's internal sizes: each returns to zero once the engine drains."""
 
@@ -50,6 +64,7 @@ class SchedulerSizes:
     # what keeps an idle engine stepping until they land (so it is exact when the engine stops).
     pending_writes: int = 0
     tiers: tuple[TierGauge, ...] = ()
+    retention: tuple[TierRetention, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +126,7 @@ class KnownLabels:
     remote_operations: tuple[str, ...] = ()
     remote_error_kinds: tuple[str, ...] = ()
     tenants: tuple[str, ...] = ("default", "other")  # the labels every engine has (tenants.py)
+    retention_classes: tuple[str, ...] = RETENTION_CLASSES
 
     @classmethod
     def for_tiers(cls, tiers: tuple[str, ...]) -> KnownLabels:

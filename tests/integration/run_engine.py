@@ -224,7 +224,11 @@ def main() -> None:
     if connector is not None:
         sched = connector._scheduler
         sizes = sched.sizes()
-        state.update({f.name: getattr(sizes, f.name) for f in dataclasses.fields(sizes) if f.name != "tiers"})
+        records = ("tiers", "retention")
+        state.update(
+            {f.name: getattr(sizes, f.name) for f in dataclasses.fields(sizes) if f.name not in records}
+        )
+        state["retention"] = {r.tier: dataclasses.asdict(r) for r in sizes.retention}
         state["tiers"] = {t.tier: {"chunks": t.chunks, "health": t.health.level} for t in sizes.tiers}
         state["pinned_chunks"] = sum(t.pinned_keys for t in sched.tiers.values())
         state["index_bytes"] = {name: t.used_bytes for name, t in sched.tiers.items()}

@@ -23,7 +23,17 @@ from telemetry.metrics import (
 
 # storage: one value per shared disk directory
 # tenant: at most extra_config.tenant_labels_max values plus default and other (tenants.py)
-ALLOWED_LABELS = {"tier", "operation", "reason", "kind", "budget_factor", "stage", "storage", "tenant"}
+ALLOWED_LABELS = {
+    "tier",
+    "operation",
+    "reason",
+    "kind",
+    "budget_factor",
+    "stage",
+    "storage",
+    "tenant",
+    "retention",
+}
 # The info metric's labels are fixed for the life of the engine: one series per instance.
 INFO_LABELS = {
     "version",

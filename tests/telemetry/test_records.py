@@ -55,6 +55,8 @@ class Filler:
             item = args[0]
             if dataclasses.is_dataclass(item):
                 return (self.build(item, f"{where}[]."),)
+            if item is int:
+                return (self._value(int, f"{where}[]"),)
             text = f"v{next(self._numbers)}"
             self.expected.append((where, text))
             return (text,)
@@ -141,7 +143,8 @@ def test_every_record_type_is_checked_here():
         for name, obj in vars(snapshots).items()
         if dataclasses.is_dataclass(obj) and obj.__module__ == snapshots.__name__
     }
-    checked = {"SchedulerSizes", "TierGauge", "InsightSnapshot", "InstanceInfo", "WhatIfPoint", "WorkerSizes"}
+    checked = {"SchedulerSizes", "TierGauge", "TierRetention", "InsightSnapshot", "InstanceInfo"}
+    checked |= {"WhatIfPoint", "WorkerSizes"}
     checked |= {"KnownLabels"}  # test_metrics.py: every known label value exists from start-up
     assert records == checked, records ^ checked
 
