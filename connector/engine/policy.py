@@ -12,7 +12,8 @@ from typing import Any
 from .keys import Namespace, parse_tags
 from .outcomes import MissReason, SaveSkipReason
 from .retention import PARAMS as RETENTION_PARAMS
-from .retention import Retention, parse_retention, tenant_of
+from .retention import Retention, parse_retention
+from .tenants import tenant_id
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -26,7 +27,7 @@ class RequestPolicy:
     save_skip_reason: SaveSkipReason | None  # why nothing is stored (loads may still happen)
     ignored_params: int = 0  # lmcache.* / kvlens.* request parameters ignored (unknown or invalid)
     retention: Retention | None = None  # what the request asks for the chunks it stores or hits
-    tenant: str = ""  # whose quota its chunks count against (retention.tenant_of)
+    tenant: str = "default"  # whose quota its chunks count against (tenants.tenant_id)
 
 
 def _bool_param(params: Mapping[str, Any], name: str) -> bool:
@@ -123,7 +124,7 @@ def decide_policy(
         save_skip = SaveSkipReason.SKIP_SAVE
     elif priority_limit is not None and priority > priority_limit:
         save_skip = SaveSkipReason.PRIORITY_LIMIT
-    return RequestPolicy(namespace, None, save_skip, ignored, retention, tenant_of(namespace))
+    return RequestPolicy(namespace, None, save_skip, ignored, retention, tenant_id(namespace))
 
 
 def miss_reason(

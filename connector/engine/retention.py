@@ -20,8 +20,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .keys import Namespace
-
 PRIORITY_PARAM = "kvlens.retention_priority"
 SECONDS_PARAM = "kvlens.retain_for_s"
 PARAMS = frozenset({PRIORITY_PARAM, SECONDS_PARAM})
@@ -63,13 +61,6 @@ def _show(value: Any) -> str:
     if isinstance(value, bool | float) or (isinstance(value, int) and abs(value) < 10**12):
         return repr(value)
     return f"a {type(value).__name__}"
-
-
-def tenant_of(namespace: Namespace) -> str:
-    """Whose chunks these are, for quotas: the cache salt and key tags ("" for neither)."""
-    parts = [f"salt={namespace.cache_salt}"] if namespace.cache_salt is not None else []
-    parts += [f"{name}={value}" for name, value in namespace.tags]
-    return ",".join(parts)
 
 
 @dataclass(slots=True)

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from connector.engine.index import TierIndex
 from connector.engine.keys import Namespace
 from connector.engine.policy import decide_policy
-from connector.engine.retention import Retention, parse_retention, tenant_of
+from connector.engine.retention import Retention, parse_retention
+from connector.engine.tenants import tenant_id, value_id
 
 from .test_properties import json_values
 
@@ -76,10 +77,13 @@ def test_unknown_kvlens_params_are_counted():
 
 def test_tenant_is_the_cache_salt_and_tags():
     base = Namespace("m", "bf16", "L")
-    assert tenant_of(base) == ""
-    assert tenant_of(base.with_request(None, "s1", {"user": "a"})) == "salt=s1,user=a"
+    assert tenant_id(base) == "default"  # one tenant identity for quotas and accounting
+    assert (
+        tenant_id(base.with_request(None, "s1", {"user": "a"}))
+        == f"salt:{value_id('s1')},user:{value_id('a')}"
+    )
     policy = decide_policy(base, "r", {"lmcache.tag.user": "a"}, None, None, 0, False, "kv_both", None, False)
-    assert policy.tenant == "user=a"
+    assert policy.tenant == f"user:{value_id('a')}"
 
 
 # ---- eviction order ------------------------------------------------------------------------
