@@ -3,6 +3,7 @@ the index holds after every step, a retained prefix outlives a flood, hits retai
 tenant's quota keeps its chunks from pushing out another's."""
 
 from connector.engine.jobs import CPU, Eviction, StoreJob
+from connector.engine.tenants import value_id
 
 from .fakes import BLOCK_BYTES, LAYERS, admit_fully, blocks, cpu_gb, request, scheduler
 
@@ -76,6 +77,7 @@ def test_a_tenant_at_its_quota_replaces_its_own_chunks_and_leaves_anothers():
         _, plan = admit_fully(s, request(f"a{i}", one_off(i), cache_salt="a"), blocks(10 + 4 * i, 4))
         replica.apply(plan)
         assert replica.names == set(tier.keys())
-    assert tier.tenant_bytes("salt=a") == 2 * CHUNK and tier.tenant_bytes("salt=b") == 2 * CHUNK
+    a, b = (f"salt:{value_id(s)}" for s in "ab")
+    assert tier.tenant_bytes(a) == 2 * CHUNK and tier.tenant_bytes(b) == 2 * CHUNK
     assert tier.quota_evictions == 4
     assert s.lookup(request("b2", SYSTEM + [1], cache_salt="b"), 0) == 512
