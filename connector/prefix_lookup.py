@@ -15,7 +15,7 @@ from typing import Any
 
 from .checkpoint_identity import AdapterFingerprints
 from .engine.index import TierIndex
-from .engine.jobs import DISK, REMOTE
+from .engine.jobs import CPU, DISK, REMOTE
 from .engine.keys import ChunkKey, PrefixHasher, block_aligned_keys, block_prefixes
 from .engine.namespace_marks import record_differences
 from .engine.namespaces import namespace_differences
@@ -230,12 +230,20 @@ class PrefixLookup:
         one's name if it is a whole chunk, and whether it sits only in a skipped tier."""
         for key in keys:
             name = key.hex
-            tier = holder(local, name)
+            tier = self._holder(local, name)
             if tier is None:
                 whole = key.num_tokens == self._chunk_size
                 return (name if whole else None), any(name in t for t in self._s.tiers.values())
             hits.append(ChunkHit(key, tier.name))
         return None, False
+
+    def _holder(self, local: list[TierIndex], name: str) -> TierIndex | None:
+        """The tier to load ``name`` from. A chunk an asynchronous load is still promoting into
+        the CPU tier is indexed there already but lands only when that load is reported: until
+        then it is loaded from where it came from."""
+        if name in self._s.promoting:
+            local = [t for t in local if t.name != CPU]
+        return holder(local, name)
 
     def _extend_from_remote(
         self,
@@ -293,7 +301,7 @@ class PrefixLookup:
         else:
             prefixes = block_prefixes(parent, chunk, size, block)
         for length, digest in prefixes:
-            tier = holder(local, digest.hex())
+            tier = self._holder(local, digest.hex())
             if tier is not None:
                 hits.append(ChunkHit(ChunkKey(digest, start, length), tier.name))
                 return

@@ -141,6 +141,7 @@ class StepPlanner:
         if cpu is not None and promoted:
             self._s.pins.add(request_id, ((cpu, name) for name in promoted))
             self._s.async_promotions[request_id] = promoted
+            self._s.promoting.update(promoted)
         return LoadJob(request_id, chunks, trace, tuple(scratch.fail_blocks))
 
     def _load_job(

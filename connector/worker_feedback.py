@@ -74,6 +74,7 @@ class WorkerFeedback:
         self._measure(outcome)
         s.pins.release(rid)
         promoted = s.async_promotions.pop(rid, ())
+        s.promoting.difference_update(promoted)  # landed in the CPU tier (or dropped below)
         if outcome.cancelled:  # its promotions may not have landed: drop them on both sides
             for name in promoted:
                 s.forget(CPU, name, FailureReason.MISSING)
