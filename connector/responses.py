@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .engine.outcomes import LookupOutcome, RequestSummary
+from .engine.outcomes import LookupOutcome, MissReason, RequestSummary
 from .engine.tracker import LookupResult, RequestTracker
 from .prefix_lookup import PrefixLookup
 from .scheduler_state import SchedulerState
@@ -75,7 +75,7 @@ class Responses:
             return
         tracker, params, _ = late
         if params is not None:
-            params["kvlens"] = tracker.usage()
+            params["kvlens"] = for_client(tracker.usage())
         self.done.append(summary(tracker))
 
     def step_done(self) -> None:
@@ -97,20 +97,38 @@ class Responses:
         hit = tracker.hit_tokens if tracker else (result.hit_tokens if result else 0)
         params: dict[str, Any] = {"num_lmcache_cached_tokens": hit}
         if tracker is not None:
-            params["kvlens"] = tracker.usage()
+            params["kvlens"] = for_client(tracker.usage())
         elif unscheduled is not None:
-            params["kvlens"] = {
+            usage = {
                 "vllm_cached_tokens": unscheduled.vllm_cached_tokens,
                 "hit_tokens": unscheduled.hit_tokens,
                 "miss_reason": unscheduled.miss_reason.value if unscheduled.miss_reason else None,
             }
             if result is not None and result.miss_detail:
-                params["kvlens"]["miss_detail"] = result.miss_detail
+                usage["miss_detail"] = result.miss_detail
+            params["kvlens"] = for_client(usage)
         return params
 
     def take_done(self) -> list[RequestSummary]:
         done, self.done = self.done, []
         return done
+
+
+# Parts of a namespace that separate tenants: a response never says another tenant stored its prompt.
+_TENANT_PARTS = frozenset({"cache_salt", "tags"})
+
+
+def for_client(usage: dict[str, Any]) -> dict[str, Any]:
+    """The usage a response carries. A miss because the prompt is stored under another cache salt
+    or tags reads ``not_stored`` there (the request log and metrics, for the operator, keep
+    ``other_namespace``): cache_salt exists so that tenants cannot learn each other's prompts."""
+    detail = usage.get("miss_detail") or {}
+    if usage.get("miss_reason") == MissReason.OTHER_NAMESPACE.value and _TENANT_PARTS & set(
+        detail.get("differs_in", ())
+    ):
+        usage = {k: v for k, v in usage.items() if k != "miss_detail"}
+        usage["miss_reason"] = MissReason.NOT_STORED.value
+    return usage
 
 
 def summary(tracker: RequestTracker) -> RequestSummary:

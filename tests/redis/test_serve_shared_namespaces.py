@@ -80,14 +80,11 @@ def test_a_second_instance_explains_misses_by_namespace_and_announces_promotions
     try:
         second.wait_ready()
         salted = _kvlens(second.complete(SALTED, max_tokens=2, cache_salt="tenant-y-secret"))
-        assert salted["miss_reason"] == "other_namespace"
-        assert salted["miss_detail"] == {"differs_in": ["cache_salt"]}
         tagged = _kvlens(
             second.complete(TAGGED, max_tokens=2, kv_transfer_params={"lmcache.tag.team": "green"})
         )
-        assert tagged["miss_reason"] == "other_namespace" and tagged["miss_detail"] == {
-            "differs_in": ["tags"]
-        }
+        for usage in (salted, tagged):  # a client never learns another tenant stored its prompt
+            assert usage["miss_reason"] == "not_stored" and "miss_detail" not in usage
 
         stream = EventStream(events_port)
         stream.drain(2.0)  # the publisher has connected

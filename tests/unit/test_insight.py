@@ -451,3 +451,14 @@ def test_a_chunk_only_the_remote_held_is_described_by_the_request_that_promotes_
         c.block_hashes[1],
     )
     assert stored.token_ids == tuple(PROMPT[256:512]) and len(events) == 1
+
+
+def test_a_response_never_tells_one_tenant_that_another_stored_its_prompt():
+    s = scheduler()
+    admit_fully(s, request("a", PROMPT, cache_salt="tenant-1"), blocks(0, 5))
+    b = request("b", PROMPT, cache_salt="tenant-2")
+    s.lookup(b, 0)
+    s.after_alloc(b, 0)
+    assert s.lookups["b"].miss_reason is MissReason.OTHER_NAMESPACE  # the operator's view
+    usage = s.finish(b).params["kvlens"]  # the client's: its own namespace never held it
+    assert usage["miss_reason"] == "not_stored" and "miss_detail" not in usage
