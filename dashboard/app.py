@@ -254,6 +254,28 @@ def tiers_and_leaks(frame: pd.DataFrame, fleet: pd.DataFrame, window: float, idl
         chart(pinned, charts.MB, "No pinned bytes reported.")
     left, right = st.columns(2)
     with left:
+        st.subheader("Retained bytes")
+        retained = views.gauge(frame, views.kvlens("retention_bytes"), ("tier", "retention"))
+        chart(retained, charts.MB, "No retained chunks reported.")
+        st.caption(
+            "Bytes per tier and retention class: 0 normal, 1-3 the priority requests asked for "
+            "(kvlens.retention_priority, kvlens.retain_for_s); retained chunks are evicted last, "
+            "within max_retained_share."
+        )
+    with right:
+        st.subheader("Retained chunks evicted or demoted")
+        taken = views.join(
+            views.rate(frame, views.kvlens("retained_evictions"), ("tier",), window, prefix="evicted "),
+            views.rate(frame, views.kvlens("retention_demotions"), ("tier",), window, prefix="demoted "),
+            views.rate(frame, views.kvlens("quota_evictions"), ("tier",), window, prefix="quota "),
+        )
+        chart(taken, charts.Unit("chunks/s", ",.3~f"), "No retained chunk was evicted.")
+        st.caption(
+            "evicted: nothing unretained was left to evict; demoted: beyond max_retained_share; "
+            "quota: a tenant at its tenant_quota_bytes replaced its own chunks."
+        )
+    left, right = st.columns(2)
+    with left:
         st.subheader("Tier health")
         health = views.gauge(frame, views.kvlens("tier_health"), ("tier",))
         chart(health, charts.COUNT, "No tier health reported.")

@@ -35,6 +35,7 @@ LABELS = (
     "budget_factor",
     "stage",
     "tenant",
+    "retention",
     *INFO_LABELS,
 )
 

@@ -475,6 +475,32 @@ PANELS: tuple[Panel, ...] = (
         (Target("sum by (tier) (vllm:kvlens_pinned_bytes)", "{{tier}}"),),
         "Bytes pinned by pending loads (not evictable); must return to 0 when idle.",
     ),
+    Panel(
+        "Tiers and leaks",
+        "Retained bytes",
+        "bytes",
+        (
+            Target(
+                "sum by (tier, retention) (vllm:kvlens_retention_bytes)",
+                "{{tier}} class {{retention}}",
+            ),
+        ),
+        "Bytes per tier and retention class (one rank's share): 0 normal, 1-3 the priority requests "
+        "asked for (kvlens.retention_priority / kvlens.retain_for_s); retained chunks are evicted "
+        "after every unretained one, within max_retained_share of the tier.",
+    ),
+    Panel(
+        "Tiers and leaks",
+        "Retained chunks evicted or demoted",
+        "cps",
+        (
+            Target(rate_sum("vllm:kvlens_retained_evictions_total", by="tier"), "{{tier}} evicted"),
+            Target(rate_sum("vllm:kvlens_retention_demotions_total", by="tier"), "{{tier}} demoted"),
+            Target(rate_sum("vllm:kvlens_quota_evictions_total", by="tier"), "{{tier}} quota"),
+        ),
+        "Retained chunks evicted because nothing else was left, demoted beyond max_retained_share, "
+        "and chunks a tenant at its tenant_quota_bytes replaced of its own.",
+    ),
     # ---- Failures ------------------------------------------------------------------------------
     Panel(
         "Tiers and leaks",
