@@ -241,8 +241,11 @@ class PrefixLookup:
         """The tier to load ``name`` from. A chunk an asynchronous load is still promoting into
         the CPU tier is indexed there already but lands only when that load is reported: until
         then it is loaded from where it came from."""
-        if name in self._s.promoting:
+        s = self._s
+        if name in s.promoting:
             local = [t for t in local if t.name != CPU]
+        if s.unreadable.any_tier(name):
+            local = [t for t in local if not s.unreadable.unreadable(t.name, name)]
         return holder(local, name)
 
     def _extend_from_remote(
@@ -274,12 +277,13 @@ class PrefixLookup:
         present, call = s.remote.present(rid, [k.hex for k in candidates])
         if call is not None:
             calls.append(call)
+        unreadable = s.unreadable
         for key, there in zip(full, present, strict=False):
-            if not there:
+            if not there or unreadable.unreadable(REMOTE, key.hex):
                 return key.hex
             hits.append(ChunkHit(key, REMOTE))
         for key, there in zip(tails, present[len(full) :], strict=True):  # longest first
-            if there:
+            if there and not unreadable.unreadable(REMOTE, key.hex):
                 hits.append(ChunkHit(key, REMOTE))
                 break
         return None

@@ -29,6 +29,7 @@ from .engine.suspects import SuspectBlocks, downstream
 from .engine.tails import TailDirectory
 from .engine.tenants import TenantBook
 from .engine.tracker import LookupResult, RequestTracker
+from .engine.unreadable import UnreadableChunks
 from .instance_info import disk_identity
 from .remote_lookup import RemoteLookup
 from .tiers.disk import DiskTier
@@ -109,6 +110,7 @@ class SchedulerState:
         # chunks each asynchronous load promotes into the CPU tier (pinned there until reported)
         self.async_promotions: dict[str, list[str]] = {}
         self.promoting: set[str] = set()  # their chunks: not in the CPU tier until reported
+        self.unreadable = UnreadableChunks()  # loads just failed: lookups pass over them a while
         self.async_cancels: list[str] = []
         # Settled asynchronous loads, by request: (tokens planned, outcome), until its schedule.
         self.async_outcomes: dict[str, tuple[int, LoadOutcome]] = {}
@@ -219,8 +221,12 @@ class SchedulerState:
             self._dropped_disk.popitem(last=False)
 
     def forget(self, tier: str, name: str, reason: FailureReason) -> None:
-        """A chunk the tier does not (correctly) hold leaves the index and is deleted everywhere."""
+        """A chunk the tier does not (correctly) hold leaves the index and is deleted everywhere;
+        lookups pass over it for a while (``engine/unreadable.py``)."""
+        self.unreadable.add(tier, name)
         index = self.tiers.get(tier)
+        if index is None and tier == REMOTE and reason is FailureReason.CORRUPT:
+            self.evict_later(tier, [name])  # no index to forget it: delete the damaged value
         if index is not None and index.remove(name):
             logger.info("KVLens: dropped chunk %s from the %s tier (%s)", name[:12], tier, reason.value)
             if tier == DISK:

@@ -197,6 +197,7 @@ class StepPlanner:
             return chunk
         self._evict(plan, cpu, victims)
         s.recently_evicted.discard(chunk.name)
+        s.unreadable.discard(CPU, chunk.name)
         if s.block_events.enabled:
             s.block_events.promoted(chunk.name, key.start, key.num_tokens, s.unfinished.get(request_id), CPU)
         return dataclasses.replace(chunk, promote_to=(CPU,))
@@ -300,6 +301,8 @@ class StepPlanner:
             written.append(tier.name)
         if s.stores_remote and s.usable(REMOTE):  # no index: Redis holds what it holds
             written.append(REMOTE)
+        for name in written:  # a fresh copy replaces one whose load failed
+            s.unreadable.discard(name, key.hex)
         return written
 
     def _cancel(self, plan: StepPlan, tier: str, name: str) -> None:

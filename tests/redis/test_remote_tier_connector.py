@@ -223,6 +223,30 @@ def test_a_chunk_redis_evicted_or_corrupted_is_a_failed_block_not_wrong_kv(redis
         b.close()
 
 
+def test_a_corrupt_value_is_not_looked_up_again_and_is_deleted(redis_server):
+    a, b = (
+        Engine(redis_server.url, remote_key_prefix="again"),
+        Engine(redis_server.url, remote_key_prefix="again"),
+    )
+    try:
+        _, stored, _ = a.run(request("x", PROMPT), list(range(0, 5)))
+        client = redis_server.client()
+        first = f"again:{storage_name(stored.stores[0].name, 0)}".encode()
+        client.setrange(first, client.strlen(first) - 4, b"\x00\x01\x02\x03")  # corrupt in place
+        _, _, failed = b.run(request("y", PROMPT), list(range(10, 15)))
+        assert failed
+        # vLLM reschedules a request whose asynchronous load failed and asks again: the same
+        # damaged value must not be offered again (or the request would load it forever)
+        assert b.sched.lookup(request("y", PROMPT), 0) == 0
+        assert b.sched.lookups["y"].hit_tokens == 0
+        b.worker.save(b.sched.build_plan(step()))  # the next plan deletes the damaged value
+        b.worker.flush()
+        assert not client.exists(first)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_redis_cluster_shares_kv_too(redis_cluster):
     a, b = Engine(redis_cluster.url), Engine(redis_cluster.url)
     try:

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from connector.engine.outcomes import REMOTE_ERROR_KINDS, FailureReason, MissReason, SaveSkipReason
+from connector.shared_marks import MARK_KEY
 from connector.store_records import NAMESPACE_KEY
 from tests.redis.servers import REDIS_SERVER, RedisServer
 
@@ -76,8 +77,9 @@ def disk_records(stack) -> list[bytes]:
 
 
 def redis_records(stack) -> list[bytes]:
-    namespaces = f"{PREFIX}:{NAMESPACE_KEY}".encode()  # the namespace's descriptor, not a chunk
-    return [stack.redis.get(k) for k in stack.redis.keys(f"{PREFIX}:*") if not k.startswith(namespaces)]
+    # chunk records only: not the namespace descriptors nor the first-chunk marks
+    others = tuple(f"{PREFIX}:{kind}".encode() for kind in (NAMESPACE_KEY, MARK_KEY))
+    return [stack.redis.get(k) for k in stack.redis.keys(f"{PREFIX}:*") if not k.startswith(others)]
 
 
 def oom_rejections(stack) -> int:
