@@ -54,6 +54,14 @@ def idle(srv) -> None:
     )
 
 
+def served_from_redis(srv, prompt, cold) -> bool:
+    """Asked again (vLLM's own cache emptied): vLLM's own answer, and whether Redis served it."""
+    srv.reset_prefix_cache()
+    again = srv.complete(prompt, max_tokens=8)
+    assert text(again) == text(cold)
+    return loaded(again) == {"remote": 640}
+
+
 def test_a_redis_hit_loads_outside_the_batch_with_vllms_own_output(setup):
     _, srv = setup
     prompt, cold = stored(srv, 41)
@@ -103,13 +111,8 @@ def test_a_request_aborted_while_its_kv_loads_leaves_nothing_behind(setup):
         proxy.delay_s = 0.0
     idle(srv)
 
-    def served_from_redis() -> bool:  # the engine serves on: from Redis once the tier is healthy
-        srv.reset_prefix_cache()
-        again = srv.complete(prompt, max_tokens=8)
-        assert text(again) == text(cold)
-        return loaded(again) == {"remote": 640}
-
-    wait_until(served_from_redis, timeout=90, interval=1.0, what="served from Redis again")
+    # the engine serves on: from Redis once the tier is healthy
+    wait_until(lambda: served_from_redis(srv, prompt, cold), timeout=90, interval=1.0, what="from Redis")
     idle(srv)
 
 
@@ -133,11 +136,6 @@ def test_a_tier_slower_than_recomputing_is_skipped_until_it_is_fast_again(setup)
     assert detail["tier"] == "remote" and detail["load_ms"] > detail["compute_ms"]
     assert all(u["loaded_tokens"] in ({}, {"remote": 640}) for u in usages)
 
-    def served_from_redis() -> bool:  # fast again: a recheck (every 10 s) measures it anew
-        srv.reset_prefix_cache()
-        again = srv.complete(prompt, max_tokens=8)
-        assert text(again) == text(cold)
-        return loaded(again) == {"remote": 640}
-
-    wait_until(served_from_redis, timeout=40, interval=2.0, what="loaded from Redis again")
+    # fast again: a recheck (every 10 s) measures it anew
+    wait_until(lambda: served_from_redis(srv, prompt, cold), timeout=40, interval=2.0, what="from Redis")
     idle(srv)

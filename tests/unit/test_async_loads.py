@@ -13,7 +13,7 @@ import torch
 
 from connector.config import load_config
 from connector.engine.facts import EngineFacts
-from connector.engine.jobs import DISK
+from connector.engine.jobs import CPU, DISK
 from connector.engine.outcomes import FailureReason
 from connector.kv_blocks import BlockCopier
 from connector.scheduler import ConnectorScheduler
@@ -199,8 +199,6 @@ def test_an_asynchronous_load_reports_the_bytes_it_read_and_copied(tmp_path):
 
 
 def test_a_chunk_an_asynchronous_load_promotes_is_not_evicted_before_it_lands(tmp_path):
-    from connector.engine.jobs import CPU
-
     from .fakes import cpu_gb
 
     chunk_bytes = LAYERS * (CHUNK // BS) * BlockCopier(Engine(tmp_path / "probe").kv, NUM_BLOCKS).block_bytes
@@ -229,14 +227,18 @@ def test_a_chunk_an_asynchronous_load_promotes_is_not_evicted_before_it_lands(tm
     assert e.worker.tiers[CPU].used_bytes <= 2 * chunk_bytes
 
 
-def test_an_aborted_load_leaves_the_cpu_tier_and_its_index_agreeing(tmp_path):
-    from connector.engine.jobs import CPU
-
+def stored_on_disk_only(tmp_path) -> Engine:
+    """An engine with a CPU tier whose PROMPT's chunks are on disk only (a hit is promoted)."""
     e = Engine(tmp_path, local_cpu=True)
     stored(e)
-    for name in e.sched.tiers[CPU].keys():  # PROMPT's chunks only on disk now
+    for name in e.sched.tiers[CPU].keys():
         e.sched.state.forget(CPU, name, FailureReason.MISSING)
     e.step()
+    return e
+
+
+def test_an_aborted_load_leaves_the_cpu_tier_and_its_index_agreeing(tmp_path):
+    e = stored_on_disk_only(tmp_path)
     b = request("b", PROMPT)
     assert e.sched.lookup(b, 0) == 64 and e.sched.loads_async("b")
     e.sched.after_alloc(b, 64, list(range(20, 26)))  # its chunks are promoted into the CPU tier
@@ -252,13 +254,7 @@ def test_an_aborted_load_leaves_the_cpu_tier_and_its_index_agreeing(tmp_path):
 
 
 def test_a_chunk_still_being_promoted_is_not_looked_up_in_the_cpu_tier(tmp_path):
-    from connector.engine.jobs import CPU
-
-    e = Engine(tmp_path, local_cpu=True)
-    stored(e)
-    for name in e.sched.tiers[CPU].keys():  # PROMPT's chunks only on disk now
-        e.sched.state.forget(CPU, name, FailureReason.MISSING)
-    e.step()
+    e = stored_on_disk_only(tmp_path)
     b = request("b", PROMPT)
     assert e.sched.lookup(b, 0) == 64
     e.sched.after_alloc(b, 64, list(range(20, 26)))  # promotes them into the CPU tier, steps from now
