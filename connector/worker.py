@@ -35,6 +35,7 @@ from .engine.outcomes import (
     Stage,
     StoreFailure,
     TierState,
+    TierTraffic,
     WorkerReport,
 )
 from .engine.snapshots import WorkerSizes
@@ -198,7 +199,7 @@ class ConnectorWorker:
             return LoadOutcome(job.request_id)
         _, outcome, staged = self._read_job(job, effects)
         outcome.failed_block_ids.extend(job.fail_blocks)
-        copied: dict[str, list[float]] = {}  # tier -> [bytes, seconds] copied into the KV cache
+        copied: dict[str, TierTraffic] = {}  # what each tier's chunks moved into the KV cache
         for position, (result, load, chunk) in enumerate(staged):
             if cancelled():
                 break
@@ -216,16 +217,15 @@ class ConnectorWorker:
             seconds = time.perf_counter() - started
             outcome.seconds += seconds
             if result.tier is not None:
-                moved = copied.setdefault(result.tier, [0, 0.0])
-                moved[0] += self._payload_bytes(chunk)
-                moved[1] += seconds
+                traffic = copied.setdefault(result.tier, TierTraffic())
+                traffic.add_moved(Stage.COPY, self._payload_bytes(chunk), seconds)
         if copied:  # counted on the step thread, with the step's report
             effects.append(lambda: self._count_copies(copied))
         return outcome
 
-    def _count_copies(self, copied: dict[str, list[float]]) -> None:
-        for tier, (nbytes, seconds) in copied.items():
-            self._report.tier_traffic(tier).add_moved(Stage.COPY, int(nbytes), seconds)
+    def _count_copies(self, copied: dict[str, TierTraffic]) -> None:
+        for tier, traffic in copied.items():
+            self._report.tier_traffic(tier).merge(traffic)
 
     def take_finished_loads(self, idle: bool = False) -> tuple[set[str], list[tuple[LoadJob, LoadOutcome]]]:
         """Asynchronous loads done since the last step: vLLM's ``finished_recving``; their
