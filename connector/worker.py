@@ -609,7 +609,8 @@ class ConnectorWorker:
             if tier.stuck():
                 tier.health.failed(FailureReason.TIMEOUT, "a write has not finished")
         # The count before what landed: a write landing in between is in both, never in neither.
-        pending = sum(t.pending for t in self._background if t.health.usable())
+        # A skipped tier's queue counts too: its writes' outcomes are still to be reported.
+        pending = sum(t.pending for t in self._background)
         pending += sum(len(q.plan.stores) for q in self._unwritten)
         for tier in self._background:
             traffic = tier.take_traffic(self._counts_chunks)

@@ -70,9 +70,10 @@ class TierHealth:
         with self._lock:
             self._errors_in_a_row += 1
             timed_out = reason is FailureReason.TIMEOUT and self._timeout_skips
+            if self._state is TierState.SKIPPED:
+                return  # an operation begun before the skip: only a success or a probe ends it
             if timed_out or self._errors_in_a_row >= self._failures_to_skip:
-                if self._state is not TierState.SKIPPED:
-                    self._next_probe = self._clock() + self._backoff
+                self._next_probe = self._clock() + self._backoff
                 self._set(TierState.SKIPPED, f"{reason.value}: {detail}")
             else:
                 self._set(TierState.FAILING, f"{reason.value}: {detail}")

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from ..cpu_affinity import run_beside_worker
 from ..engine.health import TierHealth
 from ..engine.outcomes import FailureReason, RemoteCall, Stage, TierTraffic
-from .base import Tier, classify
+from .base import Tier, TierSkipped, classify
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -213,7 +213,9 @@ class BackgroundTier:
         nbytes = sum(op.payload.nbytes for op in batch if op.payload is not None)
         kind = batch[0].kind
         try:
-            if len(batch) > 1:
+            if kind == "put" and not self.health.usable():  # queued before the tier was skipped
+                errors = [TierSkipped(f"{self.name} tier is skipped")] * len(batch)
+            elif len(batch) > 1:
                 errors = self.inner.put_many(  # type: ignore[attr-defined]
                     [(op.name, op.payload) for op in batch], [op.namespace for op in batch]
                 )

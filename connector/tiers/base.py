@@ -42,10 +42,16 @@ class Tier(Protocol):
         """Forget everything this tier stored."""
 
 
+class TierSkipped(Exception):
+    """A queued write was not tried: its tier was skipped while it waited."""
+
+
 def classify(error: BaseException) -> tuple[FailureReason, str]:
     """The failure reason of a tier error, and a short description for logs and events."""
     if isinstance(error, ChunkMissing):
         reason = FailureReason.MISSING
+    elif isinstance(error, TierSkipped):
+        reason = FailureReason.TIER_UNHEALTHY
     elif isinstance(error, (ChunkCorrupt, ValueError)):
         reason = FailureReason.CORRUPT
     elif isinstance(error, TimeoutError) or getattr(error, "kind", None) == "timeout":

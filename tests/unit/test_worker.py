@@ -329,3 +329,38 @@ def test_ranks_but_the_first_count_bytes_not_chunks(tmp_path):
         0,
         2 * LAYERS * w.copier.block_bytes,
     )
+
+
+def test_writes_queued_when_their_tier_is_skipped_stay_pending_until_their_outcome_is_reported(
+    tmp_path, monkeypatch
+):
+    """A tier skipped while writes wait in its queue (Redis out of memory three times in a row):
+    the report that says 0 pending carries every one of their outcomes, or an engine that goes
+    idle never reports them (the scheduler stops stepping once pending drops to 0)."""
+    import threading
+
+    from connector.tiers.disk import DiskTier
+
+    release, tried = threading.Event(), []
+
+    def refusing_put(self, name, payload):
+        tried.append(name)
+        release.wait(10)
+        raise OSError(5, "EIO")
+
+    monkeypatch.setattr(DiskTier, "put", refusing_put)
+    caches = cpu_layout()
+    w = worker(caches, tmp_path)
+    names = [f"{i:02x}" * 16 for i in range(3)]
+    for i, name in enumerate(names):
+        w.save(StepPlan(writes=[StoreJob("a", name, (2 * i, 2 * i + 1), (DISK,), 32)]))
+    w.health[DISK].failed(FailureReason.TIMEOUT, "a write has not finished")  # skipped now
+    assert w.take_report().pending_writes == 3
+    release.set()
+    assert w.flush(10)
+    report = w.take_report()
+    assert report.pending_writes == 0
+    assert sorted(f.name for f in report.store_failures) == names
+    # the write in flight failed; the ones still queued were not tried against a skipped tier
+    assert [n.removesuffix(".r0") for n in tried] == names[:1]
+    assert {f.reason for f in report.store_failures[1:]} == {FailureReason.TIER_UNHEALTHY}
