@@ -175,8 +175,9 @@ class ConnectorScheduler:
         return self.insight.take_saved_seconds()
 
     def has_pending_work(self) -> bool:
-        """Background writes still queued: keep the engine stepping (bounded) until they land."""
-        if self.admin.has_work():
+        """Background writes still queued: keep the engine stepping (bounded) until they land.
+        Evictions decided since the last plan (a report dropped a chunk): one more step."""
+        if self.admin.has_work() or self.state.has_pending_evictions():
             return True
         pending = self.feedback.pending_writes
         if pending <= 0 or self.unfinished:

@@ -164,6 +164,9 @@ class SchedulerState:
         if self.facts.stores:
             self._pending_evictions.extend(evictions)
 
+    def has_pending_evictions(self) -> bool:
+        return bool(self._pending_evictions)
+
     def take_pending_evictions(self) -> list[Eviction]:
         taken, self._pending_evictions = self._pending_evictions, []
         return taken

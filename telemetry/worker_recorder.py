@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from connector.engine.snapshots import WorkerSizes
 
 MAX_OPEN_STORE_RECORDS = 100_000  # safety net: a request never reported finished
-GAUGE_INTERVAL_S = 0.1
 
 
 @dataclass(slots=True)
@@ -64,7 +63,6 @@ class WorkerRecorder:
         self._background_calls = background_calls  # remote writes done off the step loop
         self._buffer = StatsBuffer()
         self._last_gauges: dict[str, float] = {}
-        self._gauges_at = float("-inf")
         self.stores: dict[str, StoreRecord] = {}  # open store records, by request
 
     def configure(self, tracing: bool, metrics: bool) -> None:
@@ -235,10 +233,8 @@ class WorkerRecorder:
             return None
         if self._background_calls is not None:
             remote_calls.count(self._buffer, self._background_calls())
-        now = time.monotonic()
-        draining = bool(self._last_gauges.get("pending_writes"))  # its drop to 0 may be the last step
-        if self._sizes is not None and (now - self._gauges_at >= GAUGE_INTERVAL_S or draining):
-            self._gauges_at = now
+        # Every step (a few attribute reads): the step before the engine idles may be its last.
+        if self._sizes is not None:
             for key, value in worker_gauges(self._sizes()).items():
                 if self._last_gauges.get(key) != value:
                     self._last_gauges[key] = value

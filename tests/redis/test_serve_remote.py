@@ -31,12 +31,25 @@ def remote_only(url: str, **extra) -> dict:
     )
 
 
-def serve(tiny_model, tmp, name, kv) -> VllmServer:
-    srv = VllmServer(
-        tiny_model, kv, tmp / f"{name}.log", base_env(KVLENS_EVENT_LOG=str(tmp / "events.jsonl")), ARGS
-    )
-    srv.wait_ready()
-    return srv
+def serve(model, tmp, name, kv) -> VllmServer:
+    return serve_together(tmp, (name, model, kv))[0]
+
+
+def serve_together(tmp, *servers: tuple[str, str, dict]) -> list[VllmServer]:
+    """Servers (name, model, kv config) started at once, as hosts are (a start is mostly one
+    core's imports), returned once all are ready; if one fails to start, all are stopped."""
+    started = []
+    try:
+        for name, model, kv in servers:
+            env = base_env(KVLENS_EVENT_LOG=str(tmp / f"{name}-events.jsonl"))
+            started.append(VllmServer(model, kv, tmp / f"{name}.log", env, ARGS))
+        for srv in started:
+            srv.wait_ready()
+    except BaseException:
+        for srv in started:
+            srv.stop()
+        raise
+    return started
 
 
 def text(response) -> str:
@@ -51,29 +64,35 @@ def writes_landed(srv) -> None:
     wait_until(lambda: sample(srv.samples(), "vllm:kvlens_pending_writes") == 0, what="remote writes landed")
 
 
-@pytest.mark.parametrize("backend", ["single", "cluster"])
 def test_a_prompt_served_by_one_instance_is_served_from_redis_by_another(
-    backend, redis_server, redis_cluster, tiny_model, tmp_path
+    redis_server, redis_cluster, tiny_model, tmp_path
 ):
-    url = redis_server.url if backend == "single" else redis_cluster.url
-    prompt = prompt_tokens(700, 11 if backend == "single" else 12)
-    first = serve(tiny_model, tmp_path, "first", remote_only(url))
+    """Through a single Redis and through a three-master cluster, side by side."""
+    backends = {"single": (redis_server.url, 11), "cluster": (redis_cluster.url, 12)}
+    prompts = {b: prompt_tokens(700, seed) for b, (_, seed) in backends.items()}
+    kvs = {b: remote_only(url) for b, (url, _) in backends.items()}
+    firsts = serve_together(tmp_path, *((f"first-{b}", tiny_model, kvs[b]) for b in backends))
+    colds = {}
     try:
-        cold = first.complete(prompt, max_tokens=8)
-        assert loaded(cold) == {}
-        writes_landed(first)
+        for b, first in zip(backends, firsts, strict=True):
+            colds[b] = first.complete(prompts[b], max_tokens=8)
+            assert loaded(colds[b]) == {}, b
+            writes_landed(first)
     finally:
-        first.stop()
-    second = serve(tiny_model, tmp_path, "second", remote_only(url))
+        for first in firsts:
+            first.stop()
+    seconds = serve_together(tmp_path, *((f"second-{b}", tiny_model, kvs[b]) for b in backends))
     try:
-        hit = second.complete(prompt, max_tokens=8)
-        assert loaded(hit) == {"remote": 640} and text(hit) == text(cold)
-        s = second.samples()
-        assert sum_samples(s, "vllm:kvlens_load_tokens_total", tier="remote") == 640
-        assert sum_samples(s, "vllm:kvlens_remote_seconds_count", operation="exists") >= 1
-        assert sum_samples(s, "vllm:kvlens_remote_seconds_count", operation="get") >= 1
+        for b, second in zip(backends, seconds, strict=True):
+            hit = second.complete(prompts[b], max_tokens=8)
+            assert loaded(hit) == {"remote": 640} and text(hit) == text(colds[b]), b
+            s = second.samples()
+            assert sum_samples(s, "vllm:kvlens_load_tokens_total", tier="remote") == 640, b
+            assert sum_samples(s, "vllm:kvlens_remote_seconds_count", operation="exists") >= 1, b
+            assert sum_samples(s, "vllm:kvlens_remote_seconds_count", operation="get") >= 1, b
     finally:
-        second.stop()
+        for second in seconds:
+            second.stop()
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +162,7 @@ def test_a_value_corrupted_in_place_is_a_counted_recompute(faulty):
         ),
         what="corrupt blocks counted",
     )
-    assert "corrupt" in (tmp / "events.jsonl").read_text()
+    assert "corrupt" in (tmp / "faults-events.jsonl").read_text()
     again = _cold(srv, prompt)  # the recompute stored good copies
     assert text(again) == text(cold)
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..telemetry.serve import prompt_tokens
-from .test_serve_remote import loaded, remote_only, serve, text, writes_landed
+from .test_serve_remote import loaded, remote_only, serve, serve_together, text, writes_landed
 
 pytestmark = pytest.mark.integration
 
@@ -54,16 +54,13 @@ def test_copies_of_a_checkpoint_on_two_hosts_share_through_redis_and_a_fine_tune
     finally:
         first.stop()
 
-    second = serve(host_b, tmp_path, "host-b", kv)
+    # The second host and the fine-tune start together: both only read what the first stored.
+    second, third = serve_together(tmp_path, ("host-b", host_b, kv), ("host-c", tuned, kv))
     try:
         hit = second.complete(prompt, max_tokens=8)
         assert loaded(hit) == {"remote": 640}
         assert text(hit) == text(cold)  # what vLLM computed for the whole prompt on the first host
-    finally:
-        second.stop()
 
-    third = serve(tuned, tmp_path, "host-c", kv)
-    try:
         other = third.complete(prompt, max_tokens=8)
         assert loaded(other) == {}
         kvlens = other["kv_transfer_params"]["kvlens"]  # the first host's marks in Redis say why
@@ -72,4 +69,5 @@ def test_copies_of_a_checkpoint_on_two_hosts_share_through_redis_and_a_fine_tune
         }
         assert text(other) != text(cold)  # it is another model
     finally:
+        second.stop()
         third.stop()

@@ -98,8 +98,7 @@ def test_off_means_no_records_and_no_stats(spans):
     assert not tel.stores and tel.stats() is None and not spans.get_finished_spans()
 
 
-def test_worker_gauges_are_shipped_when_they_change(monkeypatch):
-    monkeypatch.setattr("telemetry.worker_recorder.GAUGE_INTERVAL_S", 0.0)
+def test_worker_gauges_are_shipped_when_they_change():
     sizes = [WorkerSizes(0, 0)]
     tel = make(rank=1, tracing_on=False, sizes=lambda: sizes[0])
     assert tel.stats()["gauges"] == {  # per rank: summed on /metrics
@@ -118,3 +117,14 @@ def test_store_latency_is_observed_once_per_request_when_it_finishes():
     assert "operation_seconds|store" not in (tel.stats() or {}).get("histograms", {})
     tel.finished({"a"})
     assert len(tel.stats()["histograms"]["operation_seconds|store"]) == 1
+
+
+def test_a_worker_gauge_that_changed_in_the_last_step_before_idle_is_shipped_with_it():
+    """vLLM asks for the worker's stats once per step; an engine that goes idle right after a
+    step that evicted or stored never asks again. Sampled at most every 0.1 s, the CPU tier's
+    bytes stayed at their value of an earlier step (a TP run read 2 MiB stored, 1.5 MiB indexed)."""
+    sizes = [WorkerSizes(0, 0, 1024)]
+    tel = make(rank=1, tracing_on=False, sizes=lambda: sizes[0])
+    assert tel.stats()["gauges"]["tier_stored_bytes|cpu#1"] == 1024
+    sizes[0] = WorkerSizes(0, 0, 768)  # the next step, a millisecond later: its last
+    assert tel.stats()["gauges"] == {"tier_stored_bytes|cpu#1": 768}

@@ -236,3 +236,21 @@ def test_the_endpoint_serves_clears_and_namespaces_on_loopback(tmp_path):
         assert e.value.code == 400 and "say what" in json.loads(e.value.read())["error"]
     finally:
         s.shutdown()
+
+
+def test_an_eviction_decided_after_the_last_plan_keeps_the_engine_stepping_until_it_goes_out(tmp_path):
+    """A report that drops a chunk (a rank's write failed) arrives with the last step of a burst:
+    the workers learn of it only from the next plan. A served engine would otherwise go idle
+    with a worker holding a chunk the index no longer counts (the leak gauges disagree)."""
+    from connector.engine.outcomes import FailureReason, StoreFailure, WorkerReport
+
+    s = _scheduler(tmp_path)
+    worker = Worker(s)
+    plan = _store(s, worker, "a")
+    s.on_worker_report(WorkerReport(pending_writes=0))
+    assert not s.has_pending_work()
+    name = next(w.name for w in plan.writes if CPU in w.tiers)
+    s.on_worker_report(WorkerReport(store_failures=[StoreFailure("", name, CPU, FailureReason.IO_ERROR, "")]))
+    assert s.has_pending_work()
+    worker.run(s.build_plan(step()))
+    assert worker.cpu_evicted == [name] and not s.has_pending_work()
