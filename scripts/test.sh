@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Set everything up and run the tests:  bash scripts/test.sh [pytest args]
 #
-# Without path arguments it runs `python -m pytest tests -q`; arguments are passed to pytest
-# (e.g. `bash scripts/test.sh tests/unit -x` runs only tests/unit). Exits with pytest's status,
-# except that "no tests collected" (pytest's 5) is an error too.
+# Without path arguments it runs every test in tests/ (as two processes side by side, below);
+# arguments are passed to pytest (e.g. `bash scripts/test.sh tests/unit -x` runs only
+# tests/unit). Exits with pytest's status, except that "no tests collected" (pytest's 5) is an
+# error too.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,11 +22,51 @@ for arg in "$@"; do
     esac
 done
 
-echo "[test] python -m pytest ${targets[*]:+${targets[*]} }-q $*"
-"$KVLENS_VENV/bin/python" -m pytest "${targets[@]}" -q "$@"
-rc=$?
-if [ "$rc" -eq 5 ]; then
+PY="$KVLENS_VENV/bin/python"
+# The whole suite (no test paths, no -m of the caller's) runs as two pytest processes side by
+# side: the tests marked integration (real vLLM) and the rest. vLLM's tests keep about one of
+# the two cores busy (its worker is pinned to one core; a start is mostly one process's imports),
+# so the other core runs the rest meanwhile, minutes off the suite's time. The second one's
+# output follows the first's. KVLENS_TEST_SPLIT=0 runs one process.
+split="${KVLENS_TEST_SPLIT:-1}"
+[ ${#targets[@]} -eq 0 ] && split=0
+for arg in "$@"; do
+    case "$arg" in -m | -m*) split=0 ;; esac
+done
+
+if [ "$split" != 1 ]; then
+    echo "[test] python -m pytest ${targets[*]:+${targets[*]} }-q $*"
+    "$PY" -m pytest "${targets[@]}" -q "$@"
+    rc=$?
+    if [ "$rc" -eq 5 ]; then
+        echo "[test] ERROR: pytest collected no tests" >&2
+        exit 1
+    fi
+    exit "$rc"
+fi
+
+beside_dir="$(mktemp -d "${TMPDIR:-/tmp}/kvlens-tests-beside.XXXXXX")"
+echo "[test] python -m pytest tests -q -m 'not integration' $* (beside, output below)"
+"$PY" -m pytest tests -q -m "not integration" -p no:cacheprovider --basetemp "$beside_dir/tmp" "$@" \
+    >"$beside_dir/output.txt" 2>&1 &
+beside=$!
+echo "[test] python -m pytest tests -q -m integration $*"
+"$PY" -m pytest tests -q -m integration "$@"
+rc_integration=$?
+wait "$beside"
+rc_beside=$?
+echo
+echo "[test] ---- tests not marked integration (ran beside the above) ----"
+cat "$beside_dir/output.txt"
+rm -rf "$beside_dir"
+echo "[test] exit status: integration $rc_integration, the rest $rc_beside"
+if [ "$rc_integration" -eq 5 ] && [ "$rc_beside" -eq 5 ]; then
     echo "[test] ERROR: pytest collected no tests" >&2
     exit 1
 fi
-exit "$rc"
+for rc in "$rc_integration" "$rc_beside"; do
+    if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
+        exit "$rc"
+    fi
+done
+exit 0
