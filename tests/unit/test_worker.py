@@ -338,6 +338,7 @@ def test_writes_queued_when_their_tier_is_skipped_stay_pending_until_their_outco
     the report that says 0 pending carries every one of their outcomes, or an engine that goes
     idle never reports them (the scheduler stops stepping once pending drops to 0)."""
     import threading
+    import time
 
     from connector.tiers.disk import DiskTier
 
@@ -354,6 +355,9 @@ def test_writes_queued_when_their_tier_is_skipped_stay_pending_until_their_outco
     names = [f"{i:02x}" * 16 for i in range(3)]
     for i, name in enumerate(names):
         w.save(StepPlan(writes=[StoreJob("a", name, (2 * i, 2 * i + 1), (DISK,), 32)]))
+    deadline = time.monotonic() + 10
+    while not tried and time.monotonic() < deadline:  # the first write is in flight
+        time.sleep(0.005)
     w.health[DISK].failed(FailureReason.TIMEOUT, "a write has not finished")  # skipped now
     assert w.take_report().pending_writes == 3
     release.set()
