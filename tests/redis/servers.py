@@ -74,6 +74,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_a_replica(master, timeout_s: float = 60.0) -> None:
+    """Until a replica acknowledged every write the master took (WAIT's count, not its timeout:
+    a replica still in its first full sync on a busy machine acknowledges nothing for a while)."""
+    deadline = time.monotonic() + timeout_s
+    while master.wait(1, 2000) < 1:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no replica acknowledged the writes within {timeout_s:.0f} s")
+
+
 class RedisServer:
     def __init__(
         self,
@@ -264,7 +273,7 @@ class RedisClusterProcs:
         for server in self.live():
             with server.client() as raw:
                 if raw.info("replication")["role"] == "master":
-                    raw.wait(1, 2000)
+                    wait_for_a_replica(raw)
 
     def live(self) -> list[RedisServer]:
         return [s for s in self.servers if s.proc is not None]
@@ -392,7 +401,7 @@ class RedisSentinelGroup:
 
     def wait_replicated(self) -> None:
         with self.current_master().client() as client:
-            client.wait(1, 2000)
+            wait_for_a_replica(client)
 
     def wait_failover(self, old_port: int, timeout_s: float = 30) -> int:
         """Until a sentinel names a new master and redis-py's own discovery finds it (a sentinel
