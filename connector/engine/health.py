@@ -69,9 +69,9 @@ class TierHealth:
             return  # a missing or corrupt chunk says nothing about the tier
         with self._lock:
             self._errors_in_a_row += 1
-            timed_out = reason is FailureReason.TIMEOUT and self._timeout_skips
             if self._state is TierState.SKIPPED:
                 return  # an operation begun before the skip: only a success or a probe ends it
+            timed_out = reason is FailureReason.TIMEOUT and self._timeout_skips
             if timed_out or self._errors_in_a_row >= self._failures_to_skip:
                 self._next_probe = self._clock() + self._backoff
                 self._set(TierState.SKIPPED, f"{reason.value}: {detail}")

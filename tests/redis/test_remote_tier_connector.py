@@ -201,6 +201,11 @@ def test_a_stopped_redis_costs_misses_and_recomputes_then_recovers(server_factor
         b.close()
 
 
+def corrupt_in_place(client, key: bytes) -> None:
+    """The value's last four bytes changed where Redis holds it (its length stays the same)."""
+    client.setrange(key, client.strlen(key) - 4, b"\x00\x01\x02\x03")
+
+
 def test_a_chunk_redis_evicted_or_corrupted_is_a_failed_block_not_wrong_kv(redis_server):
     a, b = (
         Engine(redis_server.url, remote_key_prefix="evict"),
@@ -210,7 +215,7 @@ def test_a_chunk_redis_evicted_or_corrupted_is_a_failed_block_not_wrong_kv(redis
         _, stored, _ = a.run(request("x", PROMPT), list(range(0, 5)))
         client = redis_server.client()
         _, second, tail = (f"evict:{storage_name(job.name, 0)}".encode() for job in stored.stores)
-        client.setrange(second, client.strlen(second) - 4, b"\x00\x01\x02\x03")  # corrupt in place
+        corrupt_in_place(client, second)
         client.delete(tail)  # as if Redis evicted it
         before = {n: t.clone() for n, t in b.kv.items()}
         _, plan, failed = b.run(request("y", PROMPT), list(range(10, 15)))
@@ -232,7 +237,7 @@ def test_a_corrupt_value_is_not_looked_up_again_and_is_deleted(redis_server):
         _, stored, _ = a.run(request("x", PROMPT), list(range(0, 5)))
         client = redis_server.client()
         first = f"again:{storage_name(stored.stores[0].name, 0)}".encode()
-        client.setrange(first, client.strlen(first) - 4, b"\x00\x01\x02\x03")  # corrupt in place
+        corrupt_in_place(client, first)
         _, _, failed = b.run(request("y", PROMPT), list(range(10, 15)))
         assert failed
         # vLLM reschedules a request whose asynchronous load failed and asks again: the same
