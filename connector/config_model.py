@@ -62,6 +62,11 @@ class ExtraConfig(BaseModel):
     # Load a chunk only when its tier (as measured) loads it faster than the engine (as
     # measured) computes its tokens; false: load whatever is found.
     load_only_if_faster: bool = True
+    # With enable_async_loading, a disk load still runs inside the step when no other request
+    # is in the engine and the load is predicted (as measured) to take at most this long:
+    # nobody waits for it, and the request saves an asynchronous load's step round trip.
+    # Remote loads are always asynchronous. 0: disk loads are too.
+    async_load_in_step_max_ms: float = Field(50.0, ge=0)
     # The admin endpoint (connector/admin.py; `kvlens clear` of a running server): off unless a
     # port is set; data-parallel engine i listens on admin_port + i.
     admin_port: int | None = Field(None, ge=1, le=65535)

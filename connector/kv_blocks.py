@@ -156,7 +156,7 @@ class BlockCopier:
             out = self.new_payload(len(block_ids))
         for i in range(self.num_layers):
             self.gather_layer(i, out, block_ids)
-        self._synchronize()
+        self.synchronize()
         return out
 
     def new_payload(self, num_blocks: int) -> torch.Tensor:
@@ -199,7 +199,8 @@ class BlockCopier:
             idx = self._indexes[key] = host.to(self.device, non_blocking=True)
         return idx
 
-    def _synchronize(self) -> None:
+    def synchronize(self) -> None:
+        """Return once every copy queued on the device is done (nothing to wait for on CPU)."""
         if self.asynchronous:
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -245,7 +246,7 @@ class BlockCopier:
         self.check_payload(payload, len(block_ids), first_block)
         for i in range(self.num_layers):
             self.scatter_layer(i, payload, block_ids, first_block)
-        self._synchronize()
+        self.synchronize()
 
     def scatter_layer(
         self,

@@ -49,16 +49,50 @@ class CopyStalled(RuntimeError):
     """The copy thread died or did not finish a step's copies in time."""
 
 
+class LayerSource(Protocol):
+    """A payload still being read: its layers become usable in order (a disk record)."""
+
+    def wait_layer(self, layer: int) -> None:
+        """Return once layer ``layer`` is read and checked; raise why it cannot be used."""
+        ...
+
+
 @dataclass(eq=False)
 class BlockLoad:
-    """Copy payload blocks ``first_block ..`` into ``block_ids``; ``error`` if a copy raised."""
+    """Copy payload blocks ``first_block ..`` into ``block_ids``; ``error`` if a copy (or the
+    read of a layer it waits for) raised."""
 
     payload: torch.Tensor
     block_ids: Sequence[int]
     first_block: int
     pairs: CopyPairs | None = None  # prepared per-layer copies (CPU), else scatter_layer
+    source: LayerSource | None = None  # None: every layer of the payload is there already
+    promote: Callable[[], None] | None = None  # keep it in faster tiers, once wholly read and copied
     error: BaseException | None = None
     seconds: float = 0.0  # time spent copying, over every layer
+    waited: float = 0.0  # time spent waiting for its layers' reads (``source``)
+
+
+def copy_load_layer(copier: BlockCopier, load: BlockLoad, i: int, stop: Callable[[], bool]) -> float:
+    """Copy layer ``i`` of ``load`` into the KV cache, once that layer of its payload is read
+    (raises why it cannot be); the seconds spent copying (not waiting)."""
+    started = time.perf_counter()
+    if load.source is not None:
+        load.source.wait_layer(i)
+        load.waited += time.perf_counter() - started
+        started = time.perf_counter()
+    _copy_layer(copier, load, i, stop)
+    return time.perf_counter() - started
+
+
+def _copy_layer(copier: BlockCopier, load: BlockLoad, i: int, stop: Callable[[], bool]) -> None:
+    if load.pairs is None:  # a layout numpy cannot copy (strided, K/V-first, not on CPU)
+        copier.scatter_layer(i, load.payload, load.block_ids, load.first_block)
+        return
+    for dst, src in load.pairs[i]:
+        if stop():
+            return
+        np.copyto(dst, src)
 
 
 @dataclass(eq=False)
@@ -190,21 +224,10 @@ class StepCopies:
     def _load_layer(self, i: int) -> None:
         for load in self.loads:
             if load.error is None and self.stalled is None:
-                started = time.perf_counter()
                 try:
-                    self._copy_load(load, i)
+                    load.seconds += copy_load_layer(self._copier, load, i, lambda: self.stalled is not None)
                 except Exception as e:  # noqa: BLE001 - becomes failed blocks, never a crash
                     load.error = e
-                load.seconds += time.perf_counter() - started
-
-    def _copy_load(self, load: BlockLoad, i: int) -> None:
-        if load.pairs is None:  # a layout numpy cannot copy (strided, K/V-first, not on CPU)
-            self._copier.scatter_layer(i, load.payload, load.block_ids, load.first_block)
-            return
-        for dst, src in load.pairs[i]:
-            if self.stalled is not None:
-                return
-            np.copyto(dst, src)
 
     def wait_layer(self, name: str) -> None:
         """Layer ``name``'s attention comes after its loads (every layer's, for an unknown name):

@@ -121,7 +121,8 @@ class PrefixLookup:
             miss_detail=detail,
             load_async=bool(need)
             and s.config.enable_async_loading
-            and any(h.tier in SLOW_TIERS and h.key.end > num_computed_tokens for h in hits),
+            and any(h.tier in SLOW_TIERS and h.key.end > num_computed_tokens for h in hits)
+            and not self._loads_in_step(rid, hits, num_computed_tokens),
         )
         if need:
             s.pins.pin(rid, ((s.tiers[h.tier], h.key.hex) for h in hits if h.tier in s.tiers))
@@ -130,6 +131,27 @@ class PrefixLookup:
         else:
             s.pins.release(rid)
         return need
+
+    def _loads_in_step(self, rid: str, hits: list[ChunkHit], vllm_cached: int) -> bool:
+        """Whether a disk load is better made inside the step: no other request is in the
+        engine (none would wait for it) and, as measured, it takes at most
+        ``async_load_in_step_max_ms`` (an engine step stays short for requests arriving). A
+        remote load always waits outside: a network stalls more often than a local disk."""
+        s = self._s
+        budget_s = s.config.extra_config.async_load_in_step_max_ms / 1e3
+        if budget_s <= 0 or any(other != rid for other in s.unfinished):
+            return False
+        total_s = 0.0
+        for hit in hits:
+            if hit.key.end <= vllm_cached:
+                continue
+            if hit.tier == REMOTE:
+                return False
+            seconds = s.tier_speeds.seconds(hit.tier, s.facts.chunk_nbytes(hit.key.num_tokens))
+            if seconds is None:  # not measured yet: asynchronous, the safe choice
+                return False
+            total_s += seconds
+        return total_s <= budget_s
 
     def _drop_slower_than_recompute(self, hits: list[ChunkHit], vllm_cached: int) -> dict[str, Any] | None:
         """Cut the hits at the first chunk whose tier loads it slower than the engine computes its

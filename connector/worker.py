@@ -15,7 +15,6 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .async_loads import AsyncLoader
@@ -40,18 +39,28 @@ from .engine.outcomes import (
 )
 from .engine.snapshots import WorkerSizes
 from .kv_blocks import BlockCopier
-from .layer_copies import BlockGather, BlockLoad, CopyRunner, CopyThread, StepCopies
+from .layer_copies import (
+    BlockGather,
+    BlockLoad,
+    CopyRunner,
+    CopyStalled,
+    CopyThread,
+    StepCopies,
+    copy_load_layer,
+)
 from .payload_pool import PayloadPool
 from .tiers import disk as disk_files
 from .tiers.background import BackgroundTier, QueueFull
 from .tiers.base import Tier, classify
 from .tiers.cpu import CpuTier
 from .tiers.disk import DiskTier
+from .tiers.disk_layers import LayeredRecord
 from .tiers.redis_tier import RedisTier
 
 logger = logging.getLogger("vllm.kvlens")
 
-_Staged = tuple[ChunkLoadResult, BlockLoad, ChunkLoad]  # a chunk read and checked, to copy in
+_Staged = tuple[ChunkLoadResult, BlockLoad, ChunkLoad]  # a chunk read (or being read), to copy in
+_Read = memoryview | BaseException | LayeredRecord  # a chunk's read: its payload, why not, or underway
 _ReadJob = tuple[LoadJob, LoadOutcome, list[_Staged]]
 
 DRAIN_WAIT_S = 0.05  # an idle engine's empty step waits this long for background writes
@@ -91,7 +100,11 @@ class ConnectorWorker:
             self.health[DISK] = TierHealth(DISK)
             try:
                 disk = DiskTier(
-                    config.local_disk, facts.kv_layout, extra.disk_shared_grace_s, remove_corrupt=facts.stores
+                    config.local_disk,
+                    facts.kv_layout,
+                    extra.disk_shared_grace_s,
+                    remove_corrupt=facts.stores,
+                    layers=facts.num_layers,
                 )
             except OSError as e:
                 raise ConfigError(f"KVLens config key 'local_disk' = {config.local_disk!r}: {e}") from e
@@ -200,28 +213,52 @@ class ConnectorWorker:
         _, outcome, staged = self._read_job(job, effects)
         outcome.failed_block_ids.extend(job.fail_blocks)
         copied: dict[str, TierTraffic] = {}  # what each tier's chunks moved into the KV cache
-        for position, (result, load, chunk) in enumerate(staged):
+        loads = [load for _, load, _ in staged]
+        for i in range(self.copier.num_layers):  # layer-major: a disk load's reads run ahead
             if cancelled():
                 break
-            started = time.perf_counter()
-            try:
-                if load.pairs is not None:  # numpy copies: no GIL and no OpenMP team while bytes move
-                    for layer in load.pairs:
-                        for dst, src in layer:
-                            np.copyto(dst, src)
-                else:
-                    self.copier.scatter(load.payload, load.block_ids, load.first_block)
-            except Exception as e:  # noqa: BLE001 - this chunk on is recomputed
-                self._fail_from(outcome, staged[position:], e)
+            for load in loads:
+                if load.error is None:
+                    try:
+                        load.seconds += copy_load_layer(self.copier, load, i, cancelled)
+                    except Exception as e:  # noqa: BLE001 - this chunk on is recomputed
+                        load.error = e
+        self.copier.synchronize()  # a device's copies are done before the load is reported
+        for position, (result, load, chunk) in enumerate(staged):
+            if cancelled():  # its request is gone; what was read whole is still promoted
+                self._settle_promotions(staged[position:], effects)
                 break
-            seconds = time.perf_counter() - started
-            outcome.seconds += seconds
+            if load.error is not None:
+                _run_or_defer(effects, lambda e=load.error, t=result.tier: self._layer_failed(t, e))
+                self._fail_from(outcome, staged[position:], load.error, effects)
+                break
+            outcome.seconds += load.seconds + load.waited
+            if load.promote is not None:
+                effects.append(load.promote)
             if result.tier is not None:
                 traffic = copied.setdefault(result.tier, TierTraffic())
-                traffic.add_moved(Stage.COPY, self._payload_bytes(chunk), seconds)
+                traffic.add_moved(Stage.COPY, self._payload_bytes(chunk), load.seconds)
         if copied:  # counted on the step thread, with the step's report
             effects.append(lambda: self._count_copies(copied))
         return outcome
+
+    def _settle_promotions(self, staged: list[_Staged], effects: list[Callable[[], None]]) -> None:
+        """Promotions still waiting for their chunk's read: made once it is read whole and
+        checked, else reported failed (the scheduler admitted them to the faster tiers)."""
+        assert self.copier is not None
+        for _, load, chunk in staged:
+            if load.promote is None:
+                continue
+            try:
+                if load.source is not None:
+                    load.source.wait_layer(self.copier.num_layers - 1)
+                effects.append(load.promote)
+            except Exception as e:  # noqa: BLE001 - the promotion is reported failed
+                reason = classify(e)[0]
+                for tier_name in chunk.promote_to:
+                    failure = StoreFailure("", chunk.name, tier_name, reason)
+                    effects.append(lambda f=failure: self._report.store_failures.append(f))
+            load.promote = None
 
     def _count_copies(self, copied: dict[str, TierTraffic]) -> None:
         for tier, traffic in copied.items():
@@ -264,13 +301,16 @@ class ConnectorWorker:
             self._step.wait_all()
         outcomes = []
         for job, outcome, staged in loading:
-            for position, (_, load, _) in enumerate(staged):
-                if load.error is not None:  # the copy itself raised: this chunk on is recomputed
+            for position, (result, load, _) in enumerate(staged):
+                if load.error is not None:  # the copy or its layer's read raised: recomputed on
+                    self._layer_failed(result.tier, load.error)
                     self._fail_from(outcome, staged[position:], load.error)
                     self._step_failed.update(outcome.failed_block_ids)
                     self._failed_blocks.update(outcome.failed_block_ids)
                     break
-            outcome.seconds += sum(load.seconds for _, load, _ in staged)  # reads + copies
+                if load.promote is not None:
+                    load.promote()
+            outcome.seconds += sum(load.seconds + load.waited for _, load, _ in staged)  # reads + copies
             for result, load, chunk in staged:
                 if result.tier is not None:
                     traffic = self._report.tier_traffic(result.tier)
@@ -315,14 +355,31 @@ class ConnectorWorker:
         outcome.seconds = time.perf_counter() - started  # the copies' time is added when done
         return job, outcome, staged
 
-    def _fail_from(self, outcome: LoadOutcome, staged: list[_Staged], error: BaseException) -> None:
-        """A copy raised: that chunk and every later one of the request are recomputed."""
+    def _fail_from(
+        self,
+        outcome: LoadOutcome,
+        staged: list[_Staged],
+        error: BaseException,
+        effects: list[Callable[[], None]] | None = None,
+    ) -> None:
+        """A copy (or the read of a layer) raised: that chunk and every later one of the request
+        are recomputed; a promotion that waited for them is reported failed (never made)."""
         reason, detail = classify(error)
-        for i, (result, _, chunk) in enumerate(staged):
+        for i, (result, load, chunk) in enumerate(staged):
             result.tier = None
             result.reason, result.detail = (reason, detail) if i == 0 else (FailureReason.PREFIX_FAILED, "")
             outcome.nbytes -= self._payload_bytes(chunk)
             outcome.failed_block_ids.extend(chunk.block_ids)
+            if load.promote is not None:
+                load.promote = None
+                for tier_name in chunk.promote_to:
+                    failure = StoreFailure(outcome.request_id, chunk.name, tier_name, result.reason)
+                    _run_or_defer(effects, lambda f=failure: self._report.store_failures.append(f))
+
+    def _layer_failed(self, tier_name: str | None, error: BaseException) -> None:
+        """A chunk's read failed after its header was good (a layer's checksum or read)."""
+        if tier_name in self.health and not isinstance(error, CopyStalled):
+            self.health[tier_name].failed(*classify(error))
 
     def _payload_bytes(self, chunk: ChunkLoad) -> int:
         return len(chunk.block_ids) * self.facts.block_bytes * self.facts.num_layers
@@ -339,17 +396,20 @@ class ConnectorWorker:
             first.detail,
         )
 
-    def _start_reads(self, job: LoadJob) -> dict[str, Iterator[memoryview | BaseException]]:
+    def _start_reads(self, job: LoadJob) -> dict[str, Iterator[_Read]]:
         """Per planned tier, the reads of its chunks in job order (slow tiers read ahead)."""
         by_tier: dict[str, list[str]] = {}
         for chunk in job.chunks:
             by_tier.setdefault(chunk.tier, []).append(storage_name(chunk.name, self.rank))
         return {tier: self._read_many(tier, names) for tier, names in by_tier.items()}
 
-    def _read_many(self, tier_name: str, names: list[str]) -> Iterator[memoryview | BaseException]:
+    def _read_many(self, tier_name: str, names: list[str]) -> Iterator[_Read]:
         tier, health = self.tiers.get(tier_name), self.health.get(tier_name)
         if tier is None or health is None or not health.usable():
             return iter([ConnectionAbortedError(f"{tier_name} tier is skipped")] * len(names))
+        if isinstance(tier, BackgroundTier) and tier.layered and self.copier is not None:
+            reads = tier.get_layered(names, self.copier.num_layers)  # layer 0 of each first
+            return (reads.record(i) for i in range(len(names)))
         if isinstance(tier, BackgroundTier):
             return tier.get_many(names)
         return (_get(tier, name) for name in names)
@@ -357,19 +417,20 @@ class ConnectorWorker:
     def _read_chunk(
         self,
         chunk: ChunkLoad,
-        first_read: memoryview | BaseException,
+        first_read: _Read,
         result: ChunkLoadResult,
         effects: list[Callable[[], None]] | None = None,
     ) -> BlockLoad | None:
         """One chunk's copy to make, from its tier or, failing that, another usable tier."""
         assert self.copier is not None
         name = storage_name(chunk.name, self.rank)
-        read = first_read
+        source = first_read if isinstance(first_read, LayeredRecord) else None
+        read = first_read.payload() if isinstance(first_read, LayeredRecord) else first_read
         for tier_name in [chunk.tier] + [t for t in self.tiers if t != chunk.tier]:
             if tier_name != chunk.tier:
                 if not self.health[tier_name].usable():
                     continue
-                read = _get(self.tiers[tier_name], name)
+                source, read = None, _get(self.tiers[tier_name], name)
             error: BaseException | None = read if isinstance(read, BaseException) else None
             if error is None:
                 try:
@@ -380,13 +441,18 @@ class ConnectorWorker:
             if error is None:
                 result.tier = tier_name
                 self.health[tier_name].succeeded()
-                _run_or_defer(effects, lambda read=read: self._promote(chunk, name, read))  # type: ignore[misc]
+                promote = None
+                if chunk.promote_to:  # once every layer is read and checked, and copied
+                    promote = lambda read=read: self._promote(chunk, name, read)  # type: ignore[misc]  # noqa: E731
+                    if source is None:
+                        _run_or_defer(effects, promote)
+                        promote = None
                 pairs = (
                     None
-                    if self._runner is None and effects is None
+                    if self._runner is None and effects is None and source is None
                     else self.copier.load_pairs(payload, chunk.block_ids, chunk.first_block)
                 )
-                return BlockLoad(payload, chunk.block_ids, chunk.first_block, pairs)
+                return BlockLoad(payload, chunk.block_ids, chunk.first_block, pairs, source, promote)
             reason, detail = classify(error)
             if isinstance(error, ConnectionAbortedError):
                 reason = FailureReason.TIER_UNHEALTHY

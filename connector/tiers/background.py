@@ -24,6 +24,8 @@ from ..cpu_affinity import run_beside_worker
 from ..engine.health import TierHealth
 from ..engine.outcomes import FailureReason, RemoteCall, Stage, TierTraffic
 from .base import Tier, TierSkipped, classify
+from .disk import DiskTier
+from .disk_layers import LayeredReads
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -335,6 +337,27 @@ class BackgroundTier:
                 )
             )
         return results
+
+    @property
+    def layered(self) -> bool:
+        """Whether its records can be read a layer at a time (``get_layered``)."""
+        return isinstance(self.inner, DiskTier)
+
+    def get_layered(self, names: Sequence[str], num_layers: int) -> LayeredReads:
+        """Start reading the records of ``names`` every record's layer 0 first, then layer 1...
+        (``disk_layers.py``); waits on the result are bounded by ``timeout_s`` from now."""
+        assert isinstance(self.inner, DiskTier)
+        with self._lock:
+            writes = [w.done for w in (self._latest_write.get(n) for n in names) if w is not None]
+        reads = LayeredReads(self.inner, names, num_layers, self.timeout_s, writes, self._note_span)
+        self._submit(reads.open_all)
+        for layer in range(num_layers):
+            self._submit(lambda layer=layer: reads.read_layer(layer))
+        return reads
+
+    def _note_span(self, began: float, ended: float, nbytes: int) -> None:
+        with self._lock:
+            self._read_spans.append((began, ended, nbytes))
 
     def _submit_read(self, name: str) -> Future[memoryview]:
         with self._lock:

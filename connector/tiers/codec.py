@@ -8,6 +8,10 @@ the chunk (a chunk's name, a chained hash, does not reveal it; "" when unknown),
 it was written (whole Unix seconds); ``hx`` checks both, so a flipped bit there is caught like
 one anywhere else. The payload checksum is unchanged: records written before these fields
 existed load as before, and readers that predate them load new records (they ignore them).
+
+``lx`` (disk records): one xxh3 checksum per layer of a layer-major payload, so that a reader
+can check and use layer 0 before the last layer's bytes are read (``disk_layers.py``); the
+whole payload's checksum stays beside it for readers that predate it.
 """
 
 from __future__ import annotations
@@ -24,16 +28,21 @@ from .base import ChunkCorrupt
 MAGIC = b"KVLENS1\n"
 _LEN = struct.Struct("<I")
 PREFIX_BYTES = len(MAGIC) + _LEN.size  # what precedes the JSON header
-HEADER_PEEK_BYTES = 1024  # enough to read a whole header of any record KVLens writes
+HEADER_PEEK_BYTES = 16384  # enough to read a whole header of any record KVLens writes (lx: ~19 B a layer)
 
 
 def checksum(payload: memoryview | bytes) -> str:
     return xxhash.xxh3_128_hexdigest(payload)
 
 
-def encode_header(name: str, layout: str, payload: memoryview, namespace: str = "") -> bytes:
+def layer_checksum(layer: memoryview | bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(layer)
+
+
+def encode_header(name: str, layout: str, payload: memoryview, namespace: str = "", layers: int = 0) -> bytes:
+    """The header of ``payload``'s record; ``layers`` > 1: with a checksum per layer (``lx``)."""
     written = int(time.time())
-    fields = {
+    fields: dict[str, object] = {
         "name": name,
         "layout": layout,
         "nbytes": payload.nbytes,
@@ -42,6 +51,10 @@ def encode_header(name: str, layout: str, payload: memoryview, namespace: str = 
         "t": written,
         "hx": _about_checksum(namespace, written),
     }
+    if layers > 1 and payload.nbytes % layers == 0:
+        flat = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
+        size = payload.nbytes // layers
+        fields["lx"] = [layer_checksum(flat[i * size : (i + 1) * size]) for i in range(layers)]
     header = json.dumps(fields, separators=(",", ":")).encode()
     return MAGIC + _LEN.pack(len(header)) + header
 
@@ -84,9 +97,19 @@ def read_header(prefix: bytes | memoryview) -> RecordHeader:
     return RecordHeader(name, layout, nbytes, end, ns, written)
 
 
-def decode(record: bytearray | memoryview, name: str, layout: str) -> memoryview:
-    """The payload inside ``record`` after checking it is the chunk asked for, intact."""
-    view = memoryview(record)
+@dataclass(frozen=True, slots=True)
+class CheckedHeader:
+    """A record's header, checked to be the chunk asked for, for a reader to check its payload."""
+
+    end: int  # bytes before the payload
+    nbytes: int  # payload bytes
+    whole: str  # the payload's checksum
+    layers: tuple[str, ...] | None  # per-layer checksums (``lx``), or None
+
+
+def check_header(prefix: bytes | memoryview, name: str, layout: str) -> CheckedHeader:
+    """The header of record ``name`` whose first bytes are ``prefix`` (the whole header)."""
+    view = memoryview(prefix)
     if view.nbytes < PREFIX_BYTES or bytes(view[: len(MAGIC)]) != MAGIC:
         raise ChunkCorrupt(f"{name}: not a KVLens chunk record")
     (hlen,) = _LEN.unpack(view[len(MAGIC) : PREFIX_BYTES])
@@ -96,10 +119,27 @@ def decode(record: bytearray | memoryview, name: str, layout: str) -> memoryview
     _about(header, name)
     if header.get("name") != name or header.get("layout") != layout:
         raise ChunkCorrupt(f"{name}: record is for another chunk or KV layout")
-    payload = view[PREFIX_BYTES + hlen :]
-    if payload.nbytes != header.get("nbytes"):
-        raise ChunkCorrupt(f"{name}: payload is {payload.nbytes} bytes, expected {header.get('nbytes')}")
-    if checksum(payload) != header.get("xxh3"):
+    nbytes, whole, layers = header.get("nbytes"), header.get("xxh3"), header.get("lx")
+    if not _count(nbytes) or not isinstance(whole, str):
+        raise ChunkCorrupt(f"{name}: header lacks the payload's size or checksum")
+    if layers is not None and (
+        not isinstance(layers, list)
+        or len(layers) < 2
+        or nbytes % len(layers)
+        or not all(isinstance(x, str) for x in layers)
+    ):
+        raise ChunkCorrupt(f"{name}: damaged layer checksums")
+    return CheckedHeader(PREFIX_BYTES + hlen, nbytes, whole, tuple(layers) if layers else None)
+
+
+def decode(record: bytearray | memoryview, name: str, layout: str) -> memoryview:
+    """The payload inside ``record`` after checking it is the chunk asked for, intact."""
+    view = memoryview(record)
+    header = check_header(view, name, layout)
+    payload = view[header.end :]
+    if payload.nbytes != header.nbytes:
+        raise ChunkCorrupt(f"{name}: payload is {payload.nbytes} bytes, expected {header.nbytes}")
+    if checksum(payload) != header.whole:
         raise ChunkCorrupt(f"{name}: checksum mismatch")
     return payload
 

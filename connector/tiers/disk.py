@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from . import codec
 from .base import ChunkCorrupt, ChunkMissing
+from .read_buffers import ReadBuffers
 
 SUFFIX = ".kvlens"
 FANOUT_DIGITS = 3  # a chunk's subdirectory: this many leading hex digits of its digest
@@ -90,9 +91,13 @@ def chunk_files(root: str) -> list[str]:
 class DiskTier:
     name = "disk"
 
-    def __init__(self, root: str, layout: str, grace_s: float = 30.0, remove_corrupt: bool = True) -> None:
+    def __init__(
+        self, root: str, layout: str, grace_s: float = 30.0, remove_corrupt: bool = True, layers: int = 0
+    ) -> None:
         self.root = root
-        self._layout = layout
+        self.layout = layout
+        self._layers = layers  # > 1: records carry a checksum per layer (read a layer at a time)
+        self.read_buffers = ReadBuffers()  # what layer-wise loads read into, reused
         self._grace_ns = int(grace_s * 1e9)
         self._remove_corrupt = remove_corrupt
         # Names this process wrote within the grace period (and has not deleted since), by
@@ -108,7 +113,7 @@ class DiskTier:
         return len(self._written)
 
     def put(self, name: str, payload: memoryview, namespace: str = "") -> int:
-        header = codec.encode_header(name, self._layout, payload, namespace)
+        header = codec.encode_header(name, self.layout, payload, namespace, self._layers)
         path = self.path(name)
         folder = os.path.dirname(path)
         try:
@@ -129,27 +134,33 @@ class DiskTier:
         self._note_written(name, written)
         return len(header) + payload.nbytes
 
-    def get(self, name: str) -> memoryview:
-        path = self.path(name)
-        try:
-            f = open(path, "rb")  # noqa: SIM115 - closed below
-        except FileNotFoundError:
-            path = legacy_path(self.root, name)
+    def open_record(self, name: str) -> tuple[int, str]:
+        """A read-only descriptor of the chunk's record, and its path; ChunkMissing if none."""
+        for path in (self.path(name), legacy_path(self.root, name)):
             try:
-                f = open(path, "rb")  # noqa: SIM115
+                return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)), path
             except FileNotFoundError:
-                raise ChunkMissing(name) from None
-        with f:
+                continue
+        raise ChunkMissing(name)
+
+    def get(self, name: str) -> memoryview:
+        fd, path = self.open_record(name)
+        with open(fd, "rb") as f:
             st = os.fstat(f.fileno())
             record = bytearray(st.st_size)
             if f.readinto(record) != st.st_size:
                 raise ChunkCorrupt(f"{name}: short read")
         try:
-            return codec.decode(record, name, self._layout)
+            return codec.decode(record, name, self.layout)
         except ChunkCorrupt:
-            if self._remove_corrupt:
-                _unlink_if_same(path, st.st_ino, st.st_mtime_ns)
+            self.remove_if_corrupt(path, st.st_ino, st.st_mtime_ns)
             raise
+
+    def remove_if_corrupt(self, path: str, inode: int, mtime_ns: int) -> None:
+        """A record found corrupt is removed, if it is still the same file (not a fresh copy
+        another engine wrote meanwhile) and this tier may (not a tool's read-only view)."""
+        if self._remove_corrupt:
+            _unlink_if_same(path, inode, mtime_ns)
 
     def delete(self, name: str) -> bool | None:
         """Remove the chunk unless another engine may be about to load it.

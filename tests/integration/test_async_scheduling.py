@@ -40,7 +40,9 @@ def runs(request, alone, tiny_model, tmp_path_factory):
         {"prompts": [LONG_A]},  # served from what round 1 stored
         {"prompts": [LONG_A]},
     ]
-    kv = disk_kv(disk, enable_async_loading=request.param)
+    # async-loads: every load asynchronous (a lone one would otherwise load in the step)
+    extra = {"extra_config": {"async_load_in_step_max_ms": 0}} if request.param else {}
+    kv = disk_kv(disk, enable_async_loading=request.param, **extra)
     spec = {**COMMON, "model": tiny_model, "kv": kv, "rounds": rounds}
     return run_engine(spec, tmp_path_factory.mktemp("a")), alone
 

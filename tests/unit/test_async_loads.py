@@ -178,6 +178,36 @@ def test_cpu_tier_hits_and_the_setting_off_stay_in_the_step(tmp_path):
     assert e2.sched.lookup(c, 0) == 64 and not e2.sched.loads_async("c")  # found in the CPU tier
 
 
+def test_a_lone_request_loads_a_fast_tier_in_the_step_and_one_beside_others_outside_it(tmp_path):
+    """Nobody waits for a load in an otherwise empty engine: a disk hit measured to be short
+    loads in the step (no step round trip); beside a running request it waits outside."""
+
+    def looked_up(engine: Engine, rid: str, **speeds) -> bool:
+        for _ in range(2):  # two loads measured: 1 MB in 1 ms
+            engine.sched.state.tier_speeds.observe(DISK, 1e6, speeds.get("seconds", 1e-3))
+        assert engine.sched.lookup(request(rid, PROMPT), 0) == 64
+        return engine.sched.loads_async(rid)
+
+    e = Engine(tmp_path)
+    stored(e)
+    assert e.sched.lookup(request("unmeasured", PROMPT), 0) == 64 and e.sched.loads_async("unmeasured")
+    assert not looked_up(e, "alone")
+    b = request("b", PROMPT)
+    assert not looked_up(e, "b")
+    kv = e.blocks(range(0, 4)).clone()
+    e.sched.after_alloc(b, 64, list(range(20, 26)))
+    plan, _ = e.step(step(new=[(b, range(20, 26), 64)], num_scheduled={"b": 8}))
+    assert [j.request_id for j in plan.loads] == ["b"] and not plan.async_loads
+    assert torch.equal(e.blocks(range(20, 24)), kv) and not e.invalid
+    assert looked_up(e, "beside")  # b is in the engine now
+    off = Engine(tmp_path / "off", extra_config={"async_load_in_step_max_ms": 0})
+    stored(off)
+    assert looked_up(off, "off")
+    slow = Engine(tmp_path / "slow")
+    stored(slow)
+    assert looked_up(slow, "slow", seconds=100.0)  # 100 s a MB: too long a step for arrivals
+
+
 def test_an_asynchronous_load_reports_the_bytes_it_read_and_copied(tmp_path):
     e = Engine(tmp_path)
     stored(e)

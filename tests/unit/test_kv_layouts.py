@@ -93,7 +93,7 @@ def test_the_device_copy_branches_move_the_same_bytes_as_the_host_ones(name, mon
     for copier in (cs, cd):
         copier.asynchronous = True
         monkeypatch.setattr(copier, "_device_index", lambda ids: torch.tensor(ids, dtype=torch.long))
-        monkeypatch.setattr(copier, "_synchronize", lambda: None)  # nothing queued on a CPU
+        monkeypatch.setattr(copier, "synchronize", lambda: None)  # nothing queued on a CPU
     for ids, into in (([3, 4, 5], [10, 11, 12]), ([9, 1, 14, 6], [2, 13, 7, 0])):  # one run; four
         payload = cs.gather(ids)
         assert torch.equal(payload, host.gather(ids))

@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
+from connector import layer_copies
 from connector.engine.jobs import CPU, ChunkLoad, LoadJob, StepPlan, StoreJob
 from connector.engine.outcomes import FailureReason
-from connector.layer_copies import StepCopies
 
 from .test_worker import LAYERS, NAME, cpu_layout, worker
 
@@ -63,14 +63,14 @@ def test_layers_copy_beside_the_forward_pass(monkeypatch):
     w = worker(caches)
     store_two_chunks(w)
     release = threading.Event()
-    copy = StepCopies._copy_load
+    copy = layer_copies._copy_layer
 
-    def slow_after_layer_0(self, load, i):
+    def slow_after_layer_0(copier, load, i, stop):
         if i > 0:
             release.wait(5)
-        copy(self, load, i)
+        copy(copier, load, i, stop)
 
-    monkeypatch.setattr(StepCopies, "_copy_load", slow_after_layer_0)
+    monkeypatch.setattr(layer_copies, "_copy_layer", slow_after_layer_0)
     plan = load_plan()
     w.start_load(plan)
     started = time.perf_counter()
@@ -132,14 +132,14 @@ def test_a_copy_that_raises_fails_its_chunk_and_later_ones_and_withdraws_depende
     caches = cpu_layout()
     w = worker(caches)
     store_two_chunks(w)
-    copy = StepCopies._copy_load
+    copy = layer_copies._copy_layer
 
-    def fail_second_chunk(self, load, i):
+    def fail_second_chunk(copier, load, i, stop):
         if tuple(load.block_ids) == (10, 11) and i == 1:
             raise RuntimeError("copy engine fault")
-        copy(self, load, i)
+        copy(copier, load, i, stop)
 
-    monkeypatch.setattr(StepCopies, "_copy_load", fail_second_chunk)
+    monkeypatch.setattr(layer_copies, "_copy_layer", fail_second_chunk)
     dependent = StoreJob("b", "ef" * 16, (12, 13), (CPU,), 32, after_loads=(10, 11))
     plan = load_plan(dependent)
     w.start_load(plan)
@@ -161,15 +161,15 @@ def test_a_step_vllm_abandoned_midway_finishes_its_copies_before_the_next(monkey
     caches = cpu_layout()
     w = worker(caches)
     store_two_chunks(w)
-    copy = StepCopies._copy_load
+    copy = layer_copies._copy_layer
     copying = []
 
-    def slow(self, load, i):
+    def slow(copier, load, i, stop):
         copying.append(i)
         time.sleep(0.05)
-        copy(self, load, i)
+        copy(copier, load, i, stop)
 
-    monkeypatch.setattr(StepCopies, "_copy_load", slow)
+    monkeypatch.setattr(layer_copies, "_copy_layer", slow)
     w.start_load(load_plan())  # the forward pass raised: no wait_for_save for this step
     plan = StepPlan(writes=[StoreJob("c", "ef" * 16, (8, 9), (CPU,), 32)])
     w.save(plan)  # the next step's first hook
@@ -219,9 +219,9 @@ def test_a_dead_or_stalled_copy_thread_fails_the_loads_instead_of_hanging_the_en
         w._runner.close()  # the thread is gone; tasks queue up and never run
     else:
         monkeypatch.setattr(layer_copies, "COPY_TIMEOUT_S", 0.5)
-        copy = StepCopies._copy_load
+        copy = layer_copies._copy_layer
         monkeypatch.setattr(
-            StepCopies, "_copy_load", lambda self, load, i: (release.wait(5), copy(self, load, i))
+            layer_copies, "_copy_layer", lambda c, load, i, stop: (release.wait(5), copy(c, load, i, stop))
         )
     dependent = StoreJob("b", "ef" * 16, (12, 13), (CPU,), 32, after_loads=(8, 9, 10, 11))
     plan = load_plan(dependent)
