@@ -21,7 +21,9 @@ Prints the tables; writes .run/bench/results/ttft_peers.json and .png (see --out
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +33,16 @@ from bench.lib import ttft  # noqa: E402
 from bench.lib.runner import Case, Check, Figure, Option, Target, main  # noqa: E402
 from bench.lib.served import LiveMode, ServedBenchmark, ServerShape  # noqa: E402
 
+CPU_MODE = "kvlens-cpu"
+DISK_TARGET = 1.05
+
 
 class TtftPeers(ServedBenchmark):
     name = "ttft_peers"
     title = "TTFT of one long prompt per connector: cold, vLLM prefix hit (floor), connector hit"
+    # hit/floor of a slower KVLens tier is also divided by the CPU tier's, prompt by prompt
     figures = (
-        *ttft.FIGURES,
+        *(dataclasses.replace(f, ratio=True) if f is ttft.PAIR_RATIO else f for f in ttft.FIGURES),
         Figure("store_over_skip", "stored/unstored cold", panel="cost of storing on a miss"),
         Figure("store_timer_ms", "store timer ms", "{:.1f}", plot=False),
     )
@@ -46,6 +52,13 @@ class TtftPeers(ServedBenchmark):
     )
     targets = (
         ttft.HIT_GOAL,
+        Target(
+            f"KVLens disk hit <= {DISK_TARGET} x CPU-tier hit (hit/floor over kvlens-cpu's)",
+            "pair_ratio",
+            DISK_TARGET,
+            baseline=CPU_MODE,
+            mode_prefix="kvlens-disk",
+        ),
         Target(
             f"cold with stores <= {ttft.STORE_TARGET} x without",
             "store_over_skip",
@@ -89,6 +102,10 @@ class TtftPeers(ServedBenchmark):
             stored, skipped = (ttft.prompt(a.seed * 7919 + 2 * rep + i, a.tokens, self.vocab) for i in (0, 1))
             rec |= ttft.measure_store_pair(lm, stored, skipped, store_first=rep % 2 == 0)
         return rec
+
+    def compared_with(self, side: str) -> Sequence[str]:
+        names = {m.name for m in self.modes}
+        return (CPU_MODE,) if side.startswith("kvlens-") and side != CPU_MODE and CPU_MODE in names else ()
 
     def workload(self) -> dict[str, Any]:
         return {
