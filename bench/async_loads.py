@@ -2,7 +2,7 @@
 requests loads its prompts from the disk or the remote tier, with loads in the step and
 asynchronous loads (``enable_async_loading``) side by side.
 
-    python bench/async_loads.py [--quick] [--modes kvlens-disk,kvlens-disk-async,...]
+    python bench/async_loads.py [--quick] [--modes kvlens-disk,kvlens-disk-async,lmcache,lmcache-disk,...]
 
 Every repetition, in every mode: the burst's prompts are stored first (sent once, then vLLM's
 own prefix cache is flushed, so they come back from the tier); --decoders requests then decode
@@ -13,6 +13,14 @@ burst, their ratio (p99 with / without: the goal is at most 1.2), and the burst'
 remote mode and no --kvlens-remote-url, a private redis-server is started.
 Ratios of the asynchronous modes are taken to their in-step twin (``kvlens-disk``,
 ``kvlens-remote``) per repetition.
+
+LMCache as a peer (bench/lib/modes.py): ``lmcache`` (its multiprocess mode; the burst comes from
+its server's memory) and ``lmcache-disk`` (the same with a disk L2 and the ``skip_l1`` store
+policy: the burst is prefetched from disk at lookup). Both load asynchronously, the only way
+vLLM's ``LMCacheMPConnector`` loads; there is no in-step LMCache twin here, since the in-process
+``LMCacheConnectorV1`` (in-step loads; ``enable_async_loading`` makes only its lookups and
+prefetches asynchronous) has no CPU path in LMCache 0.5.6. Their ratios are to the KVLens modes
+in the same run.
 """
 
 from __future__ import annotations
@@ -35,9 +43,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib import report  # noqa: E402
 from bench.lib import workload as wl  # noqa: E402
-from bench.lib.client import _body  # noqa: E402
+from bench.lib.client import Client, _body  # noqa: E402
+from bench.lib.models import kv_bytes_per_token  # noqa: E402
 from bench.lib.runner import Figure, Option, Target, main  # noqa: E402
 from bench.lib.served import LiveMode  # noqa: E402
+
+STORE_WAIT_S = 60.0
+# Prompt tokens a connector supplied, as vLLM counts them (any connector; KVLens has its own).
+CONNECTOR_TOKENS = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
+LMCACHE_L2_BYTES = "lmcache_mp_l2_usage_bytes"  # LMCache server: bytes its L2 adapters hold
 
 
 async def decode_times(
@@ -164,20 +178,54 @@ class AsyncLoads(wl.ThroughputBenchmark):
             tokens(a.burst_prompt) for _ in range(a.burst)
         ]
 
+    def loaded_tokens(self, lm: LiveMode) -> float:
+        """Prompt tokens loaded so far: KVLens's own counter, vLLM's for the other connectors."""
+        if lm.mode.connector == "kvlens":
+            return lm.client.metric_sum("vllm:kvlens_load_tokens_total")
+        name, labels = CONNECTOR_TOKENS
+        return lm.client.metric_sum(name, **labels)
+
+    def burst_l2_bytes(self) -> int:
+        """What the burst's whole LMCache chunks take in bf16 (a lower bound of their L2 bytes)."""
+        a, chunk = self.args, self.settings.lmcache_chunk_size
+        return a.burst * (a.burst_prompt // chunk * chunk) * kv_bytes_per_token(self.model)
+
+    def wait_stored(self, lm: LiveMode, l2_before: float) -> None:
+        """Until the burst is where its next lookup will find it: KVLens's queued writes done;
+        with LMCache's disk L2, the burst's chunks written to it (``skip_l1`` then drops them
+        from the server's memory)."""
+        deadline = time.monotonic() + STORE_WAIT_S
+        while lm.client.metric_sum("vllm:kvlens_pending_writes") > 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if lm.sidecar is None or lm.mode.tier is None:
+            return
+        server = Client(f"http://127.0.0.1:{lm.sidecar.http_port}")
+        want = l2_before + self.burst_l2_bytes()
+        while (have := server.metric_sum(LMCACHE_L2_BYTES)) < want:
+            if time.monotonic() > deadline:
+                got = f"{have - l2_before:.0f} of {want - l2_before} bytes"
+                print(f"   {lm.name}: the burst is not all in LMCache's L2 ({got})", flush=True)
+                return
+            time.sleep(0.2)
+        time.sleep(0.5)  # the L1 deletions follow the L2 stores
+
     def run_once(self, lm: LiveMode, rep: int) -> dict[str, Any]:
         a, url = self.args, lm.server.url
         decoders, burst = self.prompts(rep)
+        l2_before = (
+            Client(f"http://127.0.0.1:{lm.sidecar.http_port}").metric_sum(LMCACHE_L2_BYTES)
+            if lm.sidecar is not None
+            else 0.0
+        )
         for p in burst:  # stored in the tier
             lm.client.complete(p, max_tokens=1)
-        deadline = time.monotonic() + 60
-        while lm.client.metric_sum("vllm:kvlens_pending_writes") > 0 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        self.wait_stored(lm, l2_before)
         lm.client.reset_prefix_cache()
         alone = asyncio.run(phase(url, decoders, a.decode_tokens, []))
         lm.client.reset_prefix_cache()
-        loaded_before = lm.client.metric_sum("vllm:kvlens_load_tokens_total")
+        loaded_before = self.loaded_tokens(lm)
         during = asyncio.run(phase(url, [d[::-1] for d in decoders], a.decode_tokens, burst))
-        loaded = lm.client.metric_sum("vllm:kvlens_load_tokens_total") - loaded_before
+        loaded = self.loaded_tokens(lm) - loaded_before
         pct = report.percentile
         rec = {
             "itl_p50_ms_alone": pct(alone["gaps"], 50),

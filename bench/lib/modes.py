@@ -2,14 +2,16 @@
 
 A mode is a vLLM server configured one way: no connector (vLLM's prefix caching only), the
 same with enough KV memory for the whole working set (the ceiling), KVLens with one storage
-tier, vLLM's ``ExampleConnector``, or LMCache in its multiprocess mode. Every mode gets the
-same model, worker cores and KV-memory settings; only ``--kv-transfer-config`` (and, for the
-ceiling, the KV block limit) differs. KVLens is treated as a black box configured only through
+tier, vLLM's ``ExampleConnector``, or LMCache in its multiprocess mode (from its server's
+memory, or from a disk L2 behind it). Every mode gets the same model, worker cores and
+KV-memory settings; only ``--kv-transfer-config`` (and, for the ceiling, the KV block limit;
+for LMCache, its server's arguments) differs. KVLens is treated as a black box configured only through
 ``--kv-transfer-config``, as users configure it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Callable
@@ -29,7 +31,7 @@ class Mode:
     name: str  # as given to --modes and used in the JSON
     label: str  # for the table and the plot
     connector: str | None  # None, "kvlens", "example", "lmcache"
-    tier: str | None = None  # KVLens's tier
+    tier: str | None = None  # KVLens's tier; for LMCache, its server's L2 (None: memory only)
     ceiling: bool = False  # vLLM's KV memory is not limited by the workload
     optional: bool = False  # a peer: when it cannot run, the run goes on without it
 
@@ -100,7 +102,37 @@ FIXED_MODES = {
     "ceiling": Mode("ceiling", "ceiling (no connector, KV memory for all)", None, ceiling=True),
     "example": Mode("example", "vLLM ExampleConnector (disk)", "example"),
     "lmcache": Mode("lmcache", "LMCache 0.5.6 MP mode", "lmcache", optional=True),
+    "lmcache-disk": Mode(
+        "lmcache-disk", "LMCache 0.5.6 MP mode, disk L2", "lmcache", tier="disk", optional=True
+    ),
 }
+# Names a user may try for LMCache modes that cannot run here, and why.
+LMCACHE_NOT_HERE = {
+    "lmcache-async": (
+        "LMCache's MP mode (the 'lmcache' modes) always loads asynchronously: vLLM's "
+        "LMCacheMPConnector.get_num_new_matched_tokens returns load_kv_async = need_to_load > 0; "
+        "enable_async_loading belongs to its in-process LMCacheConnectorV1, which has no CPU path "
+        "in 0.5.6 (CreateGPUConnector: 'No supported cpu connector found', then recompute)"
+    ),
+}
+
+
+def lmcache_server_args(mode: Mode, s: Settings) -> list[str]:
+    """The mode's arguments for LMCache's server beyond the common ones (``LMCacheServer``).
+
+    ``disk``: a filesystem L2 under the storage directory with the ``skip_l1`` store policy, so a
+    chunk leaves the server's memory once it is on disk and a later hit is prefetched from the
+    disk at lookup (LMCache's disk path, as KVLens's ``disk`` tier has no memory tier above it)."""
+    if mode.connector != "lmcache" or mode.tier is None:
+        return []
+    if mode.tier == "disk":
+        l2 = {"type": "fs", "base_path": str(lmcache_disk_dir(s))}
+        return ["--l2-adapter", json.dumps(l2), "--l2-store-policy", "skip_l1"]
+    raise ValueError(f"mode {mode.name}: unknown LMCache L2 {mode.tier!r}")
+
+
+def lmcache_disk_dir(s: Settings) -> Path:
+    return s.storage_dir / "lmcache-disk"
 
 
 def kvlens_mode(tier: str) -> Mode:
@@ -119,6 +151,8 @@ def parse_modes(spec: str, tiers: str) -> list[Mode]:
             modes.append(kvlens_mode(name.removeprefix("kvlens-")))
         elif name in FIXED_MODES:
             modes.append(FIXED_MODES[name])
+        elif name in LMCACHE_NOT_HERE:
+            raise ValueError(f"mode {name!r} cannot run here: {LMCACHE_NOT_HERE[name]}")
         else:
             raise ValueError(
                 f"unknown mode {name!r}; known: {', '.join([*FIXED_MODES, 'kvlens', 'kvlens-<tier>'])}"

@@ -22,7 +22,15 @@ from typing import Any
 
 from .client import Client
 from .models import BENCH, TINY, ModelSpec, ensure_model, vocab_size
-from .modes import Mode, Settings, kv_transfer_config, lmcache_venv_problem, parse_modes
+from .modes import (
+    Mode,
+    Settings,
+    kv_transfer_config,
+    lmcache_disk_dir,
+    lmcache_server_args,
+    lmcache_venv_problem,
+    parse_modes,
+)
 from .paths import RUN_DIR, peers_tmp
 from .runner import Benchmark, Option, SideFailed
 from .servers import LMCACHE_ENV, LMCacheServer, VllmServer, server_env
@@ -206,6 +214,9 @@ class ServedBenchmark(Benchmark):
     def _start(self, mode: Mode, shape: ServerShape) -> LiveMode | None:
         env = server_env(shape.kv_space_gib, LMCACHE_ENV if mode.connector == "lmcache" else None)
         python, sidecar = sys.executable, None
+        for sub in ("kvlens-disk", "example-connector"):
+            (self.settings.storage_dir / sub).mkdir(parents=True, exist_ok=True)
+        lmcache_disk_dir(self.settings).mkdir(parents=True, exist_ok=True)
         if mode.connector == "lmcache":
             venv = self.args.lmcache_venv
             python = str(venv / "bin" / "python")
@@ -216,6 +227,7 @@ class ServedBenchmark(Benchmark):
                 env,
                 self.work_dir / f"{mode.name}-server.log",
             )
+            sidecar.cmd += lmcache_server_args(mode, self.settings)
             sidecar.start()
             try:
                 sidecar.wait_until(sidecar.ready, time.monotonic() + 180)
@@ -223,8 +235,6 @@ class ServedBenchmark(Benchmark):
                 sidecar.stop()
                 self.skip(mode, f"LMCache's server did not start ({str(e).splitlines()[0]})")
                 return None
-        for sub in ("kvlens-disk", "example-connector"):
-            (self.settings.storage_dir / sub).mkdir(parents=True, exist_ok=True)
         ktc = kv_transfer_config(mode, self.settings, sidecar.port if sidecar else None)
         limit = mode.ceiling or shape.kv_blocks is None
         args = [] if limit else ["--num-gpu-blocks-override", str(shape.kv_blocks)]
