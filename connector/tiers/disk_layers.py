@@ -96,8 +96,8 @@ class LayeredReads:
                         with self._lock:
                             self._fail(record, e, layer)
         finally:
+            self._layer_done()  # before the event: a load that waited for every layer is counted
             self._layers[layer].set()
-            self._layer_done()
 
     # ---- consumers ----------------------------------------------------------------------
     def record(self, index: int) -> LayeredRecord:
