@@ -220,6 +220,23 @@ class BlockCopier:
             for i, dst in enumerate(self._flat_np)
         ]
 
+    def load_targets(self, block_ids: Sequence[int]) -> list[list[tuple[int, memoryview]]] | None:
+        """Per layer, (byte offset in a payload layer, writable bytes of the KV cache) for every
+        run of ``block_ids`` (payload blocks 0..), in order: where a read may put a stored
+        chunk's layers directly. None where the KV cache is not in host memory as rows."""
+        if self._flat_np is None:
+            return None
+        out = []
+        for rows in self._flat_np:
+            runs = (
+                _runs(block_ids) if rows.flags.c_contiguous else [(p, b, 1) for p, b in enumerate(block_ids)]
+            )
+            views = [(pos * self.block_bytes, memoryview(rows[b : b + n])) for pos, b, n in runs]
+            if not all(view.contiguous for _, view in views):
+                return None
+            out.append([(start, view.cast("B")) for start, view in views])
+        return out
+
     def gather_pairs(self, out: torch.Tensor, block_ids: Sequence[int]) -> CopyPairs | None:
         """Per layer, the (destination, source) arrays that copy blocks ``block_ids`` into ``out``."""
         if self._flat_np is None:

@@ -38,7 +38,7 @@ from .engine.outcomes import (
     WorkerReport,
 )
 from .engine.snapshots import WorkerSizes
-from .kv_blocks import BlockCopier
+from .kv_blocks import BlockCopier, CopyPairs
 from .layer_copies import (
     BlockGather,
     BlockLoad,
@@ -54,14 +54,15 @@ from .tiers.background import BackgroundTier, QueueFull
 from .tiers.base import Tier, classify
 from .tiers.cpu import CpuTier
 from .tiers.disk import DiskTier
-from .tiers.disk_layers import LayeredRecord
+from .tiers.disk_layers import LayeredReads, LayeredRecord
 from .tiers.redis_tier import RedisTier
 
 logger = logging.getLogger("vllm.kvlens")
 
 _Staged = tuple[ChunkLoadResult, BlockLoad, ChunkLoad]  # a chunk read (or being read), to copy in
 _Read = memoryview | BaseException | LayeredRecord  # a chunk's read: its payload, why not, or underway
-_ReadJob = tuple[LoadJob, LoadOutcome, list[_Staged]]
+# a job's chunks read and checked; the layer-wise disk reads it started (closed when it is done)
+_ReadJob = tuple[LoadJob, LoadOutcome, list[_Staged], list[LayeredReads]]
 
 DRAIN_WAIT_S = 0.05  # an idle engine's empty step waits this long for background writes
 IDLE_WAIT_S = 0.01  # a step that computed nothing waits this long for an asynchronous load
@@ -182,13 +183,14 @@ class ConnectorWorker:
             self._failed_by_step[plan.step] = self._step_failed
             self._report.step = plan.step
         self._start_async(plan)
+        _close_reads(self._loading)  # a step vLLM abandoned before finish_load
         self._loading = [self._read_job(job) for job in plan.loads]
-        for job, outcome, _ in self._loading:
+        for job, outcome, _, _ in self._loading:
             self._report.loads[job.request_id] = outcome
             self._step_failed.update(outcome.failed_block_ids)
             self._failed_blocks.update(outcome.failed_block_ids)
         step = self._step_of(plan)
-        step.start_loads([load for _, _, staged in self._loading for _, load, _ in staged])
+        step.start_loads([load for _, _, staged, _ in self._loading for _, load, _ in staged])
         if not self.config.use_layerwise or not layer_hooks:
             step.wait_all()  # every layer before the first
 
@@ -210,7 +212,21 @@ class ConnectorWorker:
         assert self.copier is not None
         if cancelled():
             return LoadOutcome(job.request_id)
-        _, outcome, staged = self._read_job(job, effects)
+        _, outcome, staged, opened = self._read_job(job, effects)
+        try:
+            return self._copy_outside_step(job, outcome, staged, effects, cancelled)
+        finally:
+            _close_reads([(job, outcome, staged, opened)])  # nothing writes into its blocks after
+
+    def _copy_outside_step(
+        self,
+        job: LoadJob,
+        outcome: LoadOutcome,
+        staged: list[_Staged],
+        effects: list[Callable[[], None]],
+        cancelled: Callable[[], bool],
+    ) -> LoadOutcome:
+        assert self.copier is not None
         outcome.failed_block_ids.extend(job.fail_blocks)
         copied: dict[str, TierTraffic] = {}  # what each tier's chunks moved into the KV cache
         loads = [load for _, load, _ in staged]
@@ -299,8 +315,9 @@ class ConnectorWorker:
         loading, self._loading = self._loading, []
         if self._step is not None:
             self._step.wait_all()
+        _close_reads(loading)  # a read still under way (a chunk after a failed one) stops here
         outcomes = []
-        for job, outcome, staged in loading:
+        for job, outcome, staged, _ in loading:
             for position, (result, load, _) in enumerate(staged):
                 if load.error is not None:  # the copy or its layer's read raised: recomputed on
                     self._layer_failed(result.tier, load.error)
@@ -328,7 +345,8 @@ class ConnectorWorker:
         outcome = LoadOutcome(job.request_id)
         started = time.perf_counter()
         staged: list[_Staged] = []
-        reads = self._start_reads(job)
+        opened: list[LayeredReads] = []
+        reads = self._start_reads(job, opened)
         failed = False
         for chunk in job.chunks:
             result = ChunkLoadResult(chunk.name, chunk.tier, chunk.num_tokens)
@@ -353,7 +371,7 @@ class ConnectorWorker:
             while remote.reads:
                 outcome.remote_calls.append(remote.reads.popleft())
         outcome.seconds = time.perf_counter() - started  # the copies' time is added when done
-        return job, outcome, staged
+        return job, outcome, staged, opened
 
     def _fail_from(
         self,
@@ -396,19 +414,29 @@ class ConnectorWorker:
             first.detail,
         )
 
-    def _start_reads(self, job: LoadJob) -> dict[str, Iterator[_Read]]:
-        """Per planned tier, the reads of its chunks in job order (slow tiers read ahead)."""
-        by_tier: dict[str, list[str]] = {}
+    def _start_reads(self, job: LoadJob, opened: list[LayeredReads]) -> dict[str, Iterator[_Read]]:
+        """Per planned tier, the reads of its chunks in job order (slow tiers read ahead);
+        layer-wise disk reads started are added to ``opened``."""
+        by_tier: dict[str, list[ChunkLoad]] = {}
         for chunk in job.chunks:
-            by_tier.setdefault(chunk.tier, []).append(storage_name(chunk.name, self.rank))
-        return {tier: self._read_many(tier, names) for tier, names in by_tier.items()}
+            by_tier.setdefault(chunk.tier, []).append(chunk)
+        return {tier: self._read_many(tier, chunks, opened) for tier, chunks in by_tier.items()}
 
-    def _read_many(self, tier_name: str, names: list[str]) -> Iterator[_Read]:
+    def _read_many(
+        self, tier_name: str, chunks: list[ChunkLoad], opened: list[LayeredReads]
+    ) -> Iterator[_Read]:
         tier, health = self.tiers.get(tier_name), self.health.get(tier_name)
+        names = [storage_name(chunk.name, self.rank) for chunk in chunks]
         if tier is None or health is None or not health.usable():
             return iter([ConnectionAbortedError(f"{tier_name} tier is skipped")] * len(names))
         if isinstance(tier, BackgroundTier) and tier.layered and self.copier is not None:
-            reads = tier.get_layered(names, self.copier.num_layers)  # layer 0 of each first
+            # layer 0 of each first; a whole chunk nobody promotes goes straight into its blocks
+            targets = [
+                None if chunk.promote_to or chunk.first_block else self.copier.load_targets(chunk.block_ids)
+                for chunk in chunks
+            ]
+            reads = tier.get_layered(names, self.copier.num_layers, targets)
+            opened.append(reads)
             return (reads.record(i) for i in range(len(names)))
         if isinstance(tier, BackgroundTier):
             return tier.get_many(names)
@@ -431,6 +459,11 @@ class ConnectorWorker:
                 if not self.health[tier_name].usable():
                     continue
                 source, read = None, _get(self.tiers[tier_name], name)
+            if read is None and source is not None:  # its layers are read straight into its blocks
+                result.tier = tier_name
+                self.health[tier_name].succeeded()
+                nothing_to_copy: CopyPairs = [[] for _ in range(self.copier.num_layers)]
+                return BlockLoad(_NO_PAYLOAD, chunk.block_ids, chunk.first_block, nothing_to_copy, source)
             error: BaseException | None = read if isinstance(read, BaseException) else None
             if error is None:
                 try:
@@ -766,8 +799,19 @@ class ConnectorWorker:
         if isinstance(cpu, CpuTier):
             cpu.clear()
         self._pool.clear()
+        _close_reads(self._loading)
         self._loading = []
         self.copier = None
+
+
+_NO_PAYLOAD = torch.empty(0, dtype=torch.uint8)  # a load whose reads write into its blocks themselves
+
+
+def _close_reads(jobs: list[_ReadJob]) -> None:
+    """The jobs are done (or given up): no read of theirs writes into the KV cache after this."""
+    for _, _, _, opened in jobs:
+        for reads in opened:
+            reads.close()
 
 
 def _get(tier: Tier | BackgroundTier, name: str) -> memoryview | BaseException:

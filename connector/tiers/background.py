@@ -25,7 +25,7 @@ from ..engine.health import TierHealth
 from ..engine.outcomes import FailureReason, RemoteCall, Stage, TierTraffic
 from .base import Tier, TierSkipped, classify
 from .disk import DiskTier
-from .disk_layers import LayeredReads
+from .disk_layers import LayeredReads, Targets
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -343,13 +343,16 @@ class BackgroundTier:
         """Whether its records can be read a layer at a time (``get_layered``)."""
         return isinstance(self.inner, DiskTier)
 
-    def get_layered(self, names: Sequence[str], num_layers: int) -> LayeredReads:
+    def get_layered(
+        self, names: Sequence[str], num_layers: int, targets: Sequence[Targets | None] = ()
+    ) -> LayeredReads:
         """Start reading the records of ``names`` every record's layer 0 first, then layer 1...
-        (``disk_layers.py``); waits on the result are bounded by ``timeout_s`` from now."""
+        (``disk_layers.py``), straight into ``targets`` where given; waits on the result are
+        bounded by ``timeout_s`` from now."""
         assert isinstance(self.inner, DiskTier)
         with self._lock:
             writes = [w.done for w in (self._latest_write.get(n) for n in names) if w is not None]
-        reads = LayeredReads(self.inner, names, num_layers, self.timeout_s, writes, self._note_span)
+        reads = LayeredReads(self.inner, names, num_layers, self.timeout_s, writes, self._note_span, targets)
         self._submit(reads.open_all)
         for layer in range(num_layers):
             self._submit(lambda layer=layer: reads.read_layer(layer))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import struct
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import xxhash
@@ -37,6 +38,14 @@ def checksum(payload: memoryview | bytes) -> str:
 
 def layer_checksum(layer: memoryview | bytes) -> str:
     return xxhash.xxh3_64_hexdigest(layer)
+
+
+def layer_checksum_of(parts: Iterable[memoryview]) -> str:
+    """``layer_checksum`` of the parts' bytes one after the other."""
+    state = xxhash.xxh3_64()
+    for part in parts:
+        state.update(part)
+    return state.hexdigest()
 
 
 def encode_header(name: str, layout: str, payload: memoryview, namespace: str = "", layers: int = 0) -> bytes:

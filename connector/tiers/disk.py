@@ -98,6 +98,7 @@ class DiskTier:
         self.layout = layout
         self._layers = layers  # > 1: records carry a checksum per layer (read a layer at a time)
         self.read_buffers = ReadBuffers()  # what layer-wise loads read into, reused
+        self.reads_nowait = hasattr(os, "RWF_NOWAIT")  # False once the file system refuses it
         self._grace_ns = int(grace_s * 1e9)
         self._remove_corrupt = remove_corrupt
         # Names this process wrote within the grace period (and has not deleted since), by

@@ -13,19 +13,39 @@ header task. A record that fails (missing, a damaged header, a short read, a lay
 fails from that layer on, and whoever waits for it gets the error. Every wait is bounded by a
 deadline set when the reads were submitted: a hung disk costs failed blocks, never a hung step.
 The payloads land in buffers of the tier's pool (``read_buffers.py``): no page faults per load.
+
+Straight into the KV cache: where the consumer hands a record's destinations (``Targets``: per
+layer, the runs of vLLM's host KV blocks the whole layer goes to), its layers are read into them
+directly and checked there, one memory copy instead of two (a failed check leaves bytes only in
+blocks that are reported failed). A read into the KV cache never waits for the device: it asks
+for what is in the page cache (``RWF_NOWAIT``); a layer that is not is read into a pool buffer
+first (that read may block) and copied in once checked. Each write into the KV cache starts only
+while the reads are open and ``close`` waits for those under way, so once the consumer is done
+with a load (finished, failed, timed out, cancelled) nothing writes into vLLM's blocks again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from . import codec
 from .base import ChunkCorrupt
+
+# Per layer of a record, (byte offset within the layer, writable bytes of vLLM's KV cache) for
+# every run of its blocks, covering the whole layer in order.
+Targets = Sequence[Sequence[tuple[int, memoryview]]]
+
+
+class ReadsClosed(RuntimeError):
+    """The consumer was done with the load before this read wrote into the KV cache."""
+
 
 if TYPE_CHECKING:
     from .disk import DiskTier
@@ -39,7 +59,9 @@ class _Record:
     inode: int = 0
     mtime_ns: int = 0
     header: codec.CheckedHeader | None = None
-    payload: memoryview | None = None  # filled a layer at a time
+    payload: memoryview | None = None  # filled a layer at a time (None: read into ``targets``)
+    offered: Targets | None = None  # where the consumer would have its layers go in the KV cache
+    targets: Targets | None = None  # ``offered``, if its layers are read straight there
     error: BaseException | None = None
     failed_from: int = 0  # the first layer not to use, once ``error`` is set
 
@@ -56,9 +78,11 @@ class LayeredReads:
         timeout_s: float,
         before: Sequence[threading.Event] = (),
         on_done: Callable[[float, float, int], None] | None = None,
+        targets: Sequence[Targets | None] = (),
     ) -> None:
         self._tier = tier
-        self._records = [_Record(name) for name in names]
+        offered = list(targets) or [None] * len(names)
+        self._records = [_Record(name, offered=t) for name, t in zip(names, offered, strict=True)]
         self._num_layers = num_layers
         self._deadline = time.monotonic() + timeout_s
         self._timeout_s = timeout_s
@@ -70,6 +94,9 @@ class LayeredReads:
         self._left = num_layers  # layer tasks still to finish: the last one closes the files
         self._began = 0.0
         self._bytes = 0
+        self._closed = False  # the consumer is done: nothing writes into the KV cache any more
+        self._writing = 0  # writes into the KV cache under way
+        self._written = threading.Condition(self._lock)
 
     # ---- on the tier's reader threads ---------------------------------------------------
     def open_all(self) -> None:
@@ -89,6 +116,8 @@ class LayeredReads:
         try:
             self._opened.wait()
             for record in self._records:
+                if self._closed:
+                    break
                 if record.error is None and record.header is not None and record.header.layers:
                     try:
                         self._read(record, layer)
@@ -103,16 +132,24 @@ class LayeredReads:
     def record(self, index: int) -> LayeredRecord:
         return LayeredRecord(self, index)
 
-    def payload(self, index: int) -> memoryview | BaseException:
+    def payload(self, index: int) -> memoryview | BaseException | None:
         """Record ``index``'s payload buffer once its header is checked (its layers fill in
-        later: ``wait_layer``), or why it cannot be read."""
+        later: ``wait_layer``); None when its layers go straight into its targets; or why it
+        cannot be read."""
         if not self._opened.wait(max(self._deadline - time.monotonic(), 0.0)):
             return TimeoutError(f"disk read took over {self._timeout_s:g} s")
         record = self._records[index]
         if record.error is not None and record.failed_from == 0:
             return record.error
-        assert record.payload is not None
         return record.payload
+
+    def close(self) -> None:
+        """The consumer is done with these reads: returns once nothing writes into the KV cache
+        any more (a write under way is a copy from memory; none starts after this)."""
+        with self._lock:
+            self._closed = True
+            while self._writing:
+                self._written.wait()
 
     def wait_layer(self, index: int, layer: int) -> None:
         """Returns once layer ``layer`` of record ``index`` is read and checked; raises why not."""
@@ -139,6 +176,9 @@ class LayeredReads:
             counts = f"{len(header.layers)} layer checksums, the KV has {self._num_layers} layers"
             raise ChunkCorrupt(f"{record.name}: {counts}")
         record.header = header
+        if record.offered is not None and header.layers is not None and _covers(record.offered, header):
+            record.targets = record.offered  # every layer goes straight into the KV cache
+            return
         record.payload = tier.read_buffers.take(header.nbytes)[: header.nbytes]
         if header.layers is None:  # an older record: read and checked whole, here
             _read_exactly(fd, record.payload, header.end, record.name)
@@ -148,14 +188,53 @@ class LayeredReads:
 
     def _read(self, record: _Record, layer: int) -> None:
         header = record.header
-        assert header is not None and header.layers is not None and record.payload is not None
+        assert header is not None and header.layers is not None
         size = header.nbytes // len(header.layers)
+        if record.targets is not None:
+            self._read_into_kv(record, layer, size)
+            return
+        assert record.payload is not None
         view = record.payload[layer * size : (layer + 1) * size]
         _read_exactly(record.fd, view, header.end + layer * size, record.name)
         if codec.layer_checksum(view) != header.layers[layer]:
             raise ChunkCorrupt(f"{record.name}: checksum mismatch in layer {layer}")
         with self._lock:
             self._bytes += size
+
+    def _read_into_kv(self, record: _Record, layer: int, size: int) -> None:
+        header, runs = record.header, record.targets[layer]  # type: ignore[index]
+        assert header is not None and header.layers is not None
+        offset = header.end + layer * size
+        with self._writing_into_kv():
+            cached = self._tier.reads_nowait and _read_cached(record.fd, runs, offset, self._tier)
+            if cached:
+                good = codec.layer_checksum_of(view for _, view in runs) == header.layers[layer]
+        if not cached:  # not all in the page cache: through a buffer, then in once checked
+            bounce = self._tier.read_buffers.take(size)[:size]
+            _read_exactly(record.fd, bounce, offset, record.name)
+            good = codec.layer_checksum(bounce) == header.layers[layer]
+            if good:
+                with self._writing_into_kv():
+                    for start, view in runs:
+                        view[:] = bounce[start : start + view.nbytes]
+        if not good:
+            raise ChunkCorrupt(f"{record.name}: checksum mismatch in layer {layer}")
+        with self._lock:
+            self._bytes += size
+
+    @contextlib.contextmanager
+    def _writing_into_kv(self) -> Iterator[None]:
+        with self._lock:
+            if self._closed:
+                raise ReadsClosed("the load was given up before this layer was read")
+            self._writing += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._writing -= 1
+                if not self._writing:
+                    self._written.notify_all()
 
     def _fail(self, record: _Record, error: BaseException, layer: int) -> None:
         if record.error is not None and record.failed_from <= layer:
@@ -190,6 +269,41 @@ class LayeredRecord:
 
     def wait_layer(self, layer: int) -> None:
         self.reads.wait_layer(self.index, layer)
+
+
+def _covers(targets: Targets, header: codec.CheckedHeader) -> bool:
+    """Whether there are runs for every layer and each layer's cover it whole, in order."""
+    layers = header.layers or ()
+    if len(targets) != len(layers):
+        return False
+    layer_bytes = header.nbytes // len(layers)
+    for runs in targets:
+        at = 0
+        for start, view in runs:
+            if start != at:
+                return False
+            at += view.nbytes
+        if at != layer_bytes:
+            return False
+    return True
+
+
+def _read_cached(fd: int, runs: Sequence[tuple[int, memoryview]], offset: int, tier: DiskTier) -> bool:
+    """Read the runs from what the page cache holds, never waiting for the device; False when
+    it does not hold them all (what was read is read again, through a buffer)."""
+    for start, view in runs:
+        try:
+            n = os.preadv(fd, [view], offset + start, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it
+                tier.reads_nowait = False
+                return False
+            raise
+        if n != view.nbytes:
+            return False
+    return True
 
 
 def _read_exactly(fd: int, view: memoryview, offset: int, name: str) -> None:

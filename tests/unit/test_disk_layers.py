@@ -4,6 +4,7 @@ it) without a wrong block ever being handed to vLLM as loaded."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -229,3 +230,133 @@ def test_a_disk_load_read_layer_by_layer_is_exact_and_promoted(tmp_path, outside
         assert torch.equal(t[[8, 9, 10, 11]], expected[n])
     assert w.tiers[CPU].used_bytes == 4 * LAYERS * w.copier.block_bytes
     assert not w.take_report().store_failures
+
+
+# ---- straight into the KV cache ---------------------------------------------------------------
+
+
+def _targets(kv: bytearray) -> list[list[tuple[int, memoryview]]]:
+    """Each layer of a record into its own range of ``kv``, in two runs (as two block runs)."""
+    view, half = memoryview(kv), LAYER_BYTES // 2
+    return [
+        [
+            (0, view[i * LAYER_BYTES : i * LAYER_BYTES + half]),
+            (half, view[i * LAYER_BYTES + half : (i + 1) * LAYER_BYTES]),
+        ]
+        for i in range(L)
+    ]
+
+
+@pytest.mark.parametrize("page_cached", [True, False])
+def test_a_record_is_read_straight_into_its_targets_and_checked_there(tmp_path, page_cached):
+    tier = DiskTier(str(tmp_path), "layout", layers=L)
+    tier.put(RECORD, payload())
+    tier.reads_nowait = page_cached  # False: every layer through a buffer, then copied in
+    kv = bytearray(L * LAYER_BYTES)
+    reads = disk_layers.LayeredReads(tier, [RECORD], L, 5.0, targets=[_targets(kv)])
+    reads.open_all()
+    assert reads.payload(0) is None  # nothing for the consumer to copy
+    for layer in range(L):
+        reads.read_layer(layer)
+    reads.wait_layer(0, L - 1)
+    assert bytes(kv) == bytes(payload())
+
+
+def test_a_damaged_layer_read_into_the_kv_cache_fails_there(tmp_path):
+    tier = DiskTier(str(tmp_path), "layout", layers=L)
+    tier.put(RECORD, payload())
+    flip(tier.path(RECORD), LAYER_BYTES + 5)  # in layer L - 2
+    reads = layered_into(tier, bytearray(L * LAYER_BYTES))
+    reads.wait_layer(0, L - 3)
+    with pytest.raises(ChunkCorrupt):
+        reads.wait_layer(0, L - 2)
+
+
+def layered_into(tier: DiskTier, kv: bytearray) -> disk_layers.LayeredReads:
+    reads = disk_layers.LayeredReads(tier, [RECORD], L, 5.0, targets=[_targets(kv)])
+    reads.open_all()
+    for layer in range(L):
+        reads.read_layer(layer)
+    return reads
+
+
+def test_no_read_writes_into_the_kv_cache_once_the_load_is_given_up(tmp_path, monkeypatch):
+    """A read from the device that outlives its timeout lands in a buffer; once the consumer
+    closed the reads (its blocks may be vLLM's to reuse), nothing is copied into them."""
+    tier = DiskTier(str(tmp_path), "layout", layers=L)
+    tier.put(RECORD, payload())
+    tier.reads_nowait = False  # as if nothing were in the page cache
+    release = threading.Event()
+    read = disk_layers._read_exactly
+
+    def hung(fd, view, offset, name):
+        release.wait(10)
+        read(fd, view, offset, name)
+
+    monkeypatch.setattr(disk_layers, "_read_exactly", hung)
+    kv = bytearray(L * LAYER_BYTES)
+    background = BackgroundTier(tier, TierHealth(DISK), timeout_s=0.3)
+    try:
+        record = background.get_layered([RECORD], L, [_targets(kv)]).record(0)
+        assert record.payload() is None
+        with pytest.raises(TimeoutError):
+            record.wait_layer(0)
+        record.reads.close()
+        release.set()  # the reads come back now, into buffers, and stop there
+        done = background.run(lambda: None)  # queued behind every layer's read
+        done.result(timeout=10)
+        done = background.run(lambda: None)  # (two reader threads)
+        done.result(timeout=10)
+        assert bytes(kv) == bytes(len(kv))  # never written
+    finally:
+        release.set()
+        background.close()
+
+
+def test_closing_the_reads_waits_for_a_write_into_the_kv_cache_under_way(tmp_path, monkeypatch):
+    tier = DiskTier(str(tmp_path), "layout", layers=L)
+    tier.put(RECORD, payload())
+    writing, written = threading.Event(), threading.Event()
+    cached = disk_layers._read_cached
+
+    def slow_copy(fd, runs, offset, t):
+        writing.set()
+        time.sleep(0.3)
+        ok = cached(fd, runs, offset, t)
+        written.set()
+        return ok
+
+    monkeypatch.setattr(disk_layers, "_read_cached", slow_copy)
+    reads = disk_layers.LayeredReads(tier, [RECORD], L, 5.0, targets=[_targets(bytearray(L * LAYER_BYTES))])
+    reads.open_all()
+    worker_thread = threading.Thread(target=reads.read_layer, args=(0,))
+    worker_thread.start()
+    assert writing.wait(5)
+    reads.close()
+    assert written.is_set()  # close returned only after the write under way ended
+    worker_thread.join(5)
+    writing.clear()
+    reads.read_layer(1)  # after close: no read writes into the KV cache any more
+    assert not writing.is_set()
+
+
+@pytest.mark.parametrize("outside_step", [False, True])
+def test_a_disk_load_straight_into_the_kv_cache_is_exact_and_a_damaged_one_fails(tmp_path, outside_step):
+    caches, w, second = _two_chunks_on_disk(tmp_path, local_cpu=False)
+    expected = {n: t[[0, 1, 2, 3]].clone() for n, t in caches.items()}
+    job = LoadJob("b", (ChunkLoad(NAME, DISK, (8, 9), 0, 32), ChunkLoad(second, DISK, (10, 11), 0, 32)))
+    load = (
+        (lambda j: _load_outside_step(w, j))
+        if outside_step
+        else (lambda j: w.load(StepPlan(step=1, loads=[j])))
+    )
+    load(job)
+    assert w.take_failed_blocks() == set()
+    for n, t in caches.items():
+        assert torch.equal(t[[8, 9, 10, 11]], expected[n])
+    assert w.take_report().loads["b"].tokens_by_tier() == {DISK: 64}
+    _flip_last_layer(tmp_path, second)
+    load(dataclasses.replace(job, request_id="b"))
+    assert w.take_failed_blocks() == {10, 11}
+    first, damaged = w.take_report().loads["b"].chunks
+    assert first.ok and damaged.reason is FailureReason.CORRUPT
