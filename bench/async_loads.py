@@ -12,7 +12,8 @@ inter-token latency (p50, p99, max over every gap after their first token) witho
 burst, their ratio (p99 with / without: the goal is at most 1.2), and the burst's TTFT. With a
 remote mode and no --kvlens-remote-url, a private redis-server is started.
 Ratios of the asynchronous modes are taken to their in-step twin (``kvlens-disk``,
-``kvlens-remote``) per repetition.
+``kvlens-remote``) per repetition. ``none`` is the floor: no connector, and the burst is vLLM's
+own prefix-cache hit (nothing to load; what is left is the burst's own compute in the batch).
 
 LMCache as a peer (bench/lib/modes.py): ``lmcache`` (its multiprocess mode; the burst comes from
 its server's memory) and ``lmcache-disk`` (the same with a disk L2 and the ``skip_l1`` store
@@ -222,7 +223,8 @@ class AsyncLoads(wl.ThroughputBenchmark):
         self.wait_stored(lm, l2_before)
         lm.client.reset_prefix_cache()
         alone = asyncio.run(phase(url, decoders, a.decode_tokens, []))
-        lm.client.reset_prefix_cache()
+        if lm.mode.connector is not None:  # no connector: the burst is vLLM's own prefix hit (the floor)
+            lm.client.reset_prefix_cache()
         loaded_before = self.loaded_tokens(lm)
         during = asyncio.run(phase(url, [d[::-1] for d in decoders], a.decode_tokens, burst))
         loaded = self.loaded_tokens(lm) - loaded_before

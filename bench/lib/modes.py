@@ -170,6 +170,8 @@ def kv_transfer_config(mode: Mode, s: Settings, lmcache_port: int | None = None)
     if mode.connector == "kvlens":
         assert mode.tier is not None
         extra = {"lmcache.chunk_size": s.kvlens_chunk_size, **KVLENS_TIERS[mode.tier](s)}
+        if "lmcache.local_disk" in extra:  # a directory per mode: servers side by side share nothing
+            extra["lmcache.local_disk"] = str(s.storage_dir / f"{mode.name}-disk")
         if s.kvlens_extra_config:
             extra["lmcache.extra_config"] = dict(s.kvlens_extra_config)
         return {
