@@ -253,7 +253,7 @@ class ConnectorWorker:
                 effects.append(load.promote)
             if result.tier is not None:
                 traffic = copied.setdefault(result.tier, TierTraffic())
-                traffic.add_moved(Stage.COPY, self._payload_bytes(chunk), load.seconds)
+                traffic.add_moved(Stage.COPY, self._payload_bytes(chunk), _copy_seconds(load))
         if copied:  # counted on the step thread, with the step's report
             effects.append(lambda: self._count_copies(copied))
         return outcome
@@ -331,7 +331,7 @@ class ConnectorWorker:
             for result, load, chunk in staged:
                 if result.tier is not None:
                     traffic = self._report.tier_traffic(result.tier)
-                    traffic.add_moved(Stage.COPY, self._payload_bytes(chunk), load.seconds)
+                    traffic.add_moved(Stage.COPY, self._payload_bytes(chunk), _copy_seconds(load))
             if outcome.failed:
                 self._log_failed_load(job, outcome)
             outcomes.append(outcome)
@@ -805,6 +805,12 @@ class ConnectorWorker:
 
 
 _NO_PAYLOAD = torch.empty(0, dtype=torch.uint8)  # a load whose reads write into its blocks themselves
+
+
+def _copy_seconds(load: BlockLoad) -> float:
+    """How long a load took to land in the KV cache: its copies, or for a load its reads wrote
+    into the blocks themselves, the time it waited for them."""
+    return load.seconds + load.waited if load.payload is _NO_PAYLOAD else load.seconds
 
 
 def _close_reads(jobs: list[_ReadJob]) -> None:
