@@ -43,6 +43,9 @@ from .base import ChunkCorrupt
 Targets = Sequence[Sequence[tuple[int, memoryview]]]
 
 
+_FIRST_READ_BYTES = 2048  # a record's first read: its whole header, unless the model has many layers
+
+
 class ReadsClosed(RuntimeError):
     """The consumer was done with the load before this read wrote into the KV cache."""
 
@@ -167,7 +170,10 @@ class LayeredReads:
         record.fd, record.path = fd, path
         st = os.fstat(fd)
         record.inode, record.mtime_ns = st.st_ino, st.st_mtime_ns
-        prefix = os.pread(fd, codec.HEADER_PEEK_BYTES, 0)
+        prefix = os.pread(fd, _FIRST_READ_BYTES, 0)
+        if len(prefix) == _FIRST_READ_BYTES and codec.header_length(prefix) > len(prefix):
+            whole = min(codec.header_length(prefix), codec.HEADER_PEEK_BYTES)  # longer: corrupt
+            prefix += os.pread(fd, whole - len(prefix), len(prefix))
         header = codec.check_header(prefix, record.name, tier.layout)
         if st.st_size != header.end + header.nbytes:
             expected = header.end + header.nbytes

@@ -360,3 +360,16 @@ def test_a_disk_load_straight_into_the_kv_cache_is_exact_and_a_damaged_one_fails
     assert w.take_failed_blocks() == {10, 11}
     first, damaged = w.take_report().loads["b"].chunks
     assert first.ok and damaged.reason is FailureReason.CORRUPT
+
+
+def test_a_model_with_many_layers_has_a_header_longer_than_the_first_read(tmp_path):
+    layers, size = 300, 64
+    data = memoryview(bytes(range(256)) * (layers * size // 256))
+    tier = DiskTier(str(tmp_path), "layout", layers=layers)
+    tier.put(RECORD, data)
+    reads = disk_layers.LayeredReads(tier, [RECORD], layers, 5.0)
+    reads.open_all()
+    for layer in range(layers):
+        reads.read_layer(layer)
+    reads.wait_layer(0, layers - 1)
+    assert bytes(reads.payload(0)) == bytes(data)
