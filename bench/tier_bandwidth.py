@@ -15,10 +15,13 @@ chunks and bytes, every mode in turn:
 * cpu, cpu-in-step: the worker's store (gather every layer's blocks of a chunk and keep them)
   and load (scatter them back into the KV tensors), with layer-wise copies on and off;
 * file: a plain sequential ``write`` of the chunk's bytes to a new file and ``readinto`` of it
-  (the page cache included, as for the tier), against disk: the disk tier's ``put`` and ``get``.
+  (the page cache included, as for the tier), against disk: the disk tier's ``put`` and ``get``;
+* disk-load: the worker's load of the same chunks from its disk tier (records in the page cache,
+  read a layer at a time straight into the KV tensors and checked there), against ``cpu``'s load.
 
 Targets (issue 10): CPU load and store >= 0.8 x memcpy of the same bytes (stores: into new
-memory); disk >= 0.8 x plain file I/O. Ratios are medians of per-round ratios (the machine is
+memory); disk >= 0.8 x plain file I/O; a disk-tier load >= 0.95 x a CPU-tier load (issue 19:
+a disk hit within 1.05x of a CPU-tier hit). Ratios are medians of per-round ratios (the machine is
 shared and noisy).
 """
 
@@ -40,13 +43,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.lib.runner import Benchmark, Figure, Option, Side, Target, each, main, timed  # noqa: E402
 from connector.config import load_config  # noqa: E402
 from connector.engine.facts import EngineFacts  # noqa: E402
-from connector.engine.jobs import CPU, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob  # noqa: E402
+from connector.engine.jobs import CPU, DISK, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob  # noqa: E402
 from connector.kv_blocks import BlockCopier  # noqa: E402
 from connector.tiers.disk import DiskTier  # noqa: E402
 from connector.worker import ConnectorWorker  # noqa: E402
 
 TARGET = 0.8
-COMPARED_WITH = {"cpu": ("memcpy", "memcpy-new"), "cpu-in-step": ("memcpy", "memcpy-new"), "disk": ("file",)}
+COMPARED_WITH = {
+    "cpu": ("memcpy", "memcpy-new"),
+    "cpu-in-step": ("memcpy", "memcpy-new"),
+    "disk": ("file",),
+    "disk-load": ("cpu",),
+}
+DISK_LOAD_TARGET = 0.95
 
 
 def kv_caches(layers: int, blocks: int, heads: int, block_size: int, head: int) -> dict[str, torch.Tensor]:
@@ -59,7 +68,7 @@ def kv_caches(layers: int, blocks: int, heads: int, block_size: int, head: int) 
 
 
 def make_worker(
-    caches, num_blocks: int, block_size: int, chunk_tokens: int, layerwise: bool
+    caches, num_blocks: int, block_size: int, chunk_tokens: int, layerwise: bool, disk: str | None = None
 ) -> ConnectorWorker:
     copier = BlockCopier(caches, num_blocks)
     facts = EngineFacts(
@@ -70,6 +79,8 @@ def make_worker(
         "lmcache.max_local_cpu_size": 64,
         "lmcache.use_layerwise": layerwise,
     }
+    if disk is not None:  # the disk tier alone
+        cfg |= {"lmcache.local_cpu": False, "lmcache.local_disk": disk, "lmcache.max_local_disk_size": 64}
     w = ConnectorWorker(load_config(cfg, env={}), facts, rank=0)
     w.register(caches, num_blocks)
     return w
@@ -101,6 +112,14 @@ class TierBandwidth(Benchmark):
         ),
         Target(f"disk write >= {TARGET} x plain write", "store_gbps", TARGET, at_most=False, baseline="file"),
         Target(f"disk read >= {TARGET} x plain read", "load_gbps", TARGET, at_most=False, baseline="file"),
+        Target(
+            f"disk-tier load >= {DISK_LOAD_TARGET} x CPU-tier load",
+            "load_gbps",
+            DISK_LOAD_TARGET,
+            at_most=False,
+            baseline="cpu",
+            mode_prefix="disk-load",
+        ),
     )
     repeats = (7, 2)
     repeat_flags = ("--rounds",)
@@ -114,7 +133,7 @@ class TierBandwidth(Benchmark):
     }
 
     def sides(self) -> list[Side]:
-        return [Side(n) for n in ("memcpy", "memcpy-new", "cpu", "cpu-in-step", "file", "disk")]
+        return [Side(n) for n in ("memcpy", "memcpy-new", "cpu", "cpu-in-step", "file", "disk", "disk-load")]
 
     def compared_with(self, side: str) -> tuple[str, ...]:
         return COMPARED_WITH.get(side, ())
@@ -131,9 +150,13 @@ class TierBandwidth(Benchmark):
             tuple(range((a.chunks + i) * per_chunk, (a.chunks + i + 1) * per_chunk)) for i in range(a.chunks)
         ]
         self.names = [f"{i:032x}" for i in range(a.chunks)]
+        tmp = tempfile.mkdtemp(prefix="kvlens-bw-")
         self.workers = {
             "cpu": make_worker(caches, num_blocks, a.block_size, a.chunk_tokens, True),
             "cpu-in-step": make_worker(caches, num_blocks, a.block_size, a.chunk_tokens, False),
+            "disk-load": make_worker(
+                caches, num_blocks, a.block_size, a.chunk_tokens, True, os.path.join(tmp, "worker-disk")
+            ),
         }
         copier = self.workers["cpu"].copier
         self.chunk_bytes = copier.payload_nbytes(per_chunk)
@@ -141,7 +164,9 @@ class TierBandwidth(Benchmark):
         self.sources = [copier.gather(b) for b in self.blocks]
         self.warm = [torch.ones_like(s) for s in self.sources]  # touched: no page faults
         self.payloads = [memoryview(s.numpy()).cast("B") for s in self.sources]
-        tmp = tempfile.mkdtemp(prefix="kvlens-bw-")
+        disk_worker = self.workers["disk-load"]  # its records, written once (the loads read them)
+        disk_worker.save(StepPlan(writes=self._writes(DISK)))
+        disk_worker.flush()
         self.disk = DiskTier(os.path.join(tmp, "tier"), "layout", grace_s=0)
         self.plain_dir = os.path.join(tmp, "plain")
         os.makedirs(self.plain_dir)
@@ -170,19 +195,27 @@ class TierBandwidth(Benchmark):
                 "load_gbps": gbps(timed(lambda: each(self.disk.get, self.names))),
             }
         w = self.workers[name]
-        writes = [
-            StoreJob("r", n, b, (CPU,), self.args.chunk_tokens)
-            for n, b in zip(self.names, self.blocks, strict=True)
-        ]
+        tier = DISK if name == "disk-load" else CPU
         loads = [
-            ChunkLoad(n, CPU, t, 0, self.args.chunk_tokens)
+            ChunkLoad(n, tier, t, 0, self.args.chunk_tokens)
             for n, t in zip(self.names, self.targets_blocks, strict=True)
         ]
-        store = timed(lambda: w.save(StepPlan(writes=writes)))
+        if tier == DISK:
+            load = timed(lambda: w.load(StepPlan(loads=[LoadJob("r", tuple(loads))])))
+            assert not w.take_failed_blocks()
+            w.take_report()
+            return {"load_gbps": gbps(load)}
+        store = timed(lambda: w.save(StepPlan(writes=self._writes(CPU))))
         load = timed(lambda: w.load(StepPlan(loads=[LoadJob("r", tuple(loads))])))
         assert not w.take_failed_blocks()
         w.save(StepPlan(writes=[Eviction(CPU, n) for n in self.names]))
         return {"store_gbps": gbps(store), "load_gbps": gbps(load)}
+
+    def _writes(self, tier: str) -> list[StoreJob]:
+        return [
+            StoreJob("r", n, b, (tier,), self.args.chunk_tokens)
+            for n, b in zip(self.names, self.blocks, strict=True)
+        ]
 
     def _plain_write(self) -> None:
         for i, p in enumerate(self.payloads):
