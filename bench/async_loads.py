@@ -221,9 +221,11 @@ class AsyncLoads(wl.ThroughputBenchmark):
         for p in burst:  # stored in the tier
             lm.client.complete(p, max_tokens=1)
         self.wait_stored(lm, l2_before)
-        lm.client.reset_prefix_cache()
+        floor = lm.mode.connector is None  # no connector: the burst is vLLM's own prefix hit
+        if not floor:
+            lm.client.reset_prefix_cache()
         alone = asyncio.run(phase(url, decoders, a.decode_tokens, []))
-        if lm.mode.connector is not None:  # no connector: the burst is vLLM's own prefix hit (the floor)
+        if not floor:
             lm.client.reset_prefix_cache()
         loaded_before = self.loaded_tokens(lm)
         during = asyncio.run(phase(url, [d[::-1] for d in decoders], a.decode_tokens, burst))
