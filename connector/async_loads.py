@@ -83,7 +83,7 @@ class AsyncLoader:
         return done
 
     def _run(self) -> None:
-        run_beside_worker()
+        run_beside_worker(background=True)  # the requests it loads for wait outside the batch
         while True:
             load = self._queue.get()
             if load is None:

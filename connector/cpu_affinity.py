@@ -8,12 +8,20 @@ core(s) with the forward pass they are meant to run beside. Each of them calls
 with pid 0 applies to the calling thread) to every CPU of the NUMA nodes that hold the
 worker's cores, so copies stay next to the memory they copy. The kernel keeps the thread
 inside the process's cpuset (a container's CPU limit still holds).
+
+Threads whose work nothing in the step waits for by the time it matters (a slow tier's reads and
+writes, loads outside the step) also lower their own scheduling priority (``background=True``):
+where cores are scarce (vLLM's CPU backend), the forward pass gets the CPU first and they use
+what it leaves, instead of slowing every running request's step. While the forward pass waits
+for one of their reads, its core is idle and theirs. The copy thread keeps its priority: the
+forward pass waits for its layer-wise copies.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterable
 
 logger = logging.getLogger("vllm.kvlens")
@@ -51,9 +59,24 @@ def node_cpus(bound: Iterable[int], nodes_dir: str = _NODES) -> set[int]:
     return (wider or set(range(os.cpu_count() or 1))) | bound
 
 
-def run_beside_worker() -> None:
-    """Let the calling thread run on any CPU of the worker's NUMA node(s), not only its cores."""
+BACKGROUND_NICE = 10  # added to a background thread's nice value (lower priority)
+
+
+def run_beside_worker(background: bool = False) -> None:
+    """Let the calling thread run on any CPU of the worker's NUMA node(s), not only its cores;
+    ``background``: at a lower priority than the forward pass."""
     try:
         os.sched_setaffinity(0, node_cpus(os.sched_getaffinity(0)))
     except (AttributeError, OSError, ValueError) as e:  # not Linux, or not allowed: stay bound
         logger.debug("KVLens: thread keeps its CPU binding: %s", e)
+    if background:
+        lower_own_priority()
+
+
+def lower_own_priority(step: int = BACKGROUND_NICE) -> None:
+    """Raise the calling thread's nice value by ``step`` (Linux: nice is per thread)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + step, 19))
+    except (AttributeError, OSError) as e:  # not Linux: the thread keeps its priority
+        logger.debug("KVLens: thread keeps its priority: %s", e)

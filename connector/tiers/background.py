@@ -176,7 +176,7 @@ class BackgroundTier:
         return True
 
     def _write_loop(self) -> None:
-        run_beside_worker()
+        run_beside_worker(background=True)
         while True:
             with self._lock:
                 while not self._ops and not self._closed:
@@ -390,7 +390,7 @@ class BackgroundTier:
         return future
 
     def _read_loop(self) -> None:
-        run_beside_worker()
+        run_beside_worker(background=True)
         while True:
             item = self._reads.get()
             if item is None:

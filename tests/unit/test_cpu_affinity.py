@@ -79,3 +79,35 @@ def test_the_copy_thread_leaves_the_core_of_the_thread_that_made_it():
     affinities = _affinity_of_threads_started_while_bound(start)
     threads[0].close()
     assert all(len(a) > 1 for a in affinities), affinities
+
+
+linux_nice = pytest.mark.skipif(not hasattr(os, "getpriority"), reason="needs per-thread nice values")
+
+
+def _nice(native_id: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, native_id)
+
+
+@linux_nice
+def test_slow_tier_and_outside_step_threads_yield_to_the_forward_pass_and_the_copy_thread_does_not():
+    from connector.async_loads import AsyncLoader
+    from connector.layer_copies import CopyThread
+
+    own = _nice(threading.get_native_id())
+    tier = BackgroundTier(CpuTier(), TierHealth("disk"))
+    loader = AsyncLoader(lambda job, effects, cancelled: None)
+    copies = CopyThread()
+    try:
+        reader_nice = tier.run(lambda: _nice(threading.get_native_id())).result(timeout=5)
+        assert reader_nice > own
+        for _ in range(100):  # the threads lower their own priority as their first step
+            if _nice(tier._writer.native_id) > own and _nice(loader._thread.native_id) > own:
+                break
+            threading.Event().wait(0.01)
+        assert _nice(tier._writer.native_id) > own and _nice(loader._thread.native_id) > own
+        assert _nice(copies._thread.native_id) == own  # the forward pass waits for its copies
+        assert _nice(threading.get_native_id()) == own  # only their own threads changed
+    finally:
+        tier.close()
+        loader.close()
+        copies.close()
