@@ -50,6 +50,7 @@ from soak_client import Outcome, Request, Workload, send  # noqa: E402
 
 from bench.lib.client import Client, metric_samples  # noqa: E402
 from bench.lib.models import TINY  # noqa: E402
+from bench.lib.modes import kvlens_disk_dir  # noqa: E402
 from bench.lib.runner import Figure, Option, main  # noqa: E402
 from bench.lib.served import LiveMode, ServedBenchmark, ServerShape  # noqa: E402
 from bench.lib.servers import RedisServer  # noqa: E402
@@ -300,7 +301,7 @@ class Soak(ServedBenchmark):
         chaos = None
         if kvlens:
             restart = self.restart_redis if self.redis is not None else None
-            disk = self.settings.storage_dir / "kvlens-disk"
+            disk = kvlens_disk_dir(self.settings, lm.mode.name)
             chaos = Chaos(disk, self.seconds, seed=self.args.seed, restart_remote=restart)
             threads.append(chaos)
         began = time.monotonic()

@@ -163,6 +163,11 @@ def parse_modes(spec: str, tiers: str) -> list[Mode]:
     return modes
 
 
+def kvlens_disk_dir(s: Settings, mode_name: str) -> Path:
+    """The disk tier directory of KVLens mode ``mode_name`` (one per mode)."""
+    return s.storage_dir / f"{mode_name}-disk"
+
+
 def kv_transfer_config(mode: Mode, s: Settings, lmcache_port: int | None = None) -> dict[str, Any] | None:
     """The mode's ``--kv-transfer-config`` (None: no connector)."""
     if mode.connector is None:
@@ -171,7 +176,7 @@ def kv_transfer_config(mode: Mode, s: Settings, lmcache_port: int | None = None)
         assert mode.tier is not None
         extra = {"lmcache.chunk_size": s.kvlens_chunk_size, **KVLENS_TIERS[mode.tier](s)}
         if "lmcache.local_disk" in extra:  # a directory per mode: servers side by side share nothing
-            extra["lmcache.local_disk"] = str(s.storage_dir / f"{mode.name}-disk")
+            extra["lmcache.local_disk"] = str(kvlens_disk_dir(s, mode.name))
         if s.kvlens_extra_config:
             extra["lmcache.extra_config"] = dict(s.kvlens_extra_config)
         return {

@@ -20,6 +20,9 @@ def test_quick_tier_bandwidth_writes_every_ratio(tmp_path):
     assert set(ratios["cpu"]) == set(ratios["cpu-in-step"]) == {"memcpy", "memcpy-new"}
     assert set(ratios["cpu"]["memcpy"]) == {"store_gbps", "load_gbps"}
     assert set(ratios["disk"]["file"]) == {"store_gbps", "load_gbps"}
-    assert len(data["targets"]) == 6
-    assert all(s["store_gbps"]["median"] > 0 for s in data["summary"]["all"].values())
+    assert set(ratios["disk-load"]["cpu"]) == {"load_gbps"}  # the worker's disk-tier load beside its CPU one
+    assert len(data["targets"]) == 7
+    summary = data["summary"]["all"]
+    assert all(s["store_gbps"]["median"] > 0 for name, s in summary.items() if name != "disk-load")
+    assert summary["disk-load"]["load_gbps"]["median"] > 0
     assert "target CPU load >= 0.8 x memcpy, cpu:" in run.stdout
