@@ -9,12 +9,12 @@ with pid 0 applies to the calling thread) to every CPU of the NUMA nodes that ho
 worker's cores, so copies stay next to the memory they copy. The kernel keeps the thread
 inside the process's cpuset (a container's CPU limit still holds).
 
-Threads whose work nothing in the step waits for by the time it matters (a slow tier's reads and
-writes, loads outside the step) also lower their own scheduling priority (``background=True``):
-where cores are scarce (vLLM's CPU backend), the forward pass gets the CPU first and they use
-what it leaves, instead of slowing every running request's step. While the forward pass waits
-for one of their reads, its core is idle and theirs. The copy thread keeps its priority: the
-forward pass waits for its layer-wise copies.
+A slow tier's reader threads and the thread of loads outside the step also lower their own
+scheduling priority (``background=True``): where cores are scarce (vLLM's CPU backend), the
+forward pass gets the CPU first and they use what it leaves, instead of slowing every running
+request's step. While the forward pass waits for one of their reads, its core is idle and
+theirs. The copy thread keeps its priority (the forward pass waits for its layer-wise copies),
+and so do the writers (the next request looks up what they write).
 """
 
 from __future__ import annotations

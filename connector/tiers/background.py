@@ -176,7 +176,9 @@ class BackgroundTier:
         return True
 
     def _write_loop(self) -> None:
-        run_beside_worker(background=True)
+        # Normal priority: a store is looked up by the next request as soon as it lands (a
+        # writer yielding to every busy thread made a prompt asked again at once miss Redis).
+        run_beside_worker()
         while True:
             with self._lock:
                 while not self._ops and not self._closed:

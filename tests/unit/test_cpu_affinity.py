@@ -89,7 +89,7 @@ def _nice(native_id: int) -> int:
 
 
 @linux_nice
-def test_slow_tier_and_outside_step_threads_yield_to_the_forward_pass_and_the_copy_thread_does_not():
+def test_slow_tier_readers_and_outside_step_loads_yield_to_the_forward_pass_and_copies_and_writes_do_not():
     from connector.async_loads import AsyncLoader
     from connector.layer_copies import CopyThread
 
@@ -101,11 +101,12 @@ def test_slow_tier_and_outside_step_threads_yield_to_the_forward_pass_and_the_co
         reader_nice = tier.run(lambda: _nice(threading.get_native_id())).result(timeout=5)
         assert reader_nice > own
         for _ in range(100):  # the threads lower their own priority as their first step
-            if _nice(tier._writer.native_id) > own and _nice(loader._thread.native_id) > own:
+            if _nice(loader._thread.native_id) > own:
                 break
             threading.Event().wait(0.01)
-        assert _nice(tier._writer.native_id) > own and _nice(loader._thread.native_id) > own
+        assert _nice(loader._thread.native_id) > own
         assert _nice(copies._thread.native_id) == own  # the forward pass waits for its copies
+        assert _nice(tier._writer.native_id) == own  # the next request looks up what it wrote
         assert _nice(threading.get_native_id()) == own  # only their own threads changed
     finally:
         tier.close()
