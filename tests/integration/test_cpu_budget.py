@@ -28,8 +28,10 @@ def test_the_tier_holds_exactly_what_the_index_says(budget_run):
 
 def test_memory_stays_flat_over_many_long_prompts(budget_run):
     rss = budget_run["state"]["rss_mb"]
-    # Each prompt stores 11 MiB of chunks; a tier that kept them would grow by ~170 MiB.
-    assert rss[-1] - rss[1] < 40, rss
+    # Each prompt stores 11 MiB of chunks; a tier that kept them would grow by ~170 MiB. The
+    # engine alone grows 10 MiB here, and up to 50 MiB in a full run with the unit tests beside
+    # it (malloc arenas; 2026-12-02): 80 keeps room for that and still catches the leak.
+    assert rss[-1] - rss[1] < 80, rss
 
 
 def test_outputs_are_vllms_own(budget_run, baseline):
