@@ -67,6 +67,7 @@ class _Record:
     targets: Targets | None = None  # ``offered``, if its layers are read straight there
     error: BaseException | None = None
     failed_from: int = 0  # the first layer not to use, once ``error`` is set
+    unopened: bool = False  # failed before any layer was read (missing, damaged header)
 
 
 class LayeredReads:
@@ -111,6 +112,7 @@ class LayeredReads:
                 try:
                     self._open(record)
                 except Exception as e:  # noqa: BLE001 - this record fails; the others go on
+                    record.unopened = True
                     self._fail(record, e, 0)
         finally:
             self._opened.set()
@@ -138,12 +140,14 @@ class LayeredReads:
     def payload(self, index: int) -> memoryview | BaseException | None:
         """Record ``index``'s payload buffer once its header is checked (its layers fill in
         later: ``wait_layer``); None when its layers go straight into its targets; or why it
-        cannot be read."""
+        cannot be read at all. A layer that fails later, even layer 0, fails in ``wait_layer``,
+        never here: the consumer must not load the chunk from elsewhere into blocks a read of
+        this record may still be writing."""
         if not self._opened.wait(max(self._deadline - time.monotonic(), 0.0)):
             return TimeoutError(f"disk read took over {self._timeout_s:g} s")
         record = self._records[index]
-        if record.error is not None and record.failed_from == 0:
-            return record.error
+        if record.unopened:
+            return record.error  # type: ignore[return-value]
         return record.payload
 
     def close(self) -> None:

@@ -373,3 +373,18 @@ def test_a_model_with_many_layers_has_a_header_longer_than_the_first_read(tmp_pa
         reads.read_layer(layer)
     reads.wait_layer(0, layers - 1)
     assert bytes(reads.payload(0)) == bytes(data)
+
+
+def test_a_damaged_layer_0_fails_the_layer_never_the_open(tmp_path):
+    """Had ``payload`` reported a failed layer 0, the worker would load the chunk from another
+    tier into the same blocks while a read of a later layer could still be writing into them."""
+    tier = DiskTier(str(tmp_path), "layout", layers=L)
+    tier.put(RECORD, payload())
+    flip(tier.path(RECORD), L * LAYER_BYTES - 3)  # in layer 0
+    kv = bytearray(L * LAYER_BYTES)
+    reads = layered_into(tier, kv)  # every layer read before the consumer asks
+    assert reads.payload(0) is None  # opened: its layers were for the KV cache
+    with pytest.raises(ChunkCorrupt):
+        reads.wait_layer(0, 0)
+    buffered = layered(DiskTier(str(tmp_path), "layout", layers=L), [RECORD])
+    assert isinstance(buffered.payload(0), BaseException)  # the corrupt record was removed
