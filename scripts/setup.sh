@@ -170,6 +170,8 @@ else
     else
         pip_q install -e '.[dashboard,redis,test,bench]' "${EXTRA_PIP[@]}"
     fi
+    # setuptools leaves its build scratch in the tree; the installed metadata is the venv's dist-info.
+    rm -rf "$ROOT/kvlens.egg-info"
     # Installing the extras may have pulled torchvision & co. back in.
     for name in torchvision torchaudio torchcodec; do
         if "$PY" -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$name" 2>/dev/null; then
