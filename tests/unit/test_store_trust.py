@@ -10,6 +10,7 @@ import shutil
 import tracemalloc
 
 import pytest
+import torch
 
 from connector.config import ConfigError, load_config
 from connector.tiers import codec, disk_layers
@@ -244,3 +245,40 @@ def test_a_weak_or_unreadable_store_key_stops_start_up(tmp_path, extra, env):
     }
     with pytest.raises(ConfigError, match="store_auth_key|KVLENS_STORE_AUTH_KEY"):
         load_config(config, env=env)
+
+
+# ---- an engine ------------------------------------------------------------------------------
+
+
+def test_an_engine_with_a_store_key_loads_its_own_records_and_refuses_planted_ones(tmp_path):
+    from connector.engine.jobs import DISK, ChunkLoad, LoadJob, StepPlan, StoreJob
+    from connector.engine.outcomes import FailureReason
+
+    from .test_worker import cpu_layout, worker
+
+    ours, planted = "ab" * 16, "cd" * 16
+    caches = cpu_layout()
+    keyed = worker(caches, tmp_path, local_cpu=False, extra_config={"store_auth_key": KEY})
+    assert keyed.tiers[DISK].inner.trust.max_payload_bytes == keyed.facts.chunk_nbytes(
+        keyed.config.chunk_size
+    )
+    keyless = worker(caches, tmp_path, local_cpu=False)  # e.g. an engine of someone else's
+    keyed.save(StepPlan(writes=[StoreJob("a", ours, (0, 1), (DISK,), 32)]))
+    keyless.save(StepPlan(writes=[StoreJob("a", planted, (2, 3), (DISK,), 32)]))
+    keyed.flush()
+    keyless.flush()
+    before = {n: t[[10, 11]].clone() for n, t in caches.items()}
+    keyed.load(
+        StepPlan(
+            loads=[
+                LoadJob("b", (ChunkLoad(ours, DISK, (8, 9), 0, 32),)),
+                LoadJob("c", (ChunkLoad(planted, DISK, (10, 11), 0, 32),)),
+            ]
+        )
+    )
+    assert keyed.take_failed_blocks() == {10, 11}
+    for n, t in caches.items():
+        assert torch.equal(t[8], t[0]) and torch.equal(t[[10, 11]], before[n])
+    (refused,) = keyed.take_report().loads["c"].chunks
+    assert refused.reason is FailureReason.CORRUPT
+    assert not os.path.exists(disk_files.chunk_path(str(tmp_path), f"{planted}.r0"))
