@@ -232,7 +232,7 @@ class DiskTier:
     def probe(self) -> None:
         """Write, read back and remove a small record; raises OSError when the disk fails."""
         name = f".probe-{os.getpid()}"
-        data = memoryview(os.urandom(4096))
+        data = memoryview(os.urandom(min(4096, self.trust.max_payload_bytes or 4096)))
         self.put(name, data)
         try:
             if bytes(self.get(name)) != bytes(data):
