@@ -91,6 +91,14 @@ class ExtraConfig(BaseModel):
     # LMCache's RESP connector credentials, for resp:// URLs.
     username: str | None = None
     password: SecretStr | None = None
+    # Shared stores (local_disk, remote_url): a secret (16 characters or more) that tags every
+    # record this engine writes, and that every record it reads must be tagged with (keyed
+    # BLAKE3 over the header, BLAKE3 digests of the payload); a record without a valid tag
+    # (written without the key, with another, or under another chunk's name) is refused as
+    # corrupt, counted, deleted and recomputed. Or the path of a file holding it, or the
+    # environment variable KVLENS_STORE_AUTH_KEY (when neither is set).
+    store_auth_key: SecretStr | None = None
+    store_auth_key_file: str | None = Field(None, min_length=1)
 
     @field_validator("tag_keys", mode="before")
     @classmethod
@@ -113,6 +121,14 @@ class ExtraConfig(BaseModel):
     def tenant_quota(self, tier: str) -> int | None:
         """A tenant's byte budget in ``tier`` (None: no quota)."""
         return dict(self.tenant_quota_bytes).get(tier)  # type: ignore[arg-type]
+
+    @model_validator(mode="after")
+    def _one_store_auth_key(self) -> ExtraConfig:
+        if self.store_auth_key is not None and self.store_auth_key_file is not None:
+            raise ValueError("set store_auth_key or store_auth_key_file, not both")
+        if self.store_auth_key is not None and len(self.store_auth_key.get_secret_value()) < 16:
+            raise ValueError("store_auth_key must be at least 16 characters")
+        return self
 
     @field_validator("valkey_mode", mode="before")
     @classmethod
@@ -154,6 +170,7 @@ class KVLensConfig(BaseModel):
     enable_async_loading: bool = True
     extra_config: ExtraConfig = ExtraConfig()
     _remote: RemoteURL | None = PrivateAttr(None)
+    _store_auth_key: bytes | None = PrivateAttr(None)
     _unused: tuple[str, ...] = PrivateAttr(())
 
     @field_validator("local_disk")
@@ -179,6 +196,12 @@ class KVLensConfig(BaseModel):
     def remote(self) -> RemoteURL | None:
         """The parsed ``remote_url`` with credentials and modes from ``extra_config`` applied."""
         return self._remote
+
+    @property
+    def store_auth_key(self) -> bytes | None:
+        """The shared stores' key (``extra_config.store_auth_key``, its file or environment
+        variable), or None: records are neither tagged nor required to be."""
+        return self._store_auth_key
 
     @property
     def unused_settings(self) -> tuple[str, ...]:
@@ -211,7 +234,7 @@ class KVLensConfig(BaseModel):
         """The settings that differ from the defaults, for logs: no password ever."""
         out = self.model_dump(
             exclude_defaults=True,
-            exclude={"remote_url": True, "extra_config": {"valkey_password", "password"}},
+            exclude={"remote_url": True, "extra_config": {"valkey_password", "password", "store_auth_key"}},
         )
         if self._remote is not None:
             out["remote_url"] = self._remote.redacted()

@@ -141,6 +141,8 @@ def build(layers: list[list[Setting]], env: Mapping[str, str]) -> KVLensConfig:
         config = None
     if config is not None:
         config = _with_remote(config, v, env)
+    if config is not None:
+        config._store_auth_key = _store_auth_key(config, v, env)
     if v.problems():
         raise ConfigError("KVLens cannot start with this configuration: " + "; ".join(v.problems()))
     assert config is not None
@@ -349,6 +351,33 @@ def _with_remote(config: KVLensConfig, v: _Verdict, env: Mapping[str, str]) -> K
         )
     config._remote = url
     return config
+
+
+STORE_AUTH_KEY_ENV = "KVLENS_STORE_AUTH_KEY"
+
+
+def _store_auth_key(config: KVLensConfig, v: _Verdict, env: Mapping[str, str]) -> bytes | None:
+    """The shared stores' key: extra_config's, its file's (one trailing newline dropped) or
+    the environment's."""
+    extra = config.extra_config
+    if extra.store_auth_key is not None:
+        return extra.store_auth_key.get_secret_value().encode()
+    if extra.store_auth_key_file is not None:
+        try:
+            with open(extra.store_auth_key_file, "rb") as f:
+                secret = f.read().removesuffix(b"\n").removesuffix(b"\r")
+        except OSError as e:
+            v.invalid.append(f"extra_config.store_auth_key_file cannot be read: {e.strerror or e}")
+            return None
+        where = "extra_config.store_auth_key_file"
+    elif env.get(STORE_AUTH_KEY_ENV):
+        secret, where = env[STORE_AUTH_KEY_ENV].encode(), STORE_AUTH_KEY_ENV
+    else:
+        return None
+    if len(secret) < 16:
+        v.invalid.append(f"{where}: the store key must be at least 16 characters")
+        return None
+    return secret
 
 
 _VALKEY_KEYS = ("valkey_username", "valkey_password", "valkey_database", "valkey_mode")

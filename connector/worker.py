@@ -55,6 +55,7 @@ from .tiers.base import Tier, classify
 from .tiers.cpu import CpuTier
 from .tiers.disk import DiskTier
 from .tiers.disk_layers import LayeredReads, LayeredRecord
+from .tiers.record_trust import RecordTrust
 from .tiers.redis_tier import RedisTier
 
 logger = logging.getLogger("vllm.kvlens")
@@ -94,6 +95,7 @@ class ConnectorWorker:
         # buffers the CPU tier dropped, kept for the next stores' gathers (within its budget)
         budget = config.cpu_budget_bytes
         self._pool = PayloadPool(lambda: cpu_budget.reusable_bytes(budget, self._cpu_used()))
+        trust = RecordTrust.of(config.store_auth_key, facts.chunk_nbytes(config.chunk_size))
         if config.local_cpu:
             self.tiers[CPU] = CpuTier(self._pool.dropped)
             self.health[CPU] = TierHealth(CPU)
@@ -106,6 +108,7 @@ class ConnectorWorker:
                     extra.disk_shared_grace_s,
                     remove_corrupt=facts.stores,
                     layers=facts.num_layers,
+                    trust=trust,
                 )
             except OSError as e:
                 raise ConfigError(f"KVLens config key 'local_disk' = {config.local_disk!r}: {e}") from e
@@ -124,6 +127,7 @@ class ConnectorWorker:
                 extra.remote_ttl_s,
                 extra.remote_timeout_s,
                 min(extra.remote_timeout_s, 1.0),
+                trust=trust,
             )
             remote = BackgroundTier(
                 client, self.health[REMOTE], extra.tier_timeout_s, extra.max_pending_write_bytes

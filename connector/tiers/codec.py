@@ -12,6 +12,11 @@ existed load as before, and readers that predate them load new records (they ign
 ``lx`` (disk records): one xxh3 checksum per layer of a layer-major payload, so that a reader
 can check and use layer 0 before the last layer's bytes are read (``disk_layers.py``); the
 whole payload's checksum stays beside it for readers that predate it.
+
+With a store key (``record_trust.py``) the checksums are BLAKE3 digests (``b3``, ``lb3``) and
+``mac`` tags the header; a reader with the key refuses a record without a valid tag. Every
+length a record announces (its header's, its payload's) is checked against what a record of
+the tier's layout can be before anything is allocated for it.
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ from dataclasses import dataclass
 import xxhash
 
 from .base import ChunkCorrupt
+from .record_trust import MAX_HEADER_BYTES, OPEN, XXH3, Digests, RecordTrust, digests_of
 
 MAGIC = b"KVLENS1\n"
 _LEN = struct.Struct("<I")
 PREFIX_BYTES = len(MAGIC) + _LEN.size  # what precedes the JSON header
-HEADER_PEEK_BYTES = 16384  # enough to read a whole header of any record KVLens writes (lx: ~19 B a layer)
+HEADER_PEEK_BYTES = MAX_HEADER_BYTES  # enough to read a whole header of any record KVLens writes
 
 
 def checksum(payload: memoryview | bytes) -> str:
@@ -48,14 +54,23 @@ def layer_checksum_of(parts: Iterable[memoryview]) -> str:
     return state.hexdigest()
 
 
-def encode_header(name: str, layout: str, payload: memoryview, namespace: str = "", layers: int = 0) -> bytes:
-    """The header of ``payload``'s record; ``layers`` > 1: with a checksum per layer (``lx``)."""
+def encode_header(
+    name: str,
+    layout: str,
+    payload: memoryview,
+    namespace: str = "",
+    layers: int = 0,
+    trust: RecordTrust = OPEN,
+) -> bytes:
+    """The header of ``payload``'s record; ``layers`` > 1: with a checksum per layer (``lx``);
+    ``trust`` with a key: BLAKE3 digests and a keyed tag."""
     written = int(time.time())
+    digests = trust.digests
     fields: dict[str, object] = {
         "name": name,
         "layout": layout,
         "nbytes": payload.nbytes,
-        "xxh3": checksum(payload),
+        digests.whole_field: digests.whole(payload),
         "ns": namespace,
         "t": written,
         "hx": _about_checksum(namespace, written),
@@ -63,7 +78,9 @@ def encode_header(name: str, layout: str, payload: memoryview, namespace: str = 
     if layers > 1 and payload.nbytes % layers == 0:
         flat = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
         size = payload.nbytes // layers
-        fields["lx"] = [layer_checksum(flat[i * size : (i + 1) * size]) for i in range(layers)]
+        fields[digests.layers_field] = [digests.layer(flat[i * size : (i + 1) * size]) for i in range(layers)]
+    if trust.key is not None:
+        fields["mac"] = trust.tag(fields)
     header = json.dumps(fields, separators=(",", ":")).encode()
     return MAGIC + _LEN.pack(len(header)) + header
 
@@ -114,23 +131,38 @@ class CheckedHeader:
     nbytes: int  # payload bytes
     whole: str  # the payload's checksum
     layers: tuple[str, ...] | None  # per-layer checksums (``lx``), or None
+    digests: Digests = XXH3  # how ``whole`` and ``layers`` were computed
 
 
-def check_header(prefix: bytes | memoryview, name: str, layout: str) -> CheckedHeader:
-    """The header of record ``name`` whose first bytes are ``prefix`` (the whole header)."""
+def check_header(
+    prefix: bytes | memoryview, name: str, layout: str, trust: RecordTrust = OPEN
+) -> CheckedHeader:
+    """The header of record ``name`` whose first bytes are ``prefix`` (the whole header),
+    within ``trust``'s size bound and, with a key, tagged with it."""
     view = memoryview(prefix)
     if view.nbytes < PREFIX_BYTES or bytes(view[: len(MAGIC)]) != MAGIC:
         raise ChunkCorrupt(f"{name}: not a KVLens chunk record")
     (hlen,) = _LEN.unpack(view[len(MAGIC) : PREFIX_BYTES])
+    if PREFIX_BYTES + hlen > MAX_HEADER_BYTES:
+        raise ChunkCorrupt(f"{name}: a header of {hlen} bytes, longer than any record's")
     if view.nbytes < PREFIX_BYTES + hlen:
         raise ChunkCorrupt(f"{name}: truncated header")
     header = _parse(view[PREFIX_BYTES : PREFIX_BYTES + hlen], name)
     _about(header, name)
     if header.get("name") != name or header.get("layout") != layout:
         raise ChunkCorrupt(f"{name}: record is for another chunk or KV layout")
-    nbytes, whole, layers = header.get("nbytes"), header.get("xxh3"), header.get("lx")
+    if trust.key is not None and not trust.is_tagged(header):
+        raise ChunkCorrupt(f"{name}: record not tagged with this store's key (store_auth_key)")
+    digests = digests_of(header)
+    nbytes, whole, layers = (
+        header.get("nbytes"),
+        header.get(digests.whole_field),
+        header.get(digests.layers_field),
+    )
     if not _count(nbytes) or not isinstance(whole, str):
         raise ChunkCorrupt(f"{name}: header lacks the payload's size or checksum")
+    if trust.too_large(nbytes):
+        raise ChunkCorrupt(f"{name}: a payload of {nbytes} bytes, larger than any chunk of this layout")
     if layers is not None and (
         not isinstance(layers, list)
         or len(layers) < 2
@@ -138,17 +170,18 @@ def check_header(prefix: bytes | memoryview, name: str, layout: str) -> CheckedH
         or not all(isinstance(x, str) for x in layers)
     ):
         raise ChunkCorrupt(f"{name}: damaged layer checksums")
-    return CheckedHeader(PREFIX_BYTES + hlen, nbytes, whole, tuple(layers) if layers else None)
+    return CheckedHeader(PREFIX_BYTES + hlen, nbytes, whole, tuple(layers) if layers else None, digests)
 
 
-def decode(record: bytearray | memoryview, name: str, layout: str) -> memoryview:
-    """The payload inside ``record`` after checking it is the chunk asked for, intact."""
+def decode(record: bytearray | memoryview, name: str, layout: str, trust: RecordTrust = OPEN) -> memoryview:
+    """The payload inside ``record`` after checking it is the chunk asked for, intact (and,
+    with ``trust``'s key, written by a holder of that key)."""
     view = memoryview(record)
-    header = check_header(view, name, layout)
+    header = check_header(view, name, layout, trust)
     payload = view[header.end :]
     if payload.nbytes != header.nbytes:
         raise ChunkCorrupt(f"{name}: payload is {payload.nbytes} bytes, expected {header.nbytes}")
-    if checksum(payload) != header.whole:
+    if header.digests.whole(payload) != header.whole:
         raise ChunkCorrupt(f"{name}: checksum mismatch")
     return payload
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from . import codec
 from .base import ChunkCorrupt, ChunkMissing
 from .read_buffers import ReadBuffers
+from .record_trust import OPEN, RecordTrust
 
 SUFFIX = ".kvlens"
 FANOUT_DIGITS = 3  # a chunk's subdirectory: this many leading hex digits of its digest
@@ -92,10 +93,17 @@ class DiskTier:
     name = "disk"
 
     def __init__(
-        self, root: str, layout: str, grace_s: float = 30.0, remove_corrupt: bool = True, layers: int = 0
+        self,
+        root: str,
+        layout: str,
+        grace_s: float = 30.0,
+        remove_corrupt: bool = True,
+        layers: int = 0,
+        trust: RecordTrust = OPEN,
     ) -> None:
         self.root = root
         self.layout = layout
+        self.trust = trust  # the store key records must be tagged with, and their largest size
         self._layers = layers  # > 1: records carry a checksum per layer (read a layer at a time)
         self.read_buffers = ReadBuffers()  # what layer-wise loads read into, reused
         self.reads_nowait = hasattr(os, "RWF_NOWAIT")  # False once the file system refuses it
@@ -114,7 +122,7 @@ class DiskTier:
         return len(self._written)
 
     def put(self, name: str, payload: memoryview, namespace: str = "") -> int:
-        header = codec.encode_header(name, self.layout, payload, namespace, self._layers)
+        header = codec.encode_header(name, self.layout, payload, namespace, self._layers, self.trust)
         path = self.path(name)
         folder = os.path.dirname(path)
         try:
@@ -148,11 +156,14 @@ class DiskTier:
         fd, path = self.open_record(name)
         with open(fd, "rb") as f:
             st = os.fstat(f.fileno())
+            if self.trust.too_large(st.st_size, whole_record=True):  # e.g. a sparse file: never read
+                self.remove_if_corrupt(path, st.st_ino, st.st_mtime_ns)
+                raise ChunkCorrupt(f"{name}: a file of {st.st_size} bytes, larger than any chunk record")
             record = bytearray(st.st_size)
             if f.readinto(record) != st.st_size:
                 raise ChunkCorrupt(f"{name}: short read")
         try:
-            return codec.decode(record, name, self.layout)
+            return codec.decode(record, name, self.layout, self.trust)
         except ChunkCorrupt:
             self.remove_if_corrupt(path, st.st_ino, st.st_mtime_ns)
             raise
@@ -221,7 +232,7 @@ class DiskTier:
     def probe(self) -> None:
         """Write, read back and remove a small record; raises OSError when the disk fails."""
         name = f".probe-{os.getpid()}"
-        data = memoryview(os.urandom(4096))
+        data = memoryview(os.urandom(min(4096, self.trust.max_payload_bytes or 4096)))
         self.put(name, data)
         try:
             if bytes(self.get(name)) != bytes(data):

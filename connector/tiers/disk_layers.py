@@ -178,7 +178,7 @@ class LayeredReads:
         if len(prefix) == _FIRST_READ_BYTES and codec.header_length(prefix) > len(prefix):
             whole = min(codec.header_length(prefix), codec.HEADER_PEEK_BYTES)  # longer: corrupt
             prefix += os.pread(fd, whole - len(prefix), len(prefix))
-        header = codec.check_header(prefix, record.name, tier.layout)
+        header = codec.check_header(prefix, record.name, tier.layout, tier.trust)
         if st.st_size != header.end + header.nbytes:
             expected = header.end + header.nbytes
             raise ChunkCorrupt(f"{record.name}: record is {st.st_size} bytes, its header says {expected}")
@@ -192,7 +192,7 @@ class LayeredReads:
         record.payload = tier.read_buffers.take(header.nbytes)[: header.nbytes]
         if header.layers is None:  # an older record: read and checked whole, here
             _read_exactly(fd, record.payload, header.end, record.name)
-            if codec.checksum(record.payload) != header.whole:
+            if header.digests.whole(record.payload) != header.whole:
                 raise ChunkCorrupt(f"{record.name}: checksum mismatch")
             self._bytes += header.nbytes
 
@@ -206,7 +206,7 @@ class LayeredReads:
         assert record.payload is not None
         view = record.payload[layer * size : (layer + 1) * size]
         _read_exactly(record.fd, view, header.end + layer * size, record.name)
-        if codec.layer_checksum(view) != header.layers[layer]:
+        if header.digests.layer(view) != header.layers[layer]:
             raise ChunkCorrupt(f"{record.name}: checksum mismatch in layer {layer}")
         with self._lock:
             self._bytes += size
@@ -218,11 +218,11 @@ class LayeredReads:
         with self._writing_into_kv():
             cached = self._tier.reads_nowait and _read_cached(record.fd, runs, offset, self._tier)
             if cached:
-                good = codec.layer_checksum_of(view for _, view in runs) == header.layers[layer]
+                good = header.digests.layer_of(view for _, view in runs) == header.layers[layer]
         if not cached:  # not all in the page cache: through a buffer, then in once checked
             bounce = self._tier.read_buffers.take(size)[:size]
             _read_exactly(record.fd, bounce, offset, record.name)
-            good = codec.layer_checksum(bounce) == header.layers[layer]
+            good = header.digests.layer(bounce) == header.layers[layer]
             if good:
                 with self._writing_into_kv():
                     for start, view in runs:

@@ -18,6 +18,7 @@ from redis import Redis
 from . import codec, redis_wire
 from .base import ChunkCorrupt
 from .read_buffers import ReadBuffers
+from .record_trust import OPEN, RecordTrust
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -28,9 +29,12 @@ Exchange = Callable[[Redis, list[int]], list[Any]]
 class NodeBatches:
     """Builds the exchanges of one tier's batches. Thread-safe."""
 
-    def __init__(self, layout: str, ttl_s: int | None, read_buffer_bytes: int) -> None:
+    def __init__(
+        self, layout: str, ttl_s: int | None, read_buffer_bytes: int, trust: RecordTrust = OPEN
+    ) -> None:
         self.layout = layout
         self.ttl_s = ttl_s
+        self.trust = trust
         self.buffers = ReadBuffers(read_buffer_bytes)
         self._wire = True  # GET and SET through redis_wire while this redis-py allows it
 
@@ -45,7 +49,11 @@ class NodeBatches:
 
                 try:
                     return redis_wire.get_many(
-                        client, [keys[i].encode() for i in indices], self.buffers, check
+                        client,
+                        [keys[i].encode() for i in indices],
+                        self.buffers,
+                        check,
+                        self.trust.max_record_bytes,
                     )
                 except redis_wire.NoSocket as e:
                     self._no_socket(e)
@@ -79,7 +87,7 @@ class NodeBatches:
 
     def payload(self, name: str, value: bytes | memoryview) -> memoryview | ChunkCorrupt:
         try:
-            return codec.decode(memoryview(value), name, self.layout)
+            return codec.decode(memoryview(value), name, self.layout, self.trust)
         except ChunkCorrupt as e:
             return e
 

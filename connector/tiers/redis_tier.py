@@ -44,6 +44,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from . import codec
 from .base import ChunkCorrupt, ChunkMissing
 from .read_buffers import DEFAULT_MAX_BYTES
+from .record_trust import OPEN, RecordTrust
 from .redis_batches import Exchange, NodeBatches, commands, pipeline
 from .redis_nodes import Nodes, nodes_for
 from .remote_url import RemoteURL
@@ -107,6 +108,7 @@ class RedisTier:
         connect_timeout_s: float = 0.5,
         max_connections: int = 32,
         read_buffer_bytes: int = DEFAULT_MAX_BYTES,
+        trust: RecordTrust = OPEN,
     ) -> None:
         if not _PREFIX.match(key_prefix):
             # No ':' (one prefix must never match another's keys in clear()) and no glob characters.
@@ -132,7 +134,8 @@ class RedisTier:
         if url.tls:
             options.update(ssl=True, ssl_ca_certs=url.ssl_ca_certs, ssl_cert_reqs=url.ssl_cert_reqs)
         self._nodes: Nodes = nodes_for(url, options)
-        self._batches = NodeBatches(layout, ttl_s, read_buffer_bytes)
+        self.trust = trust  # the store key records must be tagged with, and their largest size
+        self._batches = NodeBatches(layout, ttl_s, read_buffer_bytes, trust)
         self.read_buffers = self._batches.buffers  # what loads read into, reused
 
     def __repr__(self) -> str:
@@ -145,7 +148,7 @@ class RedisTier:
 
     def put(self, name: str, payload: memoryview, namespace: str = "") -> int:
         """Store ``payload`` under ``name``; returns the bytes of the record written."""
-        header = codec.encode_header(name, self.layout, payload, namespace)
+        header = codec.encode_header(name, self.layout, payload, namespace, trust=self.trust)
         keys = [self.key(name)]
         (reply,) = self._run("put", keys, self._batches.sets(keys, [header], [payload]))
         _raise_if_error(self._stored(reply, "put"))
@@ -190,7 +193,7 @@ class RedisTier:
         """
         spaces = namespaces or [""] * len(items)
         headers = [
-            codec.encode_header(name, self.layout, payload, ns)
+            codec.encode_header(name, self.layout, payload, ns, trust=self.trust)
             for (name, payload), ns in zip(items, spaces, strict=True)
         ]
         keys = [self.key(name) for name, _ in items]

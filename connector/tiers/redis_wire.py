@@ -36,6 +36,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .base import ChunkCorrupt
 from .read_buffers import ReadBuffers
 
 Frame = list[bytes | memoryview]  # one command's bytes, in order
@@ -44,6 +45,10 @@ _CRLF = b"\r\n"
 _LINE_READ = 4096  # bytes asked for when a reply's first line is incomplete
 _MAX_LINE = 64 * 1024
 _JOIN = 64 * 1024  # pieces under this are joined into one send
+# A value longer than any record is read past in pieces of this size, never into one buffer; one
+# longer than Redis's default limit of a value (proto-max-bulk-len) breaks the connection off.
+_SKIP_PIECE = 64 * 1024
+_SKIP_MAX = 512 * 1024**2
 # redis-py < 5.3 needs a command name to hand out a connection; later versions warn when given one
 _NAMED = (
     inspect.signature(ConnectionPool.get_connection).parameters["command_name"].default
@@ -81,18 +86,23 @@ def fast_path(client: Redis) -> bool:
 
 
 def get_many(
-    client: Redis, keys: Sequence[bytes], buffers: ReadBuffers, check: Callable[[int, memoryview], Any]
+    client: Redis,
+    keys: Sequence[bytes],
+    buffers: ReadBuffers,
+    check: Callable[[int, memoryview], Any],
+    max_bytes: int | None = None,
 ) -> list[Any]:
     """Per key: ``check(position, value)`` of its value (a read-only view in a reused buffer), None
-    (no such key), or the error reply. Raises redis-py's ``ConnectionError``/``TimeoutError`` when
-    the batch fails. Each value is checked as soon as it is in, while the next one arrives."""
+    (no such key), the error reply, or ChunkCorrupt for a value over ``max_bytes`` (read past,
+    never into memory). Raises redis-py's ``ConnectionError``/``TimeoutError`` when the batch
+    fails. Each value is checked as soon as it is in, while the next one arrives."""
     if not keys:
         return []
     with _connection(client) as (conn, replies):
         conn.send_packed_command([b"".join(get_frame(k) for k in keys)])
         out = []
         for position in range(len(keys)):
-            value = replies.bulk(buffers)
+            value = replies.bulk(buffers, max_bytes)
             out.append(check(position, value) if isinstance(value, memoryview) else value)
         return out
 
@@ -162,13 +172,18 @@ class _Replies:
         self._sock = sock
         self.pending = bytearray()  # received, not yet consumed
 
-    def bulk(self, buffers: ReadBuffers) -> memoryview | None | Exception:
+    def bulk(self, buffers: ReadBuffers, max_bytes: int | None = None) -> memoryview | None | Exception:
         line = self._line()
         kind = line[:1]
         if kind == b"$":
             size = _int(line)
             if size < 0:
                 return None
+            if max_bytes is not None and size > max_bytes:
+                if size > _SKIP_MAX:
+                    raise InvalidResponse(f"a value of {size} bytes, more than a Redis value holds")
+                self._skip(size + 2)
+                return ChunkCorrupt(f"a value of {size} bytes, larger than any chunk record")
             view = buffers.take(size + 2)
             self._fill(view[: size + 2])
             if view[size : size + 2] != _CRLF:
@@ -208,6 +223,17 @@ class _Replies:
         del self.pending[:have]
         while have < target.nbytes:
             got = self._io(self._sock.recv_into, target[have:])
+            if not got:
+                raise RedisConnectionError("Connection closed by server.")
+            have += got
+
+    def _skip(self, nbytes: int) -> None:
+        """Read past ``nbytes`` of the stream without keeping them."""
+        have = min(len(self.pending), nbytes)
+        del self.pending[:have]
+        scratch = memoryview(bytearray(min(_SKIP_PIECE, nbytes)))
+        while have < nbytes:
+            got = self._io(self._sock.recv_into, scratch[: min(scratch.nbytes, nbytes - have)])
             if not got:
                 raise RedisConnectionError("Connection closed by server.")
             have += got

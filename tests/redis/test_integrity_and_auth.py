@@ -1,14 +1,19 @@
-"""Damaged values never load as payloads; passwords work and never show in errors."""
+"""Damaged values never load as payloads; passwords work and never show in errors; with a store
+key only records its holders wrote load; no length a value announces is allocated beyond a chunk."""
 
 from __future__ import annotations
+
+import tracemalloc
 
 import pytest
 
 from connector.tiers.base import ChunkCorrupt
+from connector.tiers.record_trust import MAX_HEADER_BYTES, RecordTrust
 from connector.tiers.redis_tier import RemoteUnavailable
 from connector.tiers.remote_url import PASSWORD_ENV
 
 from .helpers import name, payload
+from .proxy import Relay
 from .servers import OPENSSL, make_certificates
 
 SECRET = "pw-Xq7-very-secret"
@@ -134,3 +139,118 @@ def test_tls_server_not_trusted_or_not_spoken_is_remote_unavailable(tls_server, 
     plain = tier_factory(f"redis://127.0.0.1:{server.port}/0", timeout_s=0.5)
     with pytest.raises(RemoteUnavailable):
         plain.get(name(1))
+
+
+# ---- what the store may announce, and who may have written it (extra_config.store_auth_key) ----
+
+MAX_PAYLOAD = 64 * 1024  # the largest chunk of the layout these tiers are told they store
+STORE_KEY = "a-store-key-of-the-fleet-0001"
+
+
+class Allocations:
+    """Sizes asked of a tier's read buffers; one far over a chunk is refused (never allocated)."""
+
+    def __init__(self, take):
+        self.asked: list[int] = []
+        self._take = take
+
+    def __call__(self, nbytes: int):
+        self.asked.append(nbytes)
+        if nbytes > 64 * MAX_PAYLOAD:
+            raise MemoryError(f"test refuses to allocate {nbytes} bytes")
+        return self._take(nbytes)
+
+
+def _bounded(tier_factory, url: str, key: str | None = None, **kwargs):
+    tier = tier_factory(url, trust=RecordTrust.of(key, MAX_PAYLOAD), **kwargs)
+    allocations = Allocations(tier.read_buffers.take)
+    tier.read_buffers.take = allocations  # type: ignore[method-assign]
+    return tier, allocations
+
+
+def test_a_value_longer_than_any_record_is_read_past_not_into_memory(redis_server, tier_factory):
+    tier, allocations = _bounded(tier_factory, redis_server.url, key_prefix="big")
+    tier.put(name(2), payload(MAX_PAYLOAD, 2))
+    with redis_server.client() as raw:  # planted by anyone who can write the prefix
+        raw.set(tier.key(name(1)), b"x" * (40 * MAX_PAYLOAD))
+    tracemalloc.start()
+    try:
+        first, second = tier.get_many([name(1), name(2)])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(first, ChunkCorrupt) and "larger than any" in str(first)
+    assert bytes(second) == bytes(payload(MAX_PAYLOAD, 2))  # the connection stayed in step
+    assert max(allocations.asked) <= MAX_PAYLOAD + MAX_HEADER_BYTES + 2, allocations.asked
+    assert peak < 8 * MAX_PAYLOAD
+
+
+class LyingRelay(Relay):
+    """Relays a real server, but says every value of ``size`` bytes is ``claimed`` bytes long."""
+
+    def __init__(self, port: int, size: int, claimed: int) -> None:
+        super().__init__(port)
+        self._said, self._lie = b"$%d\r\n" % size, b"$%d\r\n" % claimed
+
+    def _allowed(self, data: bytes, dst) -> bytes:
+        return data.replace(self._said, self._lie)
+
+
+def test_a_reply_announcing_a_terabyte_is_refused_without_allocating(redis_server, tier_factory):
+    writer = tier_factory(redis_server.url, key_prefix="tb")
+    record_bytes = writer.put(name(1), payload(1000, 1))
+    relay = LyingRelay(redis_server.port, record_bytes, 2**40)
+    try:
+        tier, allocations = _bounded(tier_factory, relay.url, key_prefix="tb")
+        tracemalloc.start()
+        try:
+            (got,) = tier.get_many([name(1)])
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    finally:
+        relay.close()
+    assert isinstance(got, (ChunkCorrupt, RemoteUnavailable)), got
+    assert max(allocations.asked, default=0) <= MAX_PAYLOAD + MAX_HEADER_BYTES + 2, allocations.asked
+    assert peak < 8 * MAX_PAYLOAD
+
+
+@pytest.mark.parametrize("writer_key", [None, "another-fleets-key-0002"])
+def test_with_a_store_key_a_record_planted_without_it_is_refused(redis_server, tier_factory, writer_key):
+    prefix = "plant" + ("k" if writer_key else "n")
+    tier_factory(redis_server.url, key_prefix=prefix, trust=RecordTrust.of(writer_key)).put(
+        name(1), payload(2000, 1)
+    )
+    reader = tier_factory(redis_server.url, key_prefix=prefix, trust=RecordTrust.of(STORE_KEY, MAX_PAYLOAD))
+    with pytest.raises(ChunkCorrupt, match="store_auth_key"):
+        reader.get(name(1))
+    (got,) = reader.get_many([name(1)])
+    assert isinstance(got, ChunkCorrupt)
+
+
+def test_with_the_right_key_records_load_and_a_reader_without_a_key_loads_them_too(
+    redis_server, tier_factory
+):
+    writer = tier_factory(redis_server.url, key_prefix="right", trust=RecordTrust.of(STORE_KEY, MAX_PAYLOAD))
+    writer.put(name(1), payload(2000, 1))
+    writer.put_many([(name(2), payload(3000, 2))])
+    plain = tier_factory(redis_server.url, key_prefix="right")
+    for reader in (writer, plain):
+        assert [bytes(v) for v in reader.get_many([name(1), name(2)])] == [
+            bytes(payload(2000, 1)),
+            bytes(payload(3000, 2)),
+        ]
+
+
+def test_a_tagged_record_copied_under_another_chunks_name_is_refused(redis_server, tier_factory):
+    trust = RecordTrust.of(STORE_KEY, MAX_PAYLOAD)
+    writer = tier_factory(redis_server.url, key_prefix="copy", trust=trust)
+    writer.put(name(2), payload(2000, 2))
+    with redis_server.client() as raw:  # B's record under A's key, its name field made A's
+        record = raw.get(writer.key(name(2)))
+        raw.set(writer.key(name(1)), record.replace(name(2).encode(), name(1).encode()))
+    assert bytes(tier_factory(redis_server.url, key_prefix="copy").get(name(1))) == bytes(
+        payload(2000, 2)
+    )  # without a key, anyone who can write the prefix steers what loads
+    with pytest.raises(ChunkCorrupt, match="store_auth_key"):
+        writer.get(name(1))

@@ -134,7 +134,7 @@ def test_a_corrupt_record_is_removed_when_read_but_a_fresh_copy_is_not(tmp_path,
     t.put(NAME, memoryview(b"x" * 64))
     real_decode = codec.decode
 
-    def corrupt_then_rewritten(record, name, layout):
+    def corrupt_then_rewritten(record, name, layout, *trust):
         t.put(NAME, memoryview(b"y" * 64))  # another engine replaces it while we read
         return real_decode(b"junk", name, layout)
 
