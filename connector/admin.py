@@ -96,15 +96,25 @@ class CacheAdmin:
 
     def _start_server(self, host: str, port: int) -> None:
         from .admin_http import AdminServer
+        from .admin_token import engine_token
         from .vllm_compat import engine_wakeup
 
+        extra = self._s.config.extra_config
+        secret = extra.admin_token.get_secret_value() if extra.admin_token is not None else None
+        token, where = engine_token(secret, extra.admin_token_file, port)
         self._wake = engine_wakeup()
         self.server = AdminServer(
             host,
             port,
             {("POST", "/kvlens/clear"): self._clear_route, ("GET", "/kvlens/namespaces"): self._ns_route},
+            token,
         )
-        logger.info("KVLens admin endpoint on %s (kvlens clear %s ...)", self.server.url, self.server.url)
+        logger.info(
+            "KVLens admin endpoint on %s, token from %s (kvlens clear %s ...)",
+            self.server.url,
+            where,
+            self.server.url,
+        )
 
     # ---- the scheduler thread ---------------------------------------------------------------
     def step(self, plan: StepPlan) -> None:
