@@ -12,9 +12,11 @@ required: the endpoint then answers nobody, and says why in the log.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import secrets
+import socket
 import urllib.parse
 from pathlib import Path
 
@@ -83,17 +85,29 @@ def _write_new(path: Path, replace: bool) -> str:
 
 def client_token(url: str, token_file: str | None = None, env: dict[str, str] | None = None) -> str | None:
     """The token ``kvlens`` sends to ``url``: ``--token-file``, ``$KVLENS_ADMIN_TOKEN``, or the
-    file an engine on this host wrote for the URL's port (None: none found)."""
+    file an engine on this host wrote for the URL's port, if the URL names this host (None:
+    none found)."""
     env = os.environ if env is None else env
     if token_file:
         return Path(token_file).read_text().strip()
     if env.get(TOKEN_ENV):
         return env[TOKEN_ENV].strip()
-    port = urllib.parse.urlsplit(url).port
-    if port is None:
-        return None
+    parts = urllib.parse.urlsplit(url)
+    if parts.port is None or not _this_host(parts.hostname or ""):
+        return None  # an engine elsewhere: never send it this host's token
+    port = parts.port
     path = default_path(port)
     try:
         return path.read_text().strip() or None
     except OSError:
         return None
+
+
+def _this_host(name: str) -> bool:
+    name = name.lower().rstrip(".")
+    if name in ("localhost", socket.gethostname().lower()):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False

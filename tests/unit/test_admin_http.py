@@ -181,6 +181,8 @@ def test_an_engine_without_a_configured_token_writes_a_new_one_only_its_user_rea
     second, _ = engine_token(None, None, 7001)
     assert second != first and client_token("http://127.0.0.1:7001/") == second  # one per start
     assert client_token("http://127.0.0.1:7002") is None
+    assert client_token("http://localhost:7001") == second
+    assert client_token("http://10.1.2.3:7001") is None  # another host: never this host's token
     assert client_token("http://127.0.0.1:7001", env={"KVLENS_ADMIN_TOKEN": "from-env"}) == "from-env"
 
 
