@@ -3,7 +3,8 @@
 The engine takes ``extra_config.admin_token``, or the file ``extra_config.admin_token_file``
 names (written with a new random token, mode 0600, when it does not exist yet). With neither,
 it makes a new random token at each start and writes it, mode 0600, to
-``~/.cache/kvlens/admin-<port>.token`` (the directory: ``$KVLENS_ADMIN_TOKEN_DIR``), where
+``~/.cache/kvlens/admin-<port>.token`` (the directory: ``$KVLENS_ADMIN_TOKEN_DIR``; removed at
+shutdown), where
 ``kvlens`` run by the same user on the same host finds it by the URL's port. ``kvlens`` elsewhere
 takes ``--token-file`` or ``$KVLENS_ADMIN_TOKEN``. A token that cannot be written is still
 required: the endpoint then answers nobody, and says why in the log.
@@ -81,6 +82,15 @@ def _write_new(path: Path, replace: bool) -> str:
             e,
         )
     return token
+
+
+def forget(token: str, port: int) -> None:
+    """At shutdown: remove the file ``engine_token`` made for ``port`` (no configured token),
+    unless another engine has replaced it since."""
+    path = default_path(port)
+    with contextlib.suppress(OSError):
+        if path.read_text().strip() == token:
+            path.unlink()
 
 
 def client_token(url: str, token_file: str | None = None, env: dict[str, str] | None = None) -> str | None:

@@ -251,6 +251,7 @@ def test_the_endpoint_serves_clears_and_namespaces_on_loopback(tmp_path, monkeyp
         assert "HTTP 401" in capsys.readouterr().err
     finally:
         s.shutdown()
+    assert not (tmp_path / "run" / f"admin-{port}.token").exists()  # removed at shutdown
 
 
 def test_an_eviction_decided_after_the_last_plan_keeps_the_engine_stepping_until_it_goes_out(tmp_path):
