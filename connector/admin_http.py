@@ -19,6 +19,7 @@ import logging
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -30,6 +31,18 @@ MAX_HANDLERS = 8  # connections served at once (a clear holds one for up to ~150
 SOCKET_TIMEOUT_S = 10.0  # longest wait on one read or write of a connection
 Route = Callable[[dict[str, Any]], tuple[int, dict[str, Any]]]
 _DIGITS = re.compile(r"[0-9]{1,12}")
+WARN_EVERY_S = 10.0  # refusals beyond one warning in this time are logged at debug level
+_warned_at = [-WARN_EVERY_S]
+
+
+def _warn(text: str, *args: Any) -> None:
+    """A refusal, said at most once per WARN_EVERY_S (a flood of them must not flood the log)."""
+    now = time.monotonic()
+    if now - _warned_at[0] >= WARN_EVERY_S:
+        _warned_at[0] = now
+        logger.warning(text + " (more within %gs at debug level)", *args, WARN_EVERY_S)
+    else:
+        logger.debug(text, *args)
 
 
 class AdminServer:
@@ -107,7 +120,7 @@ def _answer_busy(sock: socket.socket) -> None:
         sock.recv(MAX_BODY_BYTES)  # what already arrived: a close over unread data resets the reply
     except OSError:
         pass
-    logger.warning("KVLens admin: over %d connections at once; answered 503", MAX_HANDLERS)
+    _warn("KVLens admin: over %d connections at once; answered 503", MAX_HANDLERS)
 
 
 def host_allowed(header: str | None, bound_host: str) -> bool:
@@ -201,7 +214,7 @@ class _Handler(BaseHTTPRequestHandler):
         return int(text)
 
     def _refuse(self, status: int, why: str, unread: int = 0) -> None:
-        logger.warning("KVLens admin: refused %s %s (%d): %s", self.command, self.path[:80], status, why)
+        _warn("KVLens admin: refused %s %s (%d): %s", self.command, self.path[:80], status, why)
         if status in (401, 403) and self.command == "POST":
             unread = _small_length(self.headers.get("Content-Length"))
         if unread:  # a close over unread data resets the connection before the reply is read
