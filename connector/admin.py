@@ -90,21 +90,34 @@ class CacheAdmin:
         self._clearing = threading.Lock()  # one clear at a time through the endpoint
         self._wake: Callable[[], None] | None = None
         self.server: Any = None
+        self._forget_token: tuple[str, int] | None = None  # the token file made at start, if any
         extra = state.config.extra_config
         if extra.admin_port is not None:
             self._start_server(extra.admin_host, extra.admin_port + int(state.facts.engine_id or 0))
 
     def _start_server(self, host: str, port: int) -> None:
         from .admin_http import AdminServer
+        from .admin_token import engine_token
         from .vllm_compat import engine_wakeup
 
+        extra = self._s.config.extra_config
+        secret = extra.admin_token.get_secret_value() if extra.admin_token is not None else None
+        token, where = engine_token(secret, extra.admin_token_file, port)
+        if secret is None and not extra.admin_token_file:
+            self._forget_token = (token, port)
         self._wake = engine_wakeup()
         self.server = AdminServer(
             host,
             port,
             {("POST", "/kvlens/clear"): self._clear_route, ("GET", "/kvlens/namespaces"): self._ns_route},
+            token,
         )
-        logger.info("KVLens admin endpoint on %s (kvlens clear %s ...)", self.server.url, self.server.url)
+        logger.info(
+            "KVLens admin endpoint on %s, token from %s (kvlens clear %s ...)",
+            self.server.url,
+            where,
+            self.server.url,
+        )
 
     # ---- the scheduler thread ---------------------------------------------------------------
     def step(self, plan: StepPlan) -> None:
@@ -279,6 +292,10 @@ class CacheAdmin:
     def shutdown(self) -> None:
         if self.server is not None:
             self.server.close()
+        if self._forget_token is not None:
+            from .admin_token import forget
+
+            forget(*self._forget_token)
         if self.marks is not None:
             self.marks.close()  # writes the marks still queued
         self._stores.close()

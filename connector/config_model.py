@@ -70,7 +70,12 @@ class ExtraConfig(BaseModel):
     # The admin endpoint (connector/admin.py; `kvlens clear` of a running server): off unless a
     # port is set; data-parallel engine i listens on admin_port + i.
     admin_port: int | None = Field(None, ge=1, le=65535)
-    admin_host: str = "127.0.0.1"  # no authentication: keep it on loopback unless fenced off
+    admin_host: str = "127.0.0.1"  # keep it on loopback unless fenced off
+    # Its bearer token (connector/admin_token.py): this literal, or the file named here (written
+    # with a random token, 0600, if missing). Neither: a random token per start, written 0600 to
+    # ~/.cache/kvlens/admin-<port>.token, where `kvlens` on the same host reads it.
+    admin_token: SecretStr | None = Field(None, min_length=16)
+    admin_token_file: str | None = Field(None, min_length=1)
     # LMCache's tag_keys: names of kv_transfer_params entries whose values become key tags, as
     # if sent as lmcache.tag.<name> (requests with other values never share KV).
     tag_keys: tuple[str, ...] = ()
@@ -83,6 +88,15 @@ class ExtraConfig(BaseModel):
     # Optional byte budget per tenant (cache salt and key tags) and tier, e.g. {cpu: 1073741824}:
     # a tenant at its quota evicts its own chunks to store more, never another's. Off by default.
     tenant_quota_bytes: tuple[tuple[Literal["cpu", "disk"], Annotated[int, Field(gt=0)]], ...] = ()
+    # Who may ask for retention (connector/engine/retention_rules.py): tenant ids as the metrics
+    # show them (default, salt:3fa1c2d90b, ...), tags as NAME=VALUE, or "*" for every request.
+    # Empty (the default): nobody; a request's ask is ignored and counted. What an allowed
+    # request gets is capped: priority, seconds (an ask without an end gets this end) and, per
+    # tenant, the share of each CPU or disk tier's budget its retained chunks may hold.
+    retention_allowed: tuple[str, ...] = ()
+    retention_max_priority: int = Field(3, ge=0, le=3)
+    retention_max_seconds: float = Field(86400.0, gt=0, le=30 * 86400)
+    max_retained_share_per_tenant: float = Field(0.25, ge=0, le=1)
     # LMCache's Valkey settings, for valkey:// and valkeys:// URLs.
     valkey_username: str | None = None
     valkey_password: SecretStr | None = None
@@ -108,6 +122,23 @@ class ExtraConfig(BaseModel):
         if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
             raise ValueError("must be a list of kv_transfer_params names, e.g. [user]")
         return value
+
+    @field_validator("retention_allowed", mode="before")
+    @classmethod
+    def _retention_allowed_entries(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v.strip() for v in value):
+            raise ValueError(
+                'must be a list of tenant ids, NAME=VALUE tags or "*", e.g. [default, team=blue]'
+            )
+        return tuple(v.strip() for v in value)
+
+    @model_validator(mode="after")
+    def _one_admin_token(self) -> ExtraConfig:
+        if self.admin_token is not None and self.admin_token_file:
+            raise ValueError("set admin_token or admin_token_file, not both")
+        return self
 
     @field_validator("tenant_quota_bytes", mode="before")
     @classmethod
@@ -234,7 +265,10 @@ class KVLensConfig(BaseModel):
         """The settings that differ from the defaults, for logs: no password ever."""
         out = self.model_dump(
             exclude_defaults=True,
-            exclude={"remote_url": True, "extra_config": {"valkey_password", "password", "store_auth_key"}},
+            exclude={
+                "remote_url": True,
+                "extra_config": {"valkey_password", "password", "store_auth_key", "admin_token"},
+            },
         )
         if self._remote is not None:
             out["remote_url"] = self._remote.redacted()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from .checkpoint_identity import AdapterFingerprints
@@ -60,7 +61,10 @@ class PrefixLookup:
                 s.config.priority_limit,
                 s.config.force_skip_save,
                 s.config.extra_config.tag_keys,
+                s.retention_rules,
             )
+            if policy.namespace is not None:  # a salt per request must not make a quota per request
+                policy = replace(policy, tenant=s.tenants.label(policy.namespace))
             s.policies[rid] = policy
             if policy.namespace is not None:
                 s.hashers[rid] = PrefixHasher(policy.namespace, self._chunk_size)
@@ -390,6 +394,7 @@ class PrefixLookup:
             attempts=result.attempts,
             remote_calls=tuple(result.remote_calls),
             ignored_params=policy.ignored_params if policy is not None else 0,
+            retention_refused=policy.retention_refused if policy is not None else None,
         )
 
     def external_tokens_by_tier(self, request_id: str, num_external_tokens: int) -> dict[str, int]:

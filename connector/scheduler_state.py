@@ -25,6 +25,7 @@ from .engine.load_speed import TierSpeeds
 from .engine.namespaces import FirstChunkNamespaces
 from .engine.outcomes import FailureReason, LoadOutcome, TierState
 from .engine.policy import RecentlyEvicted, RequestPolicy
+from .engine.retention_rules import RetentionRules
 from .engine.suspects import SuspectBlocks, downstream
 from .engine.tails import TailDirectory
 from .engine.tenants import TenantBook
@@ -119,13 +120,22 @@ class SchedulerState:
         self.reported_through = -1  # the newest step whose report was processed
         # Per-tenant accounting (engine/tenants.py): bytes held follow admissions and drops.
         self.tenants = TenantBook(config.extra_config.tenant_labels_max, tuple(self.tiers))
+        extra = config.extra_config
+        self.retention_rules = RetentionRules.of(
+            extra.retention_allowed, extra.retention_max_priority, extra.retention_max_seconds
+        )
         for name, index in self.tiers.items():
             index.also_on_drop(lambda chunk, tier=name: self.tenants.dropped(tier, chunk))
 
-    def _retention(self, tier: str) -> tuple[float, int | None, Callable[[], float]]:
-        """A tier index's retention cap, tenant quota and clock."""
+    def _retention(self, tier: str) -> tuple[float, int | None, Callable[[], float], float]:
+        """A tier index's retention cap, tenant quota, clock and retention cap per tenant."""
         extra = self.config.extra_config
-        return extra.max_retained_share, extra.tenant_quota(tier), self.clock
+        return (
+            extra.max_retained_share,
+            extra.tenant_quota(tier),
+            self.clock,
+            extra.max_retained_share_per_tenant,
+        )
 
     def _check_budgets(self) -> None:
         if not self.facts.stores:

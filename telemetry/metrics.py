@@ -118,6 +118,15 @@ _DEFINITIONS = (
         COUNTER,
         "lmcache.* request parameters KVLens does not know: ignored, the request served as usual.",
     ),
+    # the operator's retention rules (retention_allowed, retention_max_*): asks not granted
+    Metric(
+        "retention_refused_requests",
+        COUNTER,
+        "Requests that asked for retention and got less, by reason: not_allowed (their tenant is not "
+        "in retention_allowed: none) or capped (to retention_max_priority / retention_max_seconds).",
+        ("reason",),
+        domains=("retention_refusals",),
+    ),
     Metric(
         "request_hit_ratio",
         HISTOGRAM,

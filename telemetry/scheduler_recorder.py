@@ -135,6 +135,8 @@ class SchedulerRecorder:
         if o.save_skip_reason is not None:
             b.inc(wire_key("save_skipped_requests", o.save_skip_reason.value))
         b.inc("ignored_request_params", o.ignored_params)
+        if o.retention_refused is not None:
+            b.inc(wire_key("retention_refused_requests", o.retention_refused))
         b.observe("request_hit_ratio", min(o.hit_tokens / o.prompt_tokens, 1.0) if o.prompt_tokens else 0.0)
         if timing is not None:
             b.observe("operation_seconds|lookup", max(timing.end_ns - timing.start_ns, 0) / 1e9)

@@ -37,6 +37,7 @@ class TierIndex:
         max_retained_share: float = 0.5,
         tenant_quota: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_retained_share_per_tenant: float = 1.0,
     ) -> None:
         self.name = name
         self.capacity_bytes = capacity_bytes
@@ -51,7 +52,11 @@ class TierIndex:
         # Retained keys leave the policy's order (so that a walk for victims never passes over
         # them) and return to it as the first to evict when their retention ends.
         self.retention = RetentionBook(
-            capacity_bytes, max_retained_share, clock, lambda key: self._order.add(key, False)
+            capacity_bytes,
+            max_retained_share,
+            clock,
+            lambda key: self._order.add(key, False),
+            max_retained_share_per_tenant,
         )
         self.tenant_quota = tenant_quota
         self._tenant_bytes: dict[str, int] = {}
@@ -146,7 +151,7 @@ class TierIndex:
             return
         if key not in self.retention:
             self._order.discard(key)
-        self.retention.retain(key, entry.nbytes, retention)
+        self.retention.retain(key, entry.nbytes, retention, entry.tenant)
 
     def bytes_by_class(self) -> tuple[int, ...]:
         """Bytes held per retention priority, 0 (normal) first."""

@@ -104,6 +104,7 @@ class LookupOutcome:
     attempts: int = 1
     remote_calls: tuple[RemoteCall, ...] = ()
     ignored_params: int = 0  # unknown lmcache.* request parameters (ignored)
+    retention_refused: str | None = None  # why it got less retention than it asked (retention_rules)
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ from .keys import Namespace, parse_tags
 from .outcomes import MissReason, SaveSkipReason
 from .retention import PARAMS as RETENTION_PARAMS
 from .retention import Retention, parse_retention
+from .retention_rules import RetentionRules
 from .tenants import tenant_id
 
 logger = logging.getLogger("vllm.kvlens")
@@ -26,8 +27,11 @@ class RequestPolicy:
     skip_reason: MissReason | None  # why nothing is loaded or stored, when namespace is None
     save_skip_reason: SaveSkipReason | None  # why nothing is stored (loads may still happen)
     ignored_params: int = 0  # lmcache.* / kvlens.* request parameters ignored (unknown or invalid)
-    retention: Retention | None = None  # what the request asks for the chunks it stores or hits
-    tenant: str = "default"  # whose quota its chunks count against (tenants.tenant_id)
+    retention: Retention | None = None  # what the operator grants of the request's ask
+    # whose quota and retention cap its chunks count against: its tenant id here, its bounded
+    # label (tenants.TenantBook: beyond tenant_labels_max, one shared "other") in the scheduler
+    tenant: str = "default"
+    retention_refused: str | None = None  # why it got less retention than it asked (retention_rules)
 
 
 def _bool_param(params: Mapping[str, Any], name: str) -> bool:
@@ -96,7 +100,9 @@ def decide_policy(
     priority_limit: int | None,
     force_skip_save: bool,
     tag_keys: Sequence[str] = (),
+    retention_rules: RetentionRules | None = None,
 ) -> RequestPolicy:
+    """``retention_rules`` None: the request's retention ask is taken as it is."""
     if has_unsupported_input:
         return RequestPolicy(None, MissReason.UNSUPPORTED_INPUT, SaveSkipReason.UNSUPPORTED_INPUT)
     params = kv_transfer_params if isinstance(kv_transfer_params, Mapping) else {}
@@ -115,6 +121,9 @@ def decide_policy(
         logger.warning("KVLens: request %s: %s; storing without retention", request_id, e)
         retention, ignored = None, ignored + 1
     namespace = base.with_request(lora_name, cache_salt, tags)
+    tenant, refused = tenant_id(namespace), None
+    if retention_rules is not None:
+        retention, refused = retention_rules.grant(retention, tenant, tags)
     save_skip: SaveSkipReason | None = None
     if kv_role == "kv_consumer":
         save_skip = SaveSkipReason.CONSUMER_ROLE
@@ -124,7 +133,7 @@ def decide_policy(
         save_skip = SaveSkipReason.SKIP_SAVE
     elif priority_limit is not None and priority > priority_limit:
         save_skip = SaveSkipReason.PRIORITY_LIMIT
-    return RequestPolicy(namespace, None, save_skip, ignored, retention, tenant_id(namespace))
+    return RequestPolicy(namespace, None, save_skip, ignored, retention, tenant, refused)
 
 
 def miss_reason(

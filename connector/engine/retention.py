@@ -5,7 +5,9 @@ A request sends ``kvlens.retention_priority`` (1-3; 0 is normal) and/or ``kvlens
 in its ``kv_transfer_params``. A chunk keeps the highest priority and the latest end any
 request gave it. A tier evicts its unretained chunks first, in its ``cache_policy`` order,
 then retained ones, lowest priority and earliest end first. Retained bytes may not exceed
-``max_retained_share`` of a tier's budget: the lowest are demoted. A chunk past its end or
+``max_retained_share`` of a tier's budget, nor one tenant's ``max_retained_share_per_tenant``:
+the lowest (of that tenant) are demoted. Whether a request may retain at all, and how much, the
+operator decides (``retention_rules.py``). A chunk past its end or
 demoted stays stored, as a normal chunk and the first one to evict. LMCache has no such
 parameter, hence the ``kvlens.`` prefix. Only the tiers KVLens evicts (CPU, disk) retain;
 Redis evicts by itself.
@@ -68,6 +70,7 @@ class _Held:
     priority: int
     until: float  # math.inf: no end
     nbytes: int
+    tenant: str | None  # whose retained cap it counts against (None: none)
 
 
 class RetentionBook:
@@ -80,8 +83,13 @@ class RetentionBook:
         max_share: float,
         clock: Callable[[], float],
         on_normal: Callable[[str], None] = lambda key: None,
+        tenant_share: float = 1.0,
     ) -> None:
         self._cap_bytes = max_share * capacity_bytes
+        self._tenant_cap_bytes = tenant_share * capacity_bytes
+        self._tenant_bytes: dict[str, int] = {}
+        self._tenant_ranks: dict[str, list[tuple[int, float, int, str]]] = {}  # as _ranks, per tenant
+        self._tenant_entries = 0  # entries in the per-tenant heaps (stale ones too)
         self._clock = clock
         self._on_normal = on_normal  # told each key that expired or was demoted (still stored)
         self._held: dict[str, _Held] = {}
@@ -106,13 +114,18 @@ class RetentionBook:
         held = self._held.get(key)
         return held.priority if held is not None else 0
 
-    def retain(self, key: str, nbytes: int, retention: Retention) -> None:
-        """Raise ``key``'s retention to at least ``retention`` (from now), then apply the cap."""
+    def tenant_bytes(self, tenant: str) -> int:
+        return self._tenant_bytes.get(tenant, 0)
+
+    def retain(self, key: str, nbytes: int, retention: Retention, tenant: str | None = None) -> None:
+        """Raise ``key``'s retention to at least ``retention`` (from now), then apply the caps.
+        ``tenant``: whose retained cap the key counts against, from its first retention on."""
         until = math.inf if retention.seconds is None else self._clock() + retention.seconds
         held = self._held.get(key)
         if held is None:
-            held = self._held[key] = _Held(retention.priority, until, nbytes)
+            held = self._held[key] = _Held(retention.priority, until, nbytes, tenant)
             self.retained_bytes[held.priority] += nbytes
+            self._count(held.tenant, nbytes)
         else:
             if retention.priority <= held.priority and until <= held.until:
                 return
@@ -120,24 +133,41 @@ class RetentionBook:
             held.priority = max(held.priority, retention.priority)
             held.until = max(held.until, until)
             self.retained_bytes[held.priority] += held.nbytes
-        heapq.heappush(self._ranks, (held.priority, held.until, next(self._order), key))
+        rank = (held.priority, held.until, next(self._order), key)
+        heapq.heappush(self._ranks, rank)
+        if held.tenant is not None:
+            heapq.heappush(self._tenant_ranks.setdefault(held.tenant, []), rank)
+            self._tenant_entries += 1
         if held.until != math.inf:
             heapq.heappush(self._ends, (held.until, key))
-        if len(self._ranks) > 2 * len(self._held) + 64:  # renewed ranks and ends: drop stale entries
+        if max(len(self._ranks), self._tenant_entries) > 2 * len(self._held) + 64:  # drop stale entries
             self._compact()
         self._apply_cap()
+        self._apply_tenant_cap(held.tenant)
 
     def forget(self, key: str) -> None:
         """``key`` left the tier, or became normal."""
         held = self._held.pop(key, None)
         if held is not None:
             self.retained_bytes[held.priority] -= held.nbytes
+            self._count(held.tenant, -held.nbytes)
 
     def resize(self, key: str, nbytes: int) -> None:
         held = self._held.get(key)
         if held is not None:
             self.retained_bytes[held.priority] += nbytes - held.nbytes
+            self._count(held.tenant, nbytes - held.nbytes)
             held.nbytes = nbytes
+
+    def _count(self, tenant: str | None, delta: int) -> None:
+        if tenant is None:
+            return
+        left = self._tenant_bytes.get(tenant, 0) + delta
+        if left:
+            self._tenant_bytes[tenant] = left
+        else:  # nothing of it retained: its state goes
+            self._tenant_bytes.pop(tenant, None)
+            self._tenant_entries -= len(self._tenant_ranks.pop(tenant, ()))
 
     def expire(self) -> None:
         """Chunks whose end has passed become normal."""
@@ -171,8 +201,26 @@ class RetentionBook:
                 self.demotions += 1
                 self._on_normal(rank[3])
 
+    def _apply_tenant_cap(self, tenant: str | None) -> None:
+        heap = self._tenant_ranks.get(tenant) if tenant is not None else None
+        while heap and self._tenant_bytes.get(tenant, 0) > self._tenant_cap_bytes:  # type: ignore[arg-type]
+            rank = heapq.heappop(heap)
+            self._tenant_entries -= 1
+            if self._current(rank):
+                self.forget(rank[3])
+                self.demotions += 1
+                self._on_normal(rank[3])
+
     def _compact(self) -> None:
         self._ranks = [r for r in self._ranks if self._current(r)]
         heapq.heapify(self._ranks)
+        self._tenant_ranks = {}
+        for rank in self._ranks:
+            tenant = self._held[rank[3]].tenant
+            if tenant is not None:
+                self._tenant_ranks.setdefault(tenant, []).append(rank)
+        for heap in self._tenant_ranks.values():
+            heapq.heapify(heap)
+        self._tenant_entries = len(self._ranks) - sum(1 for h in self._held.values() if h.tenant is None)
         self._ends = [(h.until, k) for k, h in self._held.items() if h.until != math.inf]
         heapq.heapify(self._ends)

@@ -20,6 +20,7 @@ from .outcomes import (
     TierState,
 )
 from .retention import CLASSES as RETENTION_CLASSES
+from .retention_rules import REFUSALS as RETENTION_REFUSALS
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +128,7 @@ class KnownLabels:
     remote_error_kinds: tuple[str, ...] = ()
     tenants: tuple[str, ...] = ("default", "other")  # the labels every engine has (tenants.py)
     retention_classes: tuple[str, ...] = RETENTION_CLASSES
+    retention_refusals: tuple[str, ...] = RETENTION_REFUSALS
 
     @classmethod
     def for_tiers(cls, tiers: tuple[str, ...]) -> KnownLabels:

@@ -8,7 +8,9 @@
 A disk directory or a Redis URL (``redis://``, ``rediss://``, ``redis-cluster://``, ...; the
 password may come from ``$KVLENS_REDIS_PASSWORD``) is worked on directly; a running engine is
 cleared through its admin endpoint (``http://127.0.0.1:<extra_config.admin_port>``), which
-applies the clear between steps. ``--json`` prints machine-readable output.
+applies the clear between steps. The endpoint's token comes from ``--token-file``,
+``$KVLENS_ADMIN_TOKEN``, or the file the engine wrote for that port on this host
+(``connector/admin_token.py``). ``--json`` prints machine-readable output.
 """
 
 from __future__ import annotations
@@ -19,15 +21,21 @@ import os
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
+from ..admin_token import TOKEN_ENV, client_token, default_path
 from ..engine.namespace_records import Selector
 from ..store_records import DiskRecords, RedisRecords, Store, clear
 from . import doctor, inspect_report
 
 HTTP_TIMEOUT_S = 180.0  # a clear through an engine waits for loads in flight (at most 60 s)
+TOKEN_HELP = (
+    f"the admin endpoint's token file (default: ${TOKEN_ENV}, else the file the engine wrote for the "
+    "URL's port under ~/.cache/kvlens)"
+)
 
 
 class UsageError(Exception):
@@ -51,10 +59,16 @@ def _is_http(target: str) -> bool:
     return target.startswith(("http://", "https://"))
 
 
-def _http(url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+def _http(url: str, body: dict[str, Any] | None = None, token_file: str | None = None) -> dict[str, Any]:
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
     request.add_header("Content-Type", "application/json")
+    try:
+        token = client_token(url, token_file)
+    except OSError as e:
+        raise UsageError(f"--token-file: {e}") from None
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as r:
             return json.loads(r.read())
@@ -63,6 +77,12 @@ def _http(url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
             why = json.loads(e.read()).get("error", "")
         except ValueError:
             why = ""
+        if e.code == 401:
+            port = urllib.parse.urlsplit(url).port or 0
+            why += (
+                f" (the token: --token-file, ${TOKEN_ENV}, or {default_path(port)} written by an engine"
+                " on this host without extra_config.admin_token(_file))"
+            )
         raise UsageError(f"{url}: HTTP {e.code} {why}".strip()) from None
     except (urllib.error.URLError, OSError) as e:
         raise UsageError(f"{url}: {getattr(e, 'reason', e)}") from None
@@ -93,7 +113,7 @@ def _selector(args: argparse.Namespace) -> Selector:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     if _is_http(args.target):
-        reply = _http(args.target.rstrip("/") + "/kvlens/namespaces")
+        reply = _http(args.target.rstrip("/") + "/kvlens/namespaces", token_file=args.token_file)
         print(json.dumps(reply, indent=2) if args.json else _namespaces_text(reply))
         return 0
     store = _store(args.target, args.prefix)
@@ -119,7 +139,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
     selector = _selector(args)
     if _is_http(args.target):
         body = {**selector.to_json(), "all": selector.everything}
-        result = _http(args.target.rstrip("/") + "/kvlens/clear", body)
+        result = _http(args.target.rstrip("/") + "/kvlens/clear", body, args.token_file)
     else:
         store = _store(args.target, args.prefix)
         result = {"where": repr(store), "selection": selector.describe(), **clear(store, selector).to_json()}
@@ -191,6 +211,7 @@ def parser() -> argparse.ArgumentParser:
     ins.add_argument("target", help=target)
     ins.add_argument("--prefix", default="kvlens", help="Redis key prefix (extra_config.remote_key_prefix)")
     ins.add_argument("--verify", action="store_true", help="read whole records and check their checksums")
+    ins.add_argument("--token-file", help=TOKEN_HELP)
     ins.add_argument("--json", action="store_true")
     ins.set_defaults(run=cmd_inspect)
 
@@ -203,6 +224,7 @@ def parser() -> argparse.ArgumentParser:
     clr.add_argument("--salt", help="the namespace of this cache_salt (see --salt-env)")
     clr.add_argument("--salt-env", metavar="VAR", help="read the salt from this environment variable")
     clr.add_argument("--tag", action="append", metavar="NAME=VALUE", help="lmcache.tag.NAME=VALUE (repeat)")
+    clr.add_argument("--token-file", help=TOKEN_HELP)
     clr.add_argument("--json", action="store_true")
     clr.set_defaults(run=cmd_clear)
 

@@ -1,4 +1,5 @@
-"""Real ``vllm serve`` (CPU) with a CPU tier of eight chunks, otherwise at default settings: a
+"""Real ``vllm serve`` (CPU) with a CPU tier of eight chunks and retention allowed for requests
+without salt or tag (``retention_allowed: [default]``), otherwise at default settings: a
 system prompt sent once with a retention priority survives a flood of one-off prompts that
 evicts an unretained prefix stored before it. Checked through the responses'
 ``kv_transfer_params`` and vLLM's own count of prompt tokens cached by source, and the
@@ -17,7 +18,9 @@ pytestmark = pytest.mark.integration
 CHUNK = 256
 # The tiny model in bfloat16: 2 (K, V) x 4 layers x 2 heads x 64 x 2 bytes = 2 KiB a token.
 CHUNK_BYTES = CHUNK * 2048
-KV_CONFIG = kv_transfer_config(max_local_cpu_size=8 * CHUNK_BYTES / 1024**3)
+KV_CONFIG = kv_transfer_config(
+    max_local_cpu_size=8 * CHUNK_BYTES / 1024**3, extra_config={"retention_allowed": ["default"]}
+)
 RETAIN = {"kvlens.retention_priority": 2, "kvlens.retain_for_s": 600}
 CACHED = "vllm:prompt_tokens_cached_by_source_total"
 

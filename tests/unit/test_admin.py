@@ -214,11 +214,17 @@ def test_each_storing_namespace_gets_one_record_beside_the_chunks(tmp_path):
     assert b"tenant-b" not in raw and b"blue" not in raw
 
 
-def test_the_endpoint_serves_clears_and_namespaces_on_loopback(tmp_path):
+def test_the_endpoint_serves_clears_and_namespaces_on_loopback(tmp_path, monkeypatch, capsys):
+    """No token configured: the engine writes one for its port that `kvlens` on this host reads;
+    a request without it is refused."""
     import json
     import socket
     import urllib.request
 
+    from connector.ops.cli import main
+
+    monkeypatch.setenv("KVLENS_ADMIN_TOKEN_DIR", str(tmp_path / "run"))
+    monkeypatch.delenv("KVLENS_ADMIN_TOKEN", raising=False)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -227,15 +233,25 @@ def test_the_endpoint_serves_clears_and_namespaces_on_loopback(tmp_path):
         worker = Worker(s)
         fp = _store(s, worker, "a").stores[0].namespace
         url = f"http://127.0.0.1:{port}"
-        with urllib.request.urlopen(url + "/kvlens/namespaces", timeout=5) as r:
-            (row,) = json.loads(r.read())["namespaces"]
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url + "/kvlens/namespaces", timeout=5)
+        assert e.value.code == 401
+        assert main(["inspect", url, "--json"]) == 0
+        (row,) = json.loads(capsys.readouterr().out)["namespaces"]
         assert row["this_engine"] and row["fingerprint"] == fp
+        token = (tmp_path / "run" / f"admin-{port}.token").read_text().strip()
         bad = urllib.request.Request(url + "/kvlens/clear", data=b"{}", method="POST")
+        bad.add_header("Authorization", f"Bearer {token}")
+        bad.add_header("Content-Type", "application/json")
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(bad, timeout=5)
         assert e.value.code == 400 and "say what" in json.loads(e.value.read())["error"]
+        monkeypatch.setenv("KVLENS_ADMIN_TOKEN", "not-the-token")
+        assert main(["inspect", url]) == 1
+        assert "HTTP 401" in capsys.readouterr().err
     finally:
         s.shutdown()
+    assert not (tmp_path / "run" / f"admin-{port}.token").exists()  # removed at shutdown
 
 
 def test_an_eviction_decided_after_the_last_plan_keeps_the_engine_stepping_until_it_goes_out(tmp_path):

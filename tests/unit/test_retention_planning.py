@@ -10,6 +10,7 @@ from .fakes import BLOCK_BYTES, LAYERS, admit_fully, blocks, cpu_gb, request, sc
 CHUNK = 2 * BLOCK_BYTES * LAYERS
 SYSTEM = list(range(5000, 5512))  # two chunks
 RETAIN = {"kvlens.retention_priority": 2, "kvlens.retain_for_s": 600}
+ALLOWED = {"retention_allowed": ["default"]}  # requests without salt or tag may retain
 
 
 class TierReplica:
@@ -31,7 +32,7 @@ def one_off(i: int) -> list[int]:
 
 
 def test_a_retained_prefix_outlives_a_flood_and_the_tier_matches_the_index_after_every_step():
-    s = scheduler(max_local_cpu_size=cpu_gb(6 * CHUNK))
+    s = scheduler(max_local_cpu_size=cpu_gb(8 * CHUNK), extra_config=ALLOWED)
     tier, replica = s.tiers[CPU], TierReplica()
     _, plan = admit_fully(s, request("other", list(range(7000, 7512))), blocks(0, 4))
     replica.apply(plan)
@@ -50,7 +51,7 @@ def test_a_retained_prefix_outlives_a_flood_and_the_tier_matches_the_index_after
 
 
 def test_a_request_that_hits_a_stored_prefix_retains_it():
-    s = scheduler(max_local_cpu_size=cpu_gb(4 * CHUNK))
+    s = scheduler(max_local_cpu_size=cpu_gb(8 * CHUNK), extra_config=ALLOWED)
     admit_fully(s, request("a", SYSTEM), blocks(0, 4))
     assert s.tiers[CPU].bytes_by_class()[2] == 0
     admit_fully(s, request("b", SYSTEM + list(range(1, 100)), kv_transfer_params=RETAIN), blocks(10, 5))
