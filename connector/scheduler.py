@@ -4,9 +4,9 @@ responses and the insight feed around one shared state, and answers the facade's
 It owns the index of every tier. Lookups answer from memory (no disk or network round trip
 per chunk); stores and evictions are decided here (``step_planner.py``) and carried out by
 the workers in the order issued, so what a lookup finds is what the load finds. Workers
-report failed loads and stores; those chunks, and every later chunk of a prefix whose load
-failed, leave the index at once and are deleted from their tier, so damage costs one
-recompute and the recompute stores good copies.
+report failed loads and stores; chunks found damaged or missing, and every later chunk of
+their prefix, leave the index at once and are deleted from their tier, so damage costs one
+recompute and the recompute stores good copies (a slow read deletes nothing).
 
 vLLM's ``Request`` and ``SchedulerOutput`` are used duck-typed, so this package's scheduler
 modules do not import vLLM and are tested with plain stand-ins.

@@ -110,7 +110,7 @@ class SchedulerState:
         # chunks each asynchronous load promotes into the CPU tier (pinned there until reported)
         self.async_promotions: dict[str, list[str]] = {}
         self.promoting: set[str] = set()  # their chunks: not in the CPU tier until reported
-        self.unreadable = UnreadableChunks()  # loads just failed: lookups pass over them a while
+        self.unreadable = UnreadableChunks(clock=clock)  # loads just failed: lookups pass over them a while
         self.async_cancels: list[str] = []
         # Settled asynchronous loads, by request: (tokens planned, outcome), until its schedule.
         self.async_outcomes: dict[str, tuple[int, LoadOutcome]] = {}
