@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from .disk_scrub import DiskScrubber
 from .engine.index import TierIndex
 from .engine.keys import storage_name
 from .tiers.disk import DiskTier, FileInfo
@@ -144,11 +145,20 @@ class DiskWatcher:
 
 
 class SharedDiskView:
-    """The scheduler's side: merges scan deltas into the disk index, on the scheduler thread."""
+    """The scheduler's side: merges scan deltas into the disk index, on the scheduler thread,
+    and takes what the scrub (``disk_scrub.py``) found damaged."""
 
-    def __init__(self, index: TierIndex, watcher: DiskWatcher, evicts: bool, grace_s: float) -> None:
+    def __init__(
+        self,
+        index: TierIndex,
+        watcher: DiskWatcher,
+        evicts: bool,
+        grace_s: float,
+        scrub: DiskScrubber | None = None,
+    ) -> None:
         self._index = index
         self._watcher = watcher
+        self.scrub = scrub
         self._evicts = evicts
         self._touch_every_ns = int(grace_s * 1e9 / 4)
         self._changed: dict[str, float] = {}  # digest -> when this engine admitted/evicted it
@@ -229,5 +239,16 @@ class SharedDiskView:
             elif name not in index:
                 index.add_known(name, info.nbytes, most_recent=True)
 
+    def load_found_damaged(self, damaged: str, others: list[str]) -> None:
+        """A load found ``damaged``'s record damaged: its neighbours are verified at once."""
+        if self.scrub is not None:
+            self.scrub.load_found_damaged(damaged, [n for n in others if n != damaged and n in self._index])
+
+    def take_damaged(self) -> list[str]:
+        """Chunks the scrub found damaged (and removed) since the last call."""
+        return self.scrub.take_damaged() if self.scrub is not None else []
+
     def stop(self) -> None:
+        if self.scrub is not None:
+            self.scrub.stop()
         self._watcher.stop()

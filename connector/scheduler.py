@@ -77,6 +77,7 @@ class ConnectorScheduler:
 
     def lookup(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens KVLens will load beyond vLLM's hit (side-effect free but for pins)."""
+        self.state.forget_scrubbed()  # damage found since the last step is not offered
         need = self.prefix.lookup(request, num_computed_tokens)
         policy = self.state.policies.get(request.request_id)
         self.state.tenants.open(request.request_id, policy.namespace if policy is not None else None)
@@ -153,6 +154,8 @@ class ConnectorScheduler:
     # ---- finish, reset, shutdown --------------------------------------------------------
     def finish(self, request: Any) -> FinishResult:
         policy = self.state.policies.get(request.request_id)
+        if getattr(getattr(request, "status", None), "name", "") != "FINISHED_ABORTED":
+            self.insight.finished(request.request_id)  # ended by its last step, not a client
         result = self.responses.finish(request)
         self._count_tenant(result.unscheduled_lookup)
         tenant = tenant_id(policy.namespace if policy is not None else None)
@@ -179,6 +182,9 @@ class ConnectorScheduler:
         Evictions decided since the last plan (a report dropped a chunk): one more step."""
         if self.admin.has_work() or self.state.has_pending_evictions():
             return True
+        view = self.state.disk_view
+        if view is not None and view.scrub is not None and view.scrub.busy:
+            return True  # damage found: forget it (and delete every rank's copy) without waiting
         pending = self.feedback.pending_writes
         if pending <= 0 or self.unfinished:
             self._draining_since = None

@@ -8,7 +8,7 @@ an eviction counts when a delete removed the file (on a shared disk, only one en
 
 from __future__ import annotations
 
-from .engine.jobs import CPU
+from .engine.jobs import CPU, DISK
 from .engine.outcomes import FailureReason, LoadOutcome, WorkerReport
 from .insight_feed import InsightFeed
 from .responses import Responses
@@ -118,5 +118,10 @@ class WorkerFeedback:
             elif chunk.reason in FOUND_BAD:
                 failed_tiers.add(chunk.planned_tier)
                 self._s.forget(chunk.planned_tier, chunk.name, chunk.reason)
+                view = self._s.disk_view
+                if chunk.reason is FailureReason.CORRUPT and chunk.planned_tier == DISK and view is not None:
+                    view.load_found_damaged(
+                        chunk.name, [c.name for c in outcome.chunks if c.planned_tier == DISK]
+                    )
             elif chunk.reason is not None and chunk.reason is not FailureReason.TIER_UNHEALTHY:
                 self._s.unreadable.add(chunk.planned_tier, chunk.name)
