@@ -145,8 +145,8 @@ class DiskScrubber:
             self.scrubbed_records += 1
         self.scrubbed_bytes += nbytes
         if damaged:
-            self.damaged_found += 1
             self._damaged.append(digest)
+            self.damaged_found += 1
         return nbytes
 
     def _expand_near(self) -> None:

@@ -229,6 +229,7 @@ class ConnectorScheduler:
             suspect_blocks=len(self.suspects),
             pending_writes=self.feedback.pending_writes,
             tiers=tuple(self._tier_gauge(name) for name in self.tier_states),
+            **self._scrub_totals(),
             retention=tuple(
                 TierRetention(
                     name,
@@ -241,6 +242,12 @@ class ConnectorScheduler:
                 for name, index in self.tiers.items()
             ),
         )
+
+    def _scrub_totals(self) -> dict[str, int]:
+        scrub = self.state.disk_view.scrub if self.state.disk_view is not None else None
+        if scrub is None:
+            return {}
+        return {"disk_scrubbed_records": scrub.scrubbed_records, "disk_scrub_damaged": scrub.damaged_found}
 
     def _tier_gauge(self, name: str) -> TierGauge:
         state = self.tier_states[name]

@@ -130,6 +130,7 @@ def test_a_damaged_load_makes_the_scheduler_forget_other_damaged_chunks_written_
             "lmcache.local_disk": str(tmp_path),
             "lmcache.max_local_disk_size": 1,
             "lmcache.enable_async_loading": False,
+            "lmcache.extra_config": {"disk_scrub_bytes_per_s": 0},  # no walk: the load's find alone
         },
         env={},
     )
@@ -152,8 +153,10 @@ def test_a_damaged_load_makes_the_scheduler_forget_other_damaged_chunks_written_
     _, plan = admit_fully(s, request("b", PROMPT), blocks(20, 5))
     (job,) = plan.loads
     s.on_worker_report(WorkerReport(loads={"b": loaded(job, fail_at=0)}))
-    while not view.scrub.busy and time.monotonic() < deadline:
-        time.sleep(0.01)
+    while view.scrub.damaged_found < len(stored) - 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the scrub's thread verifies the suspects
     assert s.lookup(request("d", other), 0) == 0  # c's damaged chunks were forgotten
     assert all(name not in s.tiers[DISK] for name in stored)
+    sizes = s.sizes()  # exported as vllm:kvlens_disk_scrub_damaged_total and ..._records_total
+    assert sizes.disk_scrub_damaged == len(stored) - 1 and sizes.disk_scrubbed_records >= len(stored) - 1
     s.shutdown()
