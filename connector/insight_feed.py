@@ -114,8 +114,8 @@ class InsightFeed:
 
     def loaded(self, tokens_by_tier: dict[str, int]) -> None:
         """Tokens a load supplied: prefill time saved, at the measured cost per token (priced
-        when the cost becomes known, if it is not yet: ``take_saved_seconds``, on every report
-        and on an idle engine's step)."""
+        when the cost becomes known, if it is not yet: ``take_saved_seconds`` runs after every
+        step's report and finished requests, so in the step that made it known)."""
         for tier, n in tokens_by_tier.items():
             self._unpriced_tokens[tier] = self._unpriced_tokens.get(tier, 0) + n
 
@@ -131,10 +131,7 @@ class InsightFeed:
         return saved
 
     def behind(self) -> bool:
-        """References are not yet fed into the curves, or the curves fed are not published, or
-        loaded tokens wait to be priced at a cost now known."""
-        if self._unpriced_tokens and self.prefill_cost.seconds_per_token is not None:
-            return True
+        """References are not yet fed into the curves, or the curves fed are not published."""
         w = self.whatif
         return w is not None and (w.pending > 0 or w.processed != self._published)
 
