@@ -9,7 +9,9 @@ a load does (the tier's own ``get``: header, size and checksum, and removes one 
   load and every record the last scan saw written within ``NEAR_WRITE_S`` of it (the same
   batch, and what a damage of many files at once hit), at most ``SUSPECTS_PER_FIND`` of them.
 - Then, at most ``bytes_per_s`` (``extra_config.disk_scrub_bytes_per_s``; 0: off), every
-  record the last scan saw, one pass after another.
+  record the last scan saw written at least ``WALK_MIN_AGE_S`` ago, one pass after another.
+  A younger record was checksummed from memory moments ago; damage to it is for loads (and
+  their suspects) to find, so the walk never races a load for a fresh record.
 
 Damaged chunks are handed to the scheduler (``take_damaged``), which forgets them like a failed
 load's (every rank's file is deleted). A read for verification leaves the file's access time
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -34,16 +37,24 @@ NEAR_WRITE_S = 5.0  # records written this close to a damaged one are verified a
 SUSPECTS_PER_FIND = 4096  # at most this many of them, the closest in write time first
 MAX_SUSPECTS = 65_536  # queued suspects kept at most (the oldest are dropped: the walk finds them)
 IDLE_WAIT_S = 1.0  # nothing to verify: look again this often (a wake comes sooner)
+WALK_MIN_AGE_S = 600.0  # the walk leaves records younger than this alone
 
 Listing = Callable[[], list[tuple[str, FileInfo]]]  # every chunk the last scan saw, with its facts
 
 
 class DiskScrubber:
     def __init__(
-        self, disk: DiskTier, listing: Listing, world_size: int, bytes_per_s: float, start: bool = True
+        self,
+        disk: DiskTier,
+        listing: Listing,
+        world_size: int,
+        bytes_per_s: float,
+        start: bool = True,
+        min_age_s: float = WALK_MIN_AGE_S,
     ) -> None:
         self._disk, self._listing, self._world = disk, listing, world_size
         self._rate = max(bytes_per_s, 0.0)
+        self._min_age_ns = int(min_age_s * 1e9)
         self._suspects: deque[str] = deque()
         self._queued: set[str] = set()
         self._near_of: deque[str] = deque()  # chunks found damaged whose neighbours are due
@@ -111,7 +122,8 @@ class DiskScrubber:
         if self._rate <= 0:
             return None
         if not self._walk:
-            self._walk = [name for name, _ in self._listing()]
+            written_before = time.time_ns() - self._min_age_ns
+            self._walk = [name for name, info in self._listing() if info.mtime_ns <= written_before]
             self._walk.reverse()
             if not self._walk:
                 return None

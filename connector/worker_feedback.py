@@ -117,11 +117,9 @@ class WorkerFeedback:
                     self._s.forget(chunk.planned_tier, chunk.name, chunk.reason)
             elif chunk.reason in FOUND_BAD:
                 failed_tiers.add(chunk.planned_tier)
-                self._s.forget(chunk.planned_tier, chunk.name, chunk.reason)
                 view = self._s.disk_view
                 if chunk.reason is FailureReason.CORRUPT and chunk.planned_tier == DISK and view is not None:
-                    view.load_found_damaged(
-                        chunk.name, [c.name for c in outcome.chunks if c.planned_tier == DISK]
-                    )
+                    view.load_found_damaged(chunk.name)  # before forgetting: its write time counts
+                self._s.forget(chunk.planned_tier, chunk.name, chunk.reason)
             elif chunk.reason is not None and chunk.reason is not FailureReason.TIER_UNHEALTHY:
                 self._s.unreadable.add(chunk.planned_tier, chunk.name)
