@@ -217,7 +217,8 @@ class ConnectorScheduler:
         self.state.shutdown()
 
     def sizes(self) -> SchedulerSizes:
-        """Internal sizes, for leak-spotting gauges."""
+        """Internal sizes, for leak-spotting gauges (and the disk scrub's totals)."""
+        scrub = self.state.disk_view.scrub if self.state.disk_view is not None else None
         return SchedulerSizes(
             request_trackers=len(self.trackers),
             load_specs=len(self.lookups),
@@ -229,7 +230,8 @@ class ConnectorScheduler:
             suspect_blocks=len(self.suspects),
             pending_writes=self.feedback.pending_writes,
             tiers=tuple(self._tier_gauge(name) for name in self.tier_states),
-            **self._scrub_totals(),
+            disk_scrubbed_records=scrub.scrubbed_records if scrub is not None else 0,
+            disk_scrub_damaged=scrub.damaged_found if scrub is not None else 0,
             retention=tuple(
                 TierRetention(
                     name,
@@ -242,12 +244,6 @@ class ConnectorScheduler:
                 for name, index in self.tiers.items()
             ),
         )
-
-    def _scrub_totals(self) -> dict[str, int]:
-        scrub = self.state.disk_view.scrub if self.state.disk_view is not None else None
-        if scrub is None:
-            return {}
-        return {"disk_scrubbed_records": scrub.scrubbed_records, "disk_scrub_damaged": scrub.damaged_found}
 
     def _tier_gauge(self, name: str) -> TierGauge:
         state = self.tier_states[name]
