@@ -41,6 +41,9 @@ class ExtraConfig(BaseModel):
     block_granular_tails: bool = True
     # How often the scheduler rescans the disk tier for chunks written by other engines.
     disk_scan_interval_s: float = Field(1.0, gt=0)
+    # Bytes per second the disk tier's background scrub reads to verify records (0: no walk;
+    # records written with one a load found damaged are still verified at once).
+    disk_scrub_bytes_per_s: int = Field(4 * MB, ge=0)
     # A chunk file another engine used for a load within this many seconds is not deleted.
     disk_shared_grace_s: float = Field(30.0, ge=0)
     # Longest wait on a slow tier (a disk or remote read, a queued write) before it counts as

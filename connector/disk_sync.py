@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from .disk_scrub import NEAR_WRITE_S, SUSPECTS_PER_FIND, DiskScrubber
 from .engine.index import TierIndex
 from .engine.keys import storage_name
 from .tiers.disk import DiskTier, FileInfo
@@ -144,11 +145,20 @@ class DiskWatcher:
 
 
 class SharedDiskView:
-    """The scheduler's side: merges scan deltas into the disk index, on the scheduler thread."""
+    """The scheduler's side: merges scan deltas into the disk index, on the scheduler thread,
+    and takes what the scrub (``disk_scrub.py``) found damaged."""
 
-    def __init__(self, index: TierIndex, watcher: DiskWatcher, evicts: bool, grace_s: float) -> None:
+    def __init__(
+        self,
+        index: TierIndex,
+        watcher: DiskWatcher,
+        evicts: bool,
+        grace_s: float,
+        scrub: DiskScrubber | None = None,
+    ) -> None:
         self._index = index
         self._watcher = watcher
+        self.scrub = scrub
         self._evicts = evicts
         self._touch_every_ns = int(grace_s * 1e9 / 4)
         self._changed: dict[str, float] = {}  # digest -> when this engine admitted/evicted it
@@ -229,5 +239,25 @@ class SharedDiskView:
             elif name not in index:
                 index.add_known(name, info.nbytes, most_recent=True)
 
+    def load_found_damaged(self, damaged: str) -> None:
+        """A load found ``damaged``'s record damaged (call before forgetting it): what this engine
+        stored about when it stored that chunk is verified at once, and the scrub adds what the
+        last rescan saw written then by any engine. (The rest of the load's prefix in this tier
+        is forgotten and deleted anyway.)"""
+        if self.scrub is None:
+            return
+        suspects: list[str] = []
+        when = self._changed.get(damaged)
+        if when is not None:
+            near = [(abs(t - when), n) for n, t in self._changed.items() if abs(t - when) <= NEAR_WRITE_S]
+            suspects = [n for _, n in sorted(near)[:SUSPECTS_PER_FIND]]
+        self.scrub.load_found_damaged(damaged, [n for n in suspects if n != damaged and n in self._index])
+
+    def take_damaged(self) -> list[str]:
+        """Chunks the scrub found damaged (and removed) since the last call."""
+        return self.scrub.take_damaged() if self.scrub is not None else []
+
     def stop(self) -> None:
+        if self.scrub is not None:
+            self.scrub.stop()
         self._watcher.stop()

@@ -96,18 +96,26 @@ class InsightFeed:
         """Time the engine's steps to estimate what a token of prefill costs."""
         scheduled: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         prefill = 0
+        cold = False
         for rid, n in scheduled.items():
             request = self._s.unfinished.get(rid)
             if request is not None:
                 done = getattr(request, "num_computed_tokens", 0)
-                prefill += min(n, max(prompt_tokens(request) - done, 0))
+                prompt = prompt_tokens(request)
+                prefill += min(n, max(prompt - done, 0))
+                cold = done == 0 and n >= prompt > 0  # its whole prompt, nothing cached or loaded
         self.prefill_cost.step(
-            self._s.clock(), prefill, sum(scheduled.values()), scheduled.keys(), loaded_tokens
+            self._s.clock(), prefill, sum(scheduled.values()), scheduled.keys(), loaded_tokens, cold
         )
+
+    def finished(self, request_id: str) -> None:
+        """A request finished (right after its last step ran): it may close a cold prefill."""
+        self.prefill_cost.finished(self._s.clock(), request_id)
 
     def loaded(self, tokens_by_tier: dict[str, int]) -> None:
         """Tokens a load supplied: prefill time saved, at the measured cost per token (priced
-        when the cost becomes known, if it is not yet)."""
+        when the cost becomes known, if it is not yet: ``take_saved_seconds`` runs after every
+        step's report and finished requests, so in the step that made it known)."""
         for tier, n in tokens_by_tier.items():
             self._unpriced_tokens[tier] = self._unpriced_tokens.get(tier, 0) + n
 

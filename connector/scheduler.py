@@ -4,9 +4,9 @@ responses and the insight feed around one shared state, and answers the facade's
 It owns the index of every tier. Lookups answer from memory (no disk or network round trip
 per chunk); stores and evictions are decided here (``step_planner.py``) and carried out by
 the workers in the order issued, so what a lookup finds is what the load finds. Workers
-report failed loads and stores; those chunks, and every later chunk of a prefix whose load
-failed, leave the index at once and are deleted from their tier, so damage costs one
-recompute and the recompute stores good copies.
+report failed loads and stores; chunks found damaged or missing, and every later chunk of
+their prefix, leave the index at once and are deleted from their tier, so damage costs one
+recompute and the recompute stores good copies (a slow read deletes nothing).
 
 vLLM's ``Request`` and ``SchedulerOutput`` are used duck-typed, so this package's scheduler
 modules do not import vLLM and are tested with plain stand-ins.
@@ -77,6 +77,7 @@ class ConnectorScheduler:
 
     def lookup(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens KVLens will load beyond vLLM's hit (side-effect free but for pins)."""
+        self.state.forget_scrubbed()  # damage found since the last step is not offered
         need = self.prefix.lookup(request, num_computed_tokens)
         policy = self.state.policies.get(request.request_id)
         self.state.tenants.open(request.request_id, policy.namespace if policy is not None else None)
@@ -153,6 +154,8 @@ class ConnectorScheduler:
     # ---- finish, reset, shutdown --------------------------------------------------------
     def finish(self, request: Any) -> FinishResult:
         policy = self.state.policies.get(request.request_id)
+        if getattr(getattr(request, "status", None), "name", "") != "FINISHED_ABORTED":
+            self.insight.finished(request.request_id)  # ended by its last step, not a client
         result = self.responses.finish(request)
         self._count_tenant(result.unscheduled_lookup)
         tenant = tenant_id(policy.namespace if policy is not None else None)
@@ -179,6 +182,9 @@ class ConnectorScheduler:
         Evictions decided since the last plan (a report dropped a chunk): one more step."""
         if self.admin.has_work() or self.state.has_pending_evictions():
             return True
+        view = self.state.disk_view
+        if view is not None and view.scrub is not None and view.scrub.busy:
+            return True  # damage found: forget it (and delete every rank's copy) without waiting
         pending = self.feedback.pending_writes
         if pending <= 0 or self.unfinished:
             self._draining_since = None
@@ -211,7 +217,8 @@ class ConnectorScheduler:
         self.state.shutdown()
 
     def sizes(self) -> SchedulerSizes:
-        """Internal sizes, for leak-spotting gauges."""
+        """Internal sizes, for leak-spotting gauges (and the disk scrub's totals)."""
+        scrub = self.state.disk_view.scrub if self.state.disk_view is not None else None
         return SchedulerSizes(
             request_trackers=len(self.trackers),
             load_specs=len(self.lookups),
@@ -223,6 +230,8 @@ class ConnectorScheduler:
             suspect_blocks=len(self.suspects),
             pending_writes=self.feedback.pending_writes,
             tiers=tuple(self._tier_gauge(name) for name in self.tier_states),
+            disk_scrubbed_records=scrub.scrubbed_records if scrub is not None else 0,
+            disk_scrub_damaged=scrub.damaged_found if scrub is not None else 0,
             retention=tuple(
                 TierRetention(
                     name,

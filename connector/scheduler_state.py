@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from .config import ConfigError, KVLensConfig
+from .disk_scrub import DiskScrubber
 from .disk_sync import DiskWatcher, SharedDiskView
 from .engine.block_events import BlockEvents
 from .engine.facts import EngineFacts
@@ -76,8 +77,13 @@ class SchedulerState:
             extra = config.extra_config
             disk = DiskTier(config.local_disk, facts.kv_layout, extra.disk_shared_grace_s)
             watcher = DiskWatcher(disk, facts.world_size, extra.disk_scan_interval_s)
+            scrub = None
+            if facts.stores:  # a consumer deletes nothing, damaged or not
+                scrub = DiskScrubber(
+                    disk, watcher.scanner.chunks, facts.world_size, extra.disk_scrub_bytes_per_s
+                )
             self.disk_view = SharedDiskView(
-                self.tiers[DISK], watcher, facts.stores, extra.disk_shared_grace_s
+                self.tiers[DISK], watcher, facts.stores, extra.disk_shared_grace_s, scrub
             )
         self._check_budgets()
         self.remote: RemoteLookup | None = None
@@ -111,7 +117,7 @@ class SchedulerState:
         # chunks each asynchronous load promotes into the CPU tier (pinned there until reported)
         self.async_promotions: dict[str, list[str]] = {}
         self.promoting: set[str] = set()  # their chunks: not in the CPU tier until reported
-        self.unreadable = UnreadableChunks()  # loads just failed: lookups pass over them a while
+        self.unreadable = UnreadableChunks(clock=clock)  # loads just failed: lookups pass over them a while
         self.async_cancels: list[str] = []
         # Settled asynchronous loads, by request: (tokens planned, outcome), until its schedule.
         self.async_outcomes: dict[str, tuple[int, LoadOutcome]] = {}
@@ -207,8 +213,15 @@ class SchedulerState:
         for tracker in (*self.trackers.values(), *trackers):
             self.suspects.add(downstream(tracker.block_ids, bad, -(-tracker.computed // bs)))
 
+    def forget_scrubbed(self) -> None:
+        """Disk chunks the scrub found damaged leave the index (every rank's file is deleted)."""
+        if self.disk_view is not None and self.disk_view.scrub is not None:
+            for name in self.disk_view.take_damaged():
+                self.forget(DISK, name, FailureReason.CORRUPT)
+
     def merge_disk_scan(self) -> None:
         """Fold in what other engines changed in a shared disk directory."""
+        self.forget_scrubbed()
         if self.disk_view is not None:
             merged = self.disk_view.merge()
             self.block_events.dropped(DISK, merged.gone)

@@ -1,17 +1,22 @@
 """Applies the workers' reports to the scheduler's state, so the index keeps agreeing with
-the tiers: a chunk that failed to load (and every later chunk of that prefix in the same
-tier) or failed to store leaves the index and is deleted; blocks whose KV may be wrong become
+the tiers: a chunk whose load found it damaged or missing (and every later chunk of that
+prefix in the same tier) or that failed to store leaves the index and is deleted (a slow or
+failing read keeps it); blocks whose KV may be wrong become
 suspect; pins of reported loads are released; an eviction a tier declined is indexed again;
 an eviction counts when a delete removed the file (on a shared disk, only one engine's does).
 """
 
 from __future__ import annotations
 
-from .engine.jobs import CPU
+from .engine.jobs import CPU, DISK
 from .engine.outcomes import FailureReason, LoadOutcome, WorkerReport
 from .insight_feed import InsightFeed
 from .responses import Responses
 from .scheduler_state import SchedulerState
+
+# A load that failed for these found the chunk's copy bad: only they forget and delete it.
+# Any other reason (a timeout, a stalled copy, an I/O error) says nothing about its bytes.
+FOUND_BAD = frozenset({FailureReason.MISSING, FailureReason.CORRUPT})
 
 
 class WorkerFeedback:
@@ -100,12 +105,21 @@ class WorkerFeedback:
             self._s.tier_speeds.observe(tiers.pop(), outcome.nbytes / ranks, outcome.seconds)
 
     def _forget_failed_load(self, outcome: LoadOutcome) -> None:
-        """A failed chunk and every later chunk of that prefix in the same tier leave the index."""
+        """A chunk found damaged or missing, and every later chunk of that prefix in the same
+        tier, leave the index (and the tier). A chunk whose read was slow or failed for the
+        tier's sake (a timeout, a stalled copy, an I/O error) is kept with the rest of its
+        prefix: lookups only pass over it a while, so vLLM's next look-up does not load it again
+        at once."""
         failed_tiers: set[str] = set()
         for chunk in outcome.chunks:
             if chunk.reason is FailureReason.PREFIX_FAILED:
                 if chunk.planned_tier in failed_tiers:
                     self._s.forget(chunk.planned_tier, chunk.name, chunk.reason)
-            elif chunk.reason is not None and chunk.reason is not FailureReason.TIER_UNHEALTHY:
+            elif chunk.reason in FOUND_BAD:
                 failed_tiers.add(chunk.planned_tier)
+                view = self._s.disk_view
+                if chunk.reason is FailureReason.CORRUPT and chunk.planned_tier == DISK and view is not None:
+                    view.load_found_damaged(chunk.name)  # before forgetting: its write time counts
                 self._s.forget(chunk.planned_tier, chunk.name, chunk.reason)
+            elif chunk.reason is not None and chunk.reason is not FailureReason.TIER_UNHEALTHY:
+                self._s.unreadable.add(chunk.planned_tier, chunk.name)

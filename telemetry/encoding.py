@@ -66,12 +66,17 @@ RETENTION_COUNTERS = (  # (TierRetention field, counter key): cumulative there, 
 
 
 def retention_counts(sizes: SchedulerSizes) -> dict[str, int]:
-    """The retention counters' cumulative values, by wire key."""
-    return {
+    """The retention counters' (and the disk scrub's) cumulative values, by wire key."""
+    out = {
         wire_key(key, label_value(r.tier)): getattr(r, field)
         for r in sizes.retention
         for field, key in RETENTION_COUNTERS
     }
+    if sizes.disk_scrubbed_records:
+        out["disk_scrubbed_records"] = sizes.disk_scrubbed_records
+    if sizes.disk_scrub_damaged:
+        out["disk_scrub_damaged"] = sizes.disk_scrub_damaged
+    return out
 
 
 def insight_gauges(insight: InsightSnapshot) -> dict[str, float]:

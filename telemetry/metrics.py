@@ -366,6 +366,21 @@ _DEFINITIONS = (
         domains=("indexed_tiers",),
     ),
 )
+# the disk tier's scrub (connector/disk_scrub.py): records verified in the background
+_DEFINITIONS += (
+    Metric(
+        "disk_scrubbed_records",
+        COUNTER,
+        "Disk-tier records (one per rank) the background scrub read and checked.",
+        domains=None,  # appears with the scrub's first record
+    ),
+    Metric(
+        "disk_scrub_damaged",
+        COUNTER,
+        "Disk-tier chunks the scrub found damaged (removed and forgotten before a load found them).",
+        domains=None,
+    ),
+)
 # per tenant (cache salt or tags, as a short id; connector/engine/tenants.py): the first
 # tenant_labels_max tenants seen have their own label, later ones count under "other"
 _DEFINITIONS += (

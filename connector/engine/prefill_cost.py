@@ -17,6 +17,14 @@ backend, so it is measured here, on the live engine, from every step it runs:
   that never varies is left out (a pure-prefill workload of equal steps prices the overhead into
   ``a``, erring high as the earlier ratio of seconds over tokens did).
 
+- Where the fit cannot separate prefill from the rest (equal-length prompts one at a time, cold
+  ones then hits, keep prefill, loads and the overhead collinear for a long time), the cost is
+  what the engine measured per request: a cold request's prefill time (its schedule to its
+  first token, as vLLM's own ``request_prefill_time_seconds`` measures it) over its prompt
+  tokens, for a request that ran alone and computed its whole prompt in one step (decayed
+  average of at least ``MIN_COLD_REQUESTS``). Like the ratio of old it includes the step's
+  overhead, so it errs high.
+
 KVLens's own store work in a step is part of its time and grows with its prefill tokens, so the
 estimate errs slightly high. Pure logic: no vLLM, no torch.
 """
@@ -33,6 +41,8 @@ from dataclasses import dataclass
 DECODE, LOADED, PREFILL, OVERHEAD = range(4)
 _N = 4
 _COLLINEAR = 1e-9  # a regressor whose part unexplained by the earlier ones is below this share
+MIN_COLD_REQUESTS = 3  # cold requests timed alone before their average prices a token
+_COLD_KEEP = 0.5 ** (1.0 / 32)  # their average's decay: a half-life of 32 requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +50,7 @@ class _Step:
     at: float
     x: tuple[float, float, float, float]
     requests: frozenset[str]
+    cold: bool = False  # one request alone computing its whole prompt from its first token
 
 
 class PrefillCostMeter:
@@ -59,6 +70,9 @@ class PrefillCostMeter:
         self._cached: float | None = None
         self._stale = False
         self.measured_steps = 0
+        self._cold_seconds = 0.0  # decayed sums over cold requests timed alone
+        self._cold_tokens = 0.0
+        self.cold_requests = 0
 
     def step(
         self,
@@ -67,15 +81,36 @@ class PrefillCostMeter:
         total_tokens: int,
         requests: Collection[str],
         loaded_tokens: int = 0,
+        cold_prompt: bool = False,
     ) -> None:
-        """A step was scheduled at ``at`` (monotonic seconds): close the previous one, open this one."""
+        """A step was scheduled at ``at`` (monotonic seconds): close the previous one, open this one.
+
+        ``cold_prompt``: the step computes one request's whole prompt from its first token (no
+        cache hit, no load), and nothing else: its time is that request's prefill time."""
         ids = frozenset(requests)
         last = self._last
         if last is not None and last.requests & ids and at > last.at:
             self._observe(last.x, at - last.at)
+            if last.cold:
+                self._cold(at - last.at, last.x[PREFILL])
         decode = max(total_tokens - prefill_tokens, 0)
         x = (float(decode), float(loaded_tokens), float(prefill_tokens), 1.0)
-        self._last = _Step(at, x, ids) if ids and total_tokens > 0 else None
+        cold = cold_prompt and len(ids) == 1 and decode == 0 and not loaded_tokens and prefill_tokens > 0
+        self._last = _Step(at, x, ids, cold) if ids and total_tokens > 0 else None
+
+    def finished(self, at: float, request: str) -> None:
+        """``request`` finished at ``at``: if it ran alone as a cold prompt in the last step (one
+        output token), that step's time is its prefill time; no later step closes it."""
+        last = self._last
+        if last is not None and last.cold and last.requests == {request} and at > last.at:
+            self._cold(at - last.at, last.x[PREFILL])
+            self._last = None
+
+    def _cold(self, seconds: float, tokens: float) -> None:
+        self._cold_seconds = self._cold_seconds * _COLD_KEEP + seconds
+        self._cold_tokens = self._cold_tokens * _COLD_KEEP + tokens
+        self.cold_requests += 1
+        self._stale = True
 
     def _observe(self, x: tuple[float, ...], seconds: float) -> None:
         k = self._keep
@@ -96,6 +131,8 @@ class PrefillCostMeter:
         """The current estimate of a prefill token's cost; None while unknown."""
         if self._stale:
             self._cached = self._fit()
+            if self._cached is None and self.cold_requests >= MIN_COLD_REQUESTS:
+                self._cached = self._cold_seconds / self._cold_tokens
             self._stale = False
         return self._cached
 

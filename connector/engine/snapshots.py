@@ -66,6 +66,10 @@ class SchedulerSizes:
     pending_writes: int = 0
     tiers: tuple[TierGauge, ...] = ()
     retention: tuple[TierRetention, ...] = ()
+    # The disk scrub's totals since start-up (counters; connector/disk_scrub.py): rank records
+    # read and checked, and chunks found damaged (removed).
+    disk_scrubbed_records: int = 0
+    disk_scrub_damaged: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -126,6 +126,13 @@ class DirectoryScanner:
                 return listing.chunks[digest]
         return None
 
+    def chunks(self) -> list[tuple[str, FileInfo]]:
+        """Every chunk the last scan saw, with its files' facts (safe from another thread)."""
+        out: list[tuple[str, FileInfo]] = []
+        for listing in list(self._listings.values()):
+            out.extend(listing.chunks.items())
+        return out
+
     def scan(self) -> ScanDelta:
         self.error = None
         delta = ScanDelta(time.time())

@@ -80,6 +80,39 @@ def test_fail_policy_serves_the_prefix_from_kvlens_again(fail_policy_run):
     assert lmcache_tokens(fail_policy_run["rounds"][3]) == [640]
 
 
+@pytest.fixture(scope="module")
+def shared_prefix_fail_run(tiny_model, tmp_path_factory):
+    """Four prompts on one prefix, admitted a few at a time (a 256-token step budget), so some
+    look up after the first damaged load was reported: every record is damaged in place."""
+    disk = str(tmp_path_factory.mktemp("kv-heal-four"))
+    prompts = w.SHARED_FOUR
+    rounds = [
+        {"prompts": prompts},
+        {"prompts": prompts, "damage": {"dir": disk, "corrupt": EVERYTHING}},
+        {"prompts": prompts},
+        {"prompts": prompts},
+    ]
+    spec = {
+        "model": tiny_model,
+        "kv": disk_kv(disk),
+        "policy": "fail",
+        "engine": {"max_num_batched_tokens": 256, "max_num_seqs": 4},
+        "rounds": rounds,
+    }
+    return run_engine(spec, tmp_path_factory.mktemp("heal-four"))
+
+
+def test_damage_in_place_fails_requests_in_one_round_only(shared_prefix_fail_run):
+    """The chunks of requests that did not find the damage themselves (they looked up after
+    the shared prefix was forgotten) are verified at once, not found by the next round."""
+    errors = [sum(o["finish_reason"] == "error" for o in rnd) for rnd in shared_prefix_fail_run["rounds"]]
+    assert errors[0] == 0 and errors[1] > 0, errors
+    assert errors[2:] == [0, 0], errors
+    by_round = shared_prefix_fail_run["state"]["failed_blocks_by_round"]
+    assert by_round[2] == [] and by_round[3] == []
+    assert all(lmcache_tokens(shared_prefix_fail_run["rounds"][3]))  # served from KVLens again
+
+
 def test_no_pins_or_trackers_are_left(recompute_run, fail_policy_run):
     for run in (recompute_run, fail_policy_run):
         state = run["state"]

@@ -28,6 +28,8 @@ A_LONGER = A + tokens(6, 300)  # A extended: 1000 tokens
 B_LONGER = B + tokens(7, 300)  # B extended: 900 tokens
 PREEMPT = [SHARED + tokens(10 + i, 100) for i in range(4)]  # 612 tokens: 5 blocks, 6 once decoded
 LONG = [tokens(100 + i, 3000) for i in range(16)]  # distinct long prompts: 11 chunks each
+# Four prompts on one 512-token prefix, each with a whole chunk of its own (812 to 923 tokens).
+SHARED_FOUR = [SHARED + tokens(20 + i, 300 + 37 * i) for i in range(4)]
 
 
 def batches() -> list[tuple[tuple[list[int], ...], int]]:

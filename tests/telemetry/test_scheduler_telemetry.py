@@ -390,3 +390,14 @@ def test_unknown_lmcache_params_are_ignored_counted_and_logged_once(tmp_path, ca
     counters = tel.stats()["counters"]
     assert counters["ignored_request_params"] == 2
     assert sum("lmcache.tags.user" in r.getMessage() for r in caplog.records) <= 1
+
+
+def test_the_disk_scrub_totals_become_counter_increments():
+    from connector.engine.snapshots import SchedulerSizes
+    from telemetry.encoding import retention_counts
+
+    def sizes(records: int, damaged: int) -> SchedulerSizes:
+        return SchedulerSizes(0, 0, 0, 0, 0, 0, disk_scrubbed_records=records, disk_scrub_damaged=damaged)
+
+    assert retention_counts(sizes(0, 0)) == {}  # no scrub, no series
+    assert retention_counts(sizes(12, 2)) == {"disk_scrubbed_records": 12, "disk_scrub_damaged": 2}

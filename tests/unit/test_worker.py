@@ -368,3 +368,30 @@ def test_writes_queued_when_their_tier_is_skipped_stay_pending_until_their_outco
     # the write in flight failed; the ones still queued were not tried against a skipped tier
     assert [n.removesuffix(".r0") for n in tried] == names[:1]
     assert {f.reason for f in report.store_failures[1:]} == {FailureReason.TIER_UNHEALTHY}
+
+
+def test_a_disk_read_that_times_out_is_a_counted_miss_and_deletes_nothing(tmp_path):
+    caches = cpu_layout()
+    w = worker(caches, tmp_path, local_cpu=False)
+    second = "cd" * 16
+    w.save(
+        StepPlan(
+            writes=[StoreJob("a", NAME, (0, 1), (DISK,), 32), StoreJob("a", second, (2, 3), (DISK,), 32)]
+        )
+    )
+    w.flush()
+    w.take_report()
+    paths = [disk_files.chunk_path(str(tmp_path), f"{n}.r0") for n in (NAME, second)]
+    w.tiers[DISK].timeout_s = 0.0  # every read misses its deadline (a backlog on the readers)
+    w.load(
+        StepPlan(
+            loads=[
+                LoadJob("b", (ChunkLoad(NAME, DISK, (8, 9), 0, 32), ChunkLoad(second, DISK, (10, 11), 0, 32)))
+            ]
+        )
+    )
+    assert w.take_failed_blocks() == {8, 9, 10, 11}
+    report = w.take_report()
+    first, later = report.loads["b"].chunks
+    assert first.reason is FailureReason.TIMEOUT and later.reason is FailureReason.PREFIX_FAILED
+    assert not report.deleted and all(os.path.exists(p) for p in paths)  # both records kept
