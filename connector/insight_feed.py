@@ -45,6 +45,7 @@ class InsightFeed:
         self.prefill_cost = PrefillCostMeter()
         self._saved_seconds: dict[str, float] = {}
         self._unpriced_tokens: dict[str, int] = {}  # loaded before the cost was known
+        self._saved_announced = False  # every tier's saved series shipped once, at 0
         self.info = instance_info(state.config, facts)
 
     def note_references(self, request: Any, result: LookupResult) -> None:
@@ -123,6 +124,10 @@ class InsightFeed:
         """Estimated prefill seconds saved per tier since the last call ({} while the cost is
         unknown: "unknown", never 0 saved)."""
         cost = self.prefill_cost.seconds_per_token
+        if cost is not None and not self._saved_announced:  # "0 s saved" from now on, not "unknown"
+            self._saved_announced = True
+            for tier in self._s.tiers:
+                self._saved_seconds.setdefault(tier, 0.0)
         if cost is not None and self._unpriced_tokens:
             for tier, n in self._unpriced_tokens.items():
                 self._saved_seconds[tier] = self._saved_seconds.get(tier, 0.0) + n * cost

@@ -444,6 +444,10 @@ class StatsBuffer:
         if value:
             self.counters[key] = self.counters.get(key, 0) + value
 
+    def touch(self, key: str) -> None:
+        """Ship a counter at +0: its series then exists (at 0) on /metrics."""
+        self.counters.setdefault(key, 0)
+
     def observe(self, key: str, value: float) -> None:
         bucket = self.histograms.get(key)
         if bucket is None:

@@ -286,8 +286,9 @@ class SchedulerRecorder:
         for tier, n in evictions.items():
             self._buffer.inc(wire_key("evictions", tier), n)
         self._count_growth(retention_counts(sizes))
-        for tier, seconds in (saved_seconds or {}).items():
-            self._buffer.inc(wire_key("prefill_seconds_saved", tier), seconds)
+        for tier, seconds in (saved_seconds or {}).items():  # 0: the cost is known, nothing saved yet
+            key = wire_key("prefill_seconds_saved", tier)
+            self._buffer.inc(key, seconds) if seconds else self._buffer.touch(key)
         if tenants is not None:
             for key, n in tenant_counters(tenants).items():
                 self._buffer.inc(key, n)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from functools import partial
 from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from connector.config import load_config
 from connector.engine.facts import EngineFacts
@@ -13,6 +16,7 @@ from connector.engine.outcomes import ChunkLoadResult, FailureReason, LoadOutcom
 from connector.engine.snapshots import KnownLabels
 from connector.scheduler import ConnectorScheduler
 from telemetry import tracing
+from telemetry.metrics import PromRecorder
 from telemetry.scheduler_recorder import SchedulerRecorder
 from telemetry.settings import TelemetrySettings
 
@@ -401,3 +405,25 @@ def test_the_disk_scrub_totals_become_counter_increments():
 
     assert retention_counts(sizes(0, 0)) == {}  # no scrub, no series
     assert retention_counts(sizes(12, 2)) == {"disk_scrubbed_records": 12, "disk_scrub_damaged": 2}
+
+
+def test_prefill_seconds_saved_exists_at_zero_once_the_cost_is_known(tmp_path, monkeypatch):
+    """A measured cost with nothing loaded (every repeat served by vLLM's own prefix cache) is
+    "0 s saved", a series at 0, not an absent series that dashboards show as "no data"."""
+    monkeypatch.setattr("telemetry.scheduler_recorder.GAUGE_INTERVAL_S", 0.0)
+    sched, tel = make(tmp_path)
+    data = tel.stats()
+    assert not any(k.startswith("prefill_seconds_saved") for k in (data or {}).get("counters", {}))
+    meter, t = sched.sched.insight.prefill_cost, 0.0
+    for _ in range(8):
+        meter.step(t, 1000, 1000, {"x"})
+        meter.step(t + 2.0, 0, 1, {"x"})
+        t += 2.001
+    data = tel.stats()
+    assert data["counters"]["prefill_seconds_saved|cpu"] == 0
+    registry = CollectorRegistry()
+    types = {kind: partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    PromRecorder(types, ["engine"], {0: ["0"]}, None, registry).observe(data)
+    series = {"engine": "0", "tier": "cpu"}
+    assert registry.get_sample_value("vllm:kvlens_prefill_seconds_saved_total", series) == 0
+    assert "prefill_seconds_saved|cpu" not in (tel.stats() or {}).get("counters", {})  # once, not every step
