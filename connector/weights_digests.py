@@ -28,7 +28,7 @@ logger = logging.getLogger("vllm.kvlens")
 
 ALGORITHM = "xxh3_128/seg1g/v1"  # changes whenever a digest of the same bytes would change
 SEGMENT_BYTES = 1 << 30
-READ_BYTES = 8 << 20  # one read
+READ_BYTES = 1 << 20  # one read: the copy stays in the CPU cache for the hash
 CAPACITY = 4096  # files remembered
 ENV = "KVLENS_WEIGHTS_DIGESTS"
 
