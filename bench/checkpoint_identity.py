@@ -5,7 +5,7 @@
 Builds a checkpoint shaped like Llama-3-8B in bf16 (4 safetensors shards, 291 tensors,
 16 GB by default; values are random bytes), then times, side by side on the same files:
 KVLens's identity (``connector.checkpoint_identity.fingerprint``: every byte hashed, xxh3-128,
-4 threads) with no digest remembered, the same with every file's digest remembered (a restart:
+up to 8 threads) with no digest remembered, the same with every file's digest remembered (a restart:
 stats only), and vLLM's own read of the weights (``safetensors_weights_iterator``, every tensor
 copied into a new tensor and dropped: vLLM's load on a CPU, without building the model;
 a GPU adds the copy to the device); warm (files in the page cache, as vLLM leaves them when KVLens starts) and

@@ -6,7 +6,7 @@ change to the weights, however small (ten retrained embedding rows, a hundred ro
 projection), must produce other keys, even when it replaces the checkpoint at the same path.
 So every byte of every weight file counts: each is hashed whole (``weights_digests``), with
 several threads, right after vLLM has read the same files (the page cache it leaves makes that
-a memory-speed pass), and its digest is remembered per file version so a restart only stats.
+a memory-speed pass on up to 8 threads), and its digest is remembered per file version so a restart only stats.
 
 Files hashed: the weight files vLLM loads (with its default loaders: the top-level
 ``*.safetensors`` when there are any, as vLLM picks them over ``*.bin``; with any other load
@@ -34,7 +34,7 @@ WHOLE_FILES = (".index.json", "adapter_config.json")
 # Load formats whose loader takes the top-level *.safetensors when there are any (vLLM 0.32).
 SAFETENSORS_FIRST = ("auto", "safetensors", "fastsafetensors", "runai_streamer")
 IGNORE = ("original/**/*",)  # vLLM's default LoadConfig.ignore_patterns
-THREADS = 4
+THREADS = min(8, os.cpu_count() or 1)  # the engine is idle then; 8 saturate memory bandwidth
 
 
 @dataclass(frozen=True, slots=True)
