@@ -4,9 +4,9 @@ Two hosts that each downloaded or copied the same checkpoint hold it at other pa
 file times, and must still produce the same chunk keys, or a shared store never hits. Any
 change to the weights, however small (ten retrained embedding rows, a hundred rows of one
 projection), must produce other keys, even when it replaces the checkpoint at the same path.
-So every byte of every weight file counts: each is hashed whole (``weights_digests``), with
-several threads, right after vLLM has read the same files (the page cache it leaves makes that
-a memory-speed pass on up to 8 threads), and its digest is remembered per file version so a restart only stats.
+So every byte of every weight file counts: each is hashed whole (``weights_digests``), on up
+to 8 threads, right after vLLM has read the same files (the page cache it leaves makes that a
+memory-speed pass), and its digest is remembered per file version so a restart only stats.
 
 Files hashed: the weight files vLLM loads (with its default loaders: the top-level
 ``*.safetensors`` when there are any, as vLLM picks them over ``*.bin``; with any other load
