@@ -112,7 +112,11 @@ class DigestCache:
         return {
             k: v
             for k, v in files.items()
-            if isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and len(v[0]) == 32
+            if isinstance(v, list)
+            and len(v) == 2
+            and isinstance(v[0], str)
+            and len(v[0]) == 32
+            and isinstance(v[1], int)
         }
 
     def get(self, version: str) -> str | None:

@@ -260,6 +260,10 @@ def test_the_digest_cache_is_bounded_and_survives_a_damaged_file(tmp_path):
     assert len(json.loads(cache_path.read_text())["files"]) == 3  # 6 files seen, the newest 3 kept
     cache_path.write_text("{not json")
     assert fingerprint(folders[0], DigestCache(str(cache_path))).read_bytes > 0  # hashed, not raised
+    algorithm = weights_digests.ALGORITHM
+    cache_path.write_text(json.dumps({"algorithm": algorithm, "files": {"x": ["0" * 32, "soon"], "y": 3}}))
+    assert fingerprint(folders[0], DigestCache(str(cache_path))).read_bytes > 0
+    assert len(json.loads(cache_path.read_text())["files"]) == 2  # only its two files, saved
 
 
 def test_the_digest_cache_follows_the_setting(tmp_path, monkeypatch, digest_cache_in_tmp):
