@@ -1,55 +1,55 @@
 """Which weights produced a chunk's KV, from the checkpoint's content, not its place.
 
 Two hosts that each downloaded or copied the same checkpoint hold it at other paths with other
-file times, and must still produce the same chunk keys, or a shared store never hits. A
-fine-tune with the same file names, tensor names, shapes and sizes must produce other keys,
-even when it replaces the checkpoint at the same path. Reading a whole checkpoint at start-up
-is too slow (minutes for 16 GB from disk), so a fingerprint reads what is cheap and sufficient:
+file times, and must still produce the same chunk keys, or a shared store never hits. Any
+change to the weights, however small (ten retrained embedding rows, a hundred rows of one
+projection), must produce other keys, even when it replaces the checkpoint at the same path.
+So every byte of every weight file counts: each is hashed whole (``weights_digests``), on up
+to 8 threads, right after vLLM has read the same files (the page cache it leaves makes that a
+memory-speed pass), and its digest is remembered per file version so a restart only stats.
 
-- a ``.safetensors`` file: its size, its header (every tensor's name, dtype, shape and offsets)
-  and ``SAMPLE_BYTES`` from the middle of every tensor's data: a fine-tune changes whole
-  tensors, so changing any tensor changes the fingerprint, at one small read per tensor;
-- any other weight file (``.bin``, ``.pt``, ``.gguf``, ...): its size, its first
-  ``HEAD_BYTES`` (pickle or GGUF metadata) and ``RANGES`` evenly spaced ranges of it;
-- ``*.index.json`` (they map tensors to files) and a LoRA adapter's ``adapter_config.json``
-  whole.
-
-File names count relative to the checkpoint's folder; paths, times and owners do not. The
-same function fingerprints LoRA adapters. No vLLM, no torch.
+Files hashed: the weight files vLLM loads (with its default loaders: the top-level
+``*.safetensors`` when there are any, as vLLM picks them over ``*.bin``; with any other load
+format every weight file), less vLLM's ignore patterns (``original/**/*``), plus
+``*.index.json`` (tensor-to-file maps) and a LoRA adapter's ``adapter_config.json``. File
+names count relative to the checkpoint's folder; paths, times and owners do not. The same
+function fingerprints LoRA adapters. No vLLM, no torch.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
-import json
 import os
-import struct
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".h5", ".msgpack")
-SAMPLE_BYTES = 64  # read from the middle of every safetensors tensor
-HEAD_BYTES = 1 << 20  # of other weight files
-RANGE_BYTES = 4096
-RANGES = 16
-_MAX_HEADER = 100 << 20  # safetensors refuses larger headers too
+from . import weights_digests as wd
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".h5", ".msgpack", ".tensors")
+# Read whole besides the weights: tensor-to-file maps, and a LoRA adapter's rank and scaling.
+WHOLE_FILES = (".index.json", "adapter_config.json")
+# Load formats whose loader takes the top-level *.safetensors when there are any (vLLM 0.32).
+SAFETENSORS_FIRST = ("auto", "safetensors", "fastsafetensors", "runai_streamer")
+IGNORE = ("original/**/*",)  # vLLM's default LoadConfig.ignore_patterns
+THREADS = min(8, os.cpu_count() or 1)  # the engine is idle then; 8 saturate memory bandwidth
 
 
 @dataclass(frozen=True, slots=True)
 class Fingerprint:
     digest: str  # 16 hex digits
-    files: int  # weight and index files read
+    files: int  # weight and index files counted
     total_bytes: int  # their size
-    read_bytes: int  # what was actually read
+    read_bytes: int  # what was actually read now (0 when every file's digest was remembered)
+    cached_files: int = 0  # files whose digest came from the digest cache
 
 
-# Read whole besides the weights: tensor-to-file maps, and a LoRA adapter's rank and scaling.
-WHOLE_FILES = (".index.json", "adapter_config.json")
-
-
-def _weight_files(path: str) -> list[tuple[str, str]]:
-    """(name relative to the checkpoint, full path) of every weight and index file, sorted."""
+def _weight_files(
+    path: str, load_format: str = "auto", ignore: tuple[str, ...] = IGNORE
+) -> list[tuple[str, str]]:
+    """(name relative to the checkpoint, full path) of every file that counts, sorted."""
     if os.path.isfile(path):
         return [(os.path.basename(path), path)]
     found = []
@@ -58,77 +58,61 @@ def _weight_files(path: str) -> list[tuple[str, str]]:
         for name in files:
             if name.endswith(WEIGHT_SUFFIXES) or name.endswith(WHOLE_FILES):
                 full = os.path.join(root, name)
-                found.append((os.path.relpath(full, path).replace(os.sep, "/"), full))
+                rel = os.path.relpath(full, path).replace(os.sep, "/")
+                if not any(fnmatch.fnmatch(rel, pattern) for pattern in ignore):
+                    found.append((rel, full))
+    if load_format in SAFETENSORS_FIRST and any(
+        "/" not in rel and rel.endswith(".safetensors") for rel, _ in found
+    ):
+        found = [
+            (rel, full)
+            for rel, full in found
+            if rel.endswith(WHOLE_FILES) or ("/" not in rel and rel.endswith(".safetensors"))
+        ]
     return sorted(found)
 
 
-def _safetensors(f, size: int, h) -> int:
-    """Header and a sample of every tensor; bytes read. Raises ValueError if not safetensors."""
-    raw = f.read(8)
-    if len(raw) < 8:
-        raise ValueError("too short")
-    (n,) = struct.unpack("<Q", raw)
-    if n > min(_MAX_HEADER, size - 8):
-        raise ValueError("bad header length")
-    header_bytes = f.read(n)
-    header = json.loads(header_bytes)
-    h.update(header_bytes)
-    read = 8 + n
-    spans = sorted(
-        tuple(v["data_offsets"])
-        for k, v in header.items()
-        if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v
-    )
-    for begin, end in spans:
-        at = 8 + n + begin + max((end - begin) // 2 - SAMPLE_BYTES // 2, 0)
-        f.seek(at)
-        sample = f.read(min(SAMPLE_BYTES, end - begin))
-        h.update(sample)
-        read += len(sample)
-    return read
-
-
-def _ranges(f, size: int, h) -> int:
-    """The head and evenly spaced ranges of a file of unknown format; bytes read."""
-    head = f.read(HEAD_BYTES)
-    h.update(head)
-    read = len(head)
-    if size > HEAD_BYTES:
-        step = (size - HEAD_BYTES) // RANGES
-        for i in range(RANGES):
-            f.seek(HEAD_BYTES + i * step + max(step - RANGE_BYTES, 0) // 2)
-            chunk = f.read(RANGE_BYTES)
-            h.update(chunk)
-            read += len(chunk)
-    return read
-
-
-def fingerprint(path: str) -> Fingerprint | None:
+def fingerprint(
+    path: str,
+    cache: wd.DigestCache | None = None,
+    load_format: str = "auto",
+    ignore: tuple[str, ...] = IGNORE,
+    threads: int = THREADS,
+) -> Fingerprint | None:
     """The content fingerprint of a checkpoint folder (or one weight file); None when it holds
-    no weight file. OSError propagates (an unreadable checkpoint is the operator's to fix)."""
-    files = _weight_files(path)
+    no weight file. ``cache``: remembered digests (None: hash everything). OSError propagates
+    (an unreadable checkpoint is the operator's to fix)."""
+    files = _weight_files(path, load_format, ignore)
     if not files:
         return None
-    h = hashlib.blake2b(digest_size=8, person=b"kvlens-ckpt-v1")
-    total = read = 0
-    for name, full in files:
-        size = os.path.getsize(full)
-        total += size
-        h.update(f"{len(name)}:{name}:{size};".encode())
-        with open(full, "rb") as f:
-            if name.endswith(WHOLE_FILES):
-                data = f.read()
-                h.update(data)
-                read += len(data)
-                continue
-            if name.endswith(".safetensors"):
-                try:
-                    read += _safetensors(f, size, h)
-                    continue
-                except (ValueError, UnicodeDecodeError, KeyError, TypeError):
-                    f.seek(0)  # not what its name says: sampled like any other file
-            read += _ranges(f, size, h)
-    return Fingerprint(h.hexdigest(), len(files), total, read)
+    stats = [os.stat(full) for _, full in files]
+    digests: list[str | None] = [
+        cache.get(wd.file_version(st)) if cache is not None else None for st in stats
+    ]
+    cached = sum(d is not None for d in digests)
+    work = [
+        (i, seg) for i, d in enumerate(digests) if d is None for seg in range(wd.segments(stats[i].st_size))
+    ]
+    read = 0
+    if work:
+        with ThreadPoolExecutor(max(1, min(threads, len(work))), thread_name_prefix="kvlens-hash") as pool:
+            results = list(pool.map(lambda item: wd.segment_digest(files[item[0]][1], item[1]), work))
+        parts: dict[int, list[bytes]] = {}
+        for (i, _), (part, n) in zip(work, results, strict=True):
+            parts.setdefault(i, []).append(part)
+            read += n
+        for i, file_parts in parts.items():
+            if wd.file_version(os.stat(files[i][1])) != wd.file_version(stats[i]):
+                raise OSError(f"{files[i][1]} changed while it was hashed")
+            digests[i] = wd.combine(stats[i].st_size, file_parts)
+            if cache is not None:
+                cache.put(wd.file_version(stats[i]), digests[i])
+        if cache is not None:
+            cache.save()
+    h = hashlib.blake2b(digest_size=8, person=b"kvlens-ckpt-v2")
+    for (name, _), st, digest in zip(files, stats, digests, strict=True):
+        h.update(f"{len(name)}:{name}:{st.st_size}:{digest};".encode())
+    return Fingerprint(h.hexdigest(), len(files), sum(st.st_size for st in stats), read, cached)
 
 
 class AdapterFingerprints:
@@ -147,7 +131,7 @@ class AdapterFingerprints:
         """``lora:<digest>`` of the adapter's content; ``lora-path:<path>`` if it cannot be read."""
         try:
             files = _weight_files(path) if os.path.exists(path) else []
-            version = (path, tuple((n, os.stat(p).st_size, os.stat(p).st_mtime_ns) for n, p in files))
+            version = (path, tuple((n, wd.file_version(os.stat(p))) for n, p in files))
         except OSError:
             return f"lora-path:{path}"
         if not files:

@@ -14,6 +14,8 @@ from typing import Any
 from . import checkpoint_identity
 from .config import ConfigError
 from .engine.facts import EngineFacts, ModelIdentity
+from .kv_settings import SET_BY_MODEL, kv_settings
+from .weights_digests import DigestCache, default_cache_path
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -57,23 +59,51 @@ def model_identity(vllm_config: Any, named: str | None = None) -> ModelIdentity:
     """
     model_config = vllm_config.model_config
     cache_config = getattr(vllm_config, "cache_config", None)
+    load_config = getattr(vllm_config, "load_config", None)
+    settings = kv_settings(vllm_config)
+    if settings:
+        logger.info("KVLens model identity: engine settings that change the KV: %s", settings)
+    if str(getattr(load_config, "load_format", "auto")) == "dummy":
+        weights = "dummy"  # vLLM's seeded random weights, whatever the checkpoint holds
+    else:
+        weights = f"named:{named}" if named else _weights_identity(model_config, load_config)
     return ModelIdentity(
-        weights=f"named:{named}" if named else _weights_identity(model_config),
-        config=_config_digest(getattr(model_config, "hf_config", None)),
+        weights=weights,
+        config=_config_digest(getattr(model_config, "hf_config", None), settings),
         dtype=str(getattr(model_config, "dtype", "")).removeprefix("torch."),
         quantization=str(getattr(model_config, "quantization", None) or "none"),
         kv_cache_dtype=str(getattr(cache_config, "cache_dtype", None) or "auto"),
     )
 
 
-def _weights_identity(model_config: Any) -> str:
+def _weights_identity(model_config: Any, load_config: Any = None) -> str:
     model = str(model_config.model)
+    download_dir = getattr(load_config, "download_dir", None)
     where = (
-        model if os.path.exists(model) else _cached_snapshot(model, getattr(model_config, "revision", None))
+        model
+        if os.path.exists(model)
+        else _cached_snapshot(model, getattr(model_config, "revision", None), download_dir)
+    )
+    ignore = getattr(load_config, "ignore_patterns", None)
+    ignore = (
+        checkpoint_identity.IGNORE
+        if ignore is None
+        else (ignore,)
+        if isinstance(ignore, str)
+        else tuple(ignore)
     )
     started = time.perf_counter()
     try:
-        found = checkpoint_identity.fingerprint(where) if where else None
+        found = (
+            checkpoint_identity.fingerprint(
+                where,
+                DigestCache(default_cache_path()),
+                str(getattr(load_config, "load_format", None) or "auto"),
+                ignore,
+            )
+            if where
+            else None
+        )
     except OSError as e:
         logger.warning("KVLens: cannot read the checkpoint at %s (%s)", where, e)
         found = None
@@ -85,29 +115,44 @@ def _weights_identity(model_config: Any) -> str:
         )
         return f"path:{model}"
     logger.info(
-        "KVLens model identity ckpt:%s from %d files (%.1f GB): read %.1f KB in %.0f ms",
+        "KVLens model identity ckpt:%s from %d files (%.1f GB, %d digests remembered): hashed "
+        "%.1f GB in %.0f ms",
         found.digest,
         found.files,
         found.total_bytes / 1e9,
-        found.read_bytes / 1e3,
+        found.cached_files,
+        found.read_bytes / 1e9,
         (time.perf_counter() - started) * 1000,
     )
     return f"ckpt:{found.digest}"
 
 
 # Configuration entries that say where or by which library version a model was loaded, not
-# what it computes.
-_CONFIG_NOT_IDENTITY = ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash")
+# what it computes, and those a model's constructor sets (kv_settings keys what decides them).
+_CONFIG_NOT_IDENTITY = (
+    "_name_or_path",
+    "name_or_path",
+    "transformers_version",
+    "_commit_hash",
+    *SET_BY_MODEL,
+)
 
 
-def _config_digest(hf_config: Any) -> str:
+def _config_digest(hf_config: Any, settings: dict[str, str] | None = None) -> str:
+    """Digest of the HF config as vLLM computes with it, and of the engine settings that
+    change the KV (absent when there are none, so most configs digest as before)."""
     if hf_config is None:
+        data: Any = None
+    else:
+        try:
+            data = _without_places(hf_config.to_dict())
+        except Exception:  # noqa: BLE001 - a config that cannot serialise itself still has a repr
+            data = repr(hf_config)
+    if data is None and not settings:
         return "none"
-    try:
-        data = hf_config.to_dict()
-    except Exception:  # noqa: BLE001 - a config that cannot serialise itself still has a repr
-        return hashlib.blake2b(repr(hf_config).encode(), digest_size=6).hexdigest()
-    text = json.dumps(_without_places(data), sort_keys=True, default=str)
+    if settings:
+        data = {"hf_config": data, "kv_settings": settings}
+    text = data if isinstance(data, str) else json.dumps(data, sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 
 
@@ -119,12 +164,13 @@ def _without_places(value: Any) -> Any:
     return value
 
 
-def _cached_snapshot(repo_id: str, revision: str | None) -> str | None:
-    """The local snapshot directory vLLM loaded a hub model from (no network)."""
+def _cached_snapshot(repo_id: str, revision: str | None, download_dir: str | None = None) -> str | None:
+    """The local snapshot directory vLLM loaded a hub model from (no network): under
+    ``--download-dir`` when vLLM was given one, else the hub's cache."""
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(repo_id, revision=revision, local_files_only=True)
+        return snapshot_download(repo_id, revision=revision, cache_dir=download_dir, local_files_only=True)
     except Exception:
         return None
 

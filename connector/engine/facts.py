@@ -11,8 +11,13 @@ from .keys import Namespace
 class ModelIdentity:
     """Everything about the model that changes the values of its KV (never where it lives)."""
 
-    weights: str  # "ckpt:<content digest>", "named:<operator's name>" or, failing both, "path:<model>"
-    config: str  # digest of the model's configuration (as vLLM uses it: overrides applied), paths removed
+    # "ckpt:<digest of every byte of the weights>", "named:<operator's name>", "dummy" (vLLM's
+    # --load-format dummy) or, failing all, "path:<model>"
+    weights: str
+    # digest of the model's configuration as vLLM computes with it (overrides applied, paths
+    # removed) and of the engine settings that change KV values (kv_settings: LongRoPE factors
+    # chosen by max_model_len, attention options, ...)
+    config: str
     dtype: str  # the dtype the model computes in
     quantization: str  # vLLM's quantization method, "none" without
     kv_cache_dtype: str  # vLLM's --kv-cache-dtype ("auto": the model's dtype)
