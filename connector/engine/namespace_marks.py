@@ -70,20 +70,30 @@ def merge(existing: Iterable[Entry], new: Iterable[Entry], limit: int = PER_BUCK
 
 
 def record_differences(mine: Namespace, other: NamespaceRecord) -> list[str]:
-    """The names of the namespace parts that differ, as far as ``other``'s record tells: a salt
-    or tag values it does not hold differ when every part it does hold is the same."""
+    """The names of the namespace parts that differ, as far as ``other``'s record tells. The
+    record holds no salt or tag value, but every other part of the key: so ``mine``'s salt and
+    tags, keyed with the record's parts, give the record's fingerprint exactly when the two
+    namespaces belong to the same tenant."""
     plain = [f.name for f in fields(Namespace) if f.name not in ("cache_salt", "tags")]
     out = [name for name in plain if getattr(mine, name) != getattr(other, name)]
+    return out + tenant_differences(mine, other)
+
+
+def tenant_differences(mine: Namespace, other: NamespaceRecord) -> list[str]:
+    """``cache_salt`` and/or ``tags`` where ``other`` belongs to another tenant than ``mine``;
+    empty when it is the same tenant (same salt, same tags, or neither)."""
     salted = mine.cache_salt is not None
     tag_names = sorted(name for name, _ in mine.tags)
+    out = []
     if salted != other.salted:
         out.append("cache_salt")
     if tag_names != sorted(other.tag_names):
         out.append("tags")
-    if not out:  # the same described parts under another fingerprint: a salt's or tags' values
-        out += ["cache_salt"] if salted else []
-        out += ["tags"] if tag_names else []
-    return out
+    if out or not (salted or tag_names):
+        return out
+    if key_fingerprint(other.keyed_with(mine.cache_salt, dict(mine.tags))) == other.fingerprint:
+        return []
+    return (["cache_salt"] if salted else []) + (["tags"] if tag_names else [])  # values differ
 
 
 class MarkView:
@@ -113,12 +123,18 @@ class MarkView:
         return len(self._records) > (fingerprint in self._records)
 
     def other(self, first_chunk: bytes, namespace: Namespace) -> NamespaceRecord | None:
-        """The record of the most recent other namespace that stored this first chunk."""
+        """The record of the most recent other namespace of the same tenant that stored this
+        first chunk, else of the most recent namespace of another tenant (``namespaces.py``:
+        what a client is told must not depend on other tenants' prompts)."""
         mine = key_fingerprint(namespace)
+        found = None
         for fp in reversed(self._by_mark.get(mark_of(first_chunk), ())):
             if fp != mine:
-                return self._records[fp]
-        return None
+                record = self._records[fp]
+                if not tenant_differences(namespace, record):
+                    return record
+                found = found or record
+        return found
 
 
 def valid_fingerprint(fp: str) -> bool:

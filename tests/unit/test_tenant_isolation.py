@@ -1,0 +1,135 @@
+"""What one tenant (a cache salt or key tags) can learn of another, and how much state clients
+can make a scheduler keep: responses never depend on another tenant's prompts, tenant ids are
+keyed with a per-deployment secret, salts, tags and namespaces are bounded (issue 26, items
+12, 15 and 16). Pure: stand-ins for vLLM."""
+
+from __future__ import annotations
+
+import time
+
+from connector.config import load_config
+from connector.engine.facts import EngineFacts
+from connector.engine.keys import Namespace, first_chunk_fingerprint, key_fingerprint
+from connector.engine.namespace_marks import MarkView, mark_of
+from connector.engine.namespace_records import NamespaceRecord
+from connector.engine.namespaces import FirstChunkNamespaces
+from connector.engine.outcomes import MissReason
+from connector.responses import for_client
+from connector.scheduler import ConnectorScheduler
+
+from .fakes import BLOCK, BLOCK_BYTES, LAYERS, admit_fully, blocks, request
+from .test_admin import PROMPT, Worker, _hashed
+
+BASE = Namespace("m", "bfloat16", "L")
+
+
+def _on_model(tmp_path, model: str, **extra) -> ConnectorScheduler:
+    """A scheduler on a disk directory others share, serving ``model``."""
+    settings = {"local_disk": str(tmp_path / "disk"), "max_local_disk_size": 1, **extra}
+    config = load_config({f"lmcache.{k}": v for k, v in settings.items()}, env={})
+    facts = EngineFacts(model, "bfloat16", BLOCK, LAYERS, BLOCK_BYTES, "L", 1, "kv_both")
+    return ConnectorScheduler(config, facts)
+
+
+def _wait(predicate, what):
+    deadline = time.monotonic() + 15
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def _client_reason(s: ConnectorScheduler, rid: str, **kw) -> dict:
+    req = _hashed(rid, PROMPT, **kw)
+    s.lookup(req, 0)
+    return s.finish(req).params["kvlens"]
+
+
+# ---- item 12: a response never depends on another tenant's prompts -------------------------
+def _store_on_model(tmp_path, model: str, **kw) -> None:
+    a = _on_model(tmp_path, model)
+    req = _hashed("stored", PROMPT, **kw)
+    _, plan = admit_fully(a, req, blocks(10, 5))
+    Worker(a).run(plan)
+    a.finish(req)
+    a.shutdown()  # writes the marks still queued
+
+
+def test_another_tenants_prompt_on_another_model_reads_not_stored_to_the_client(tmp_path):
+    """The shared-marks path: another model, another salt. The answer is the one the client gets
+    when nobody stored the prompt."""
+    _store_on_model(tmp_path, "model-a", cache_salt="victim-salt")
+    b = _on_model(tmp_path, "model-b")
+    try:
+        _wait(lambda: len(b.state.shared_marks.view) > 0, "marks read at start")
+        usage = _client_reason(b, "probe", cache_salt="attacker-salt")
+        assert usage["miss_reason"] == "not_stored" and "miss_detail" not in usage, usage
+        tagged = _client_reason(b, "tagged", kv_transfer_params={"lmcache.tag.user": "mallory"})
+        assert tagged["miss_reason"] == "not_stored" and "miss_detail" not in tagged, tagged
+        plain = _client_reason(b, "plain")  # the default tenant is not the salted one either
+        assert plain["miss_reason"] == "not_stored" and "miss_detail" not in plain, plain
+    finally:
+        b.shutdown()
+
+
+def test_the_same_tenant_on_another_model_still_learns_what_differs(tmp_path):
+    _store_on_model(tmp_path, "model-a", cache_salt="team-salt")
+    b = _on_model(tmp_path, "model-b")
+    try:
+        _wait(lambda: len(b.state.shared_marks.view) > 0, "marks read at start")
+        usage = _client_reason(b, "same", cache_salt="team-salt")
+        assert usage["miss_reason"] == "other_namespace"
+        assert usage["miss_detail"] == {"differs_in": ["model"]}
+        other = _client_reason(b, "other", cache_salt="other-salt")
+        assert other["miss_reason"] == "not_stored"
+        log = {d.request_id: d for d in b.take_done()}  # the operator still sees it
+        assert log["other"].miss_reason is MissReason.OTHER_NAMESPACE
+        assert log["other"].miss_detail == {"differs_in": ["model", "cache_salt"]}
+    finally:
+        b.shutdown()
+
+
+def test_the_miss_metric_does_not_tell_a_client_another_tenant_stored_its_prompt(tmp_path):
+    """/metrics is served on the API port: its miss reason follows the response's."""
+    _store_on_model(tmp_path, "model-a", cache_salt="victim-salt")
+    b = _on_model(tmp_path, "model-b")
+    try:
+        _wait(lambda: len(b.state.shared_marks.view) > 0, "marks read at start")
+        req = _hashed("probe", PROMPT, cache_salt="attacker-salt")
+        b.lookup(req, 0)
+        outcome = b.finish(req).unscheduled_lookup
+        assert outcome is not None and outcome.miss_reason is MissReason.NOT_STORED
+    finally:
+        b.shutdown()
+
+
+def _same_tenant_other_lora(ns: Namespace) -> Namespace:
+    return Namespace(ns.model, ns.dtype, ns.kv_layout, ns.world_size, "adapter-1", ns.cache_salt, ns.tags)
+
+
+def test_the_shared_view_answers_a_tenant_alike_whoever_stored_the_prompt_since():
+    fp = first_chunk_fingerprint(PROMPT, 256)
+    mine = BASE.with_request(None, "mine", {})
+    own = _same_tenant_other_lora(mine)  # the client's own namespace under an adapter
+    theirs = BASE.with_request(None, "theirs", {})
+    records = {key_fingerprint(n): NamespaceRecord.of(n) for n in (own, theirs)}
+    alone, crowded = MarkView(), MarkView()
+    alone.replace([(mark_of(fp), key_fingerprint(own))], records)
+    crowded.replace([(mark_of(fp), key_fingerprint(own)), (mark_of(fp), key_fingerprint(theirs))], records)
+    assert alone.other(fp, mine) == crowded.other(fp, mine) == records[key_fingerprint(own)]
+
+
+def test_the_local_memory_answers_a_tenant_alike_however_many_tenants_stored_the_prompt():
+    fp = first_chunk_fingerprint(PROMPT, 256)
+    mine = BASE.with_request(None, "mine", {})
+    own = _same_tenant_other_lora(mine)
+    alone, crowded = FirstChunkNamespaces(), FirstChunkNamespaces()
+    alone.note(fp, own)
+    crowded.note(fp, own)
+    for i in range(8):  # more tenants than a prompt's entries: the own one must not be pushed out
+        crowded.note(fp, BASE.with_request(None, f"tenant-{i}", {}))
+    assert alone.other(fp, mine) == crowded.other(fp, mine) == own
+
+
+def test_for_client_hides_any_tenant_part():
+    usage = {"miss_reason": "other_namespace", "miss_detail": {"differs_in": ["model", "cache_salt"]}}
+    assert for_client(usage) == {"miss_reason": "not_stored"}
