@@ -3,8 +3,12 @@
 A tenant is what separates one group of requests' KV from another's: the cache salt and the
 key tags (``lmcache.tag.<name>``, ``tag_keys``) of the request's namespace. Requests with
 neither belong to ``default``. A tenant is shown by an id that never carries a salt or a tag
-value: each is replaced by a short BLAKE2b keyed with a fixed KVLens label (``salt:3fa1c2d90b``,
-``user:9e2a41c07d``); tag names, which the operator chooses, are kept.
+value: each is replaced by 64 bits of a BLAKE2b keyed with the deployment's secret
+(``salt:3fa1c2d90b7e4f01``, ``user:9e2a41c07d5b3a88``); tag names, which the operator chooses,
+are kept. The key (``connector/tenant_id_key.py``: configured, or generated once and kept with
+the cache) is what makes an id on an unauthenticated ``/metrics`` reveal nothing: without it,
+a guessed salt cannot be confirmed by hashing it. Instances that share a cache share the key,
+so they count a tenant under one id.
 
 Label cardinality is bounded, and counters stay monotonic per label, by giving a tenant its
 own label on first sight while fewer than ``max_labels`` tenants have one; every later
@@ -21,35 +25,63 @@ shared disk directory are nobody's here.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .keys import Namespace
 
 DEFAULT = "default"  # neither a cache salt nor a tag
 OTHER = "other"  # tenants beyond the first max_labels
-_ID_KEY = b"kvlens-tenant"
-_ID_HEX = 10  # 40 bits: distinct for any number of tenants a dashboard shows
+_ID_HEX = 16  # 64 bits: no two of the tenants a deployment sees share an id in practice
 _NAME = re.compile(r"[^A-Za-z0-9_.-]")
 _MAX_NAME = 32
 _MAX_OPEN = 100_000  # requests whose tenant is remembered until their load is reported
 
 
+@dataclass(frozen=True, slots=True)
+class TenantIds:
+    """Tenant ids under one deployment's key (at least 16 bytes, never shown)."""
+
+    key: bytes = field(repr=False)
+
+    def value_id(self, value: str) -> str:
+        """A salt's or tag value's id: keyed BLAKE2b, so it names no value, cannot be undone, and
+        cannot be recomputed from a guess without the key."""
+        return hashlib.blake2b(value.encode(), digest_size=_ID_HEX // 2, key=self.key[:64]).hexdigest()
+
+    def tenant_id(self, namespace: Namespace | None) -> str:
+        """The tenant of a request's namespace: ``default``, or its salt and tags as ids."""
+        if namespace is None or (namespace.cache_salt is None and not namespace.tags):
+            return DEFAULT
+        parts = [] if namespace.cache_salt is None else [f"salt:{self.value_id(namespace.cache_salt)}"]
+        parts += [f"{_NAME.sub('_', name)[:_MAX_NAME]}:{self.value_id(v)}" for name, v in namespace.tags]
+        return ",".join(parts)
+
+
+# Until the scheduler sets the deployment's key, a key of this process alone: an id is never
+# computed under a key anyone else knows.
+_deployment = TenantIds(os.urandom(32))
+
+
+def use_deployment_key(key: bytes) -> None:
+    """Compute every later ``tenant_id`` under ``key`` (the scheduler does, at start)."""
+    global _deployment
+    if len(key) < 16:
+        raise ValueError("a tenant id key must be at least 16 bytes")
+    _deployment = TenantIds(bytes(key))
+
+
 def value_id(value: str) -> str:
-    """A short id of a salt or tag value: keyed BLAKE2b, so the id names no value and cannot be
-    undone (a guessable, low-entropy value can still be confirmed by hashing guesses)."""
-    return hashlib.blake2b(value.encode(), digest_size=_ID_HEX // 2, key=_ID_KEY).hexdigest()
+    """A salt's or tag value's id under the deployment's key (``TenantIds.value_id``)."""
+    return _deployment.value_id(value)
 
 
 def tenant_id(namespace: Namespace | None) -> str:
-    """The tenant of a request's namespace: ``default``, or its salt and tags as ids."""
-    if namespace is None or (namespace.cache_salt is None and not namespace.tags):
-        return DEFAULT
-    parts = [] if namespace.cache_salt is None else [f"salt:{value_id(namespace.cache_salt)}"]
-    parts += [f"{_NAME.sub('_', name)[:_MAX_NAME]}:{value_id(value)}" for name, value in namespace.tags]
-    return ",".join(parts)
+    """The tenant of a request's namespace under the deployment's key (``TenantIds.tenant_id``)."""
+    return _deployment.tenant_id(namespace)
 
 
 @dataclass(frozen=True, slots=True)

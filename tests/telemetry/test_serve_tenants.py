@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from connector.engine.tenants import value_id
+from connector.engine.tenants import TenantIds
 
 from .serve import VllmServer, base_env, kv_transfer_config, prompt_tokens, sample, sum_samples, wait_until
 
@@ -21,16 +21,20 @@ TAG = "carol-secret-team"
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tenants")
-    srv = VllmServer(tiny_model, kv_transfer_config(), tmp / "serve.log", base_env())
+    env = base_env(XDG_STATE_HOME=str(tmp / "state"))  # a CPU tier only: the key is kept there
+    srv = VllmServer(tiny_model, kv_transfer_config(), tmp / "serve.log", env)
     try:
         srv.wait_ready()
+        srv.tenant_ids = TenantIds((tmp / "state" / "kvlens" / "tenant-id-key").read_bytes())
         yield srv
     finally:
         srv.stop()
 
 
-def tenants() -> list[SimpleNamespace]:
-    """Each tenant: its request parameters and the id its series is labelled with."""
+def tenants(ids: TenantIds) -> list[SimpleNamespace]:
+    """Each tenant: its request parameters and the id its series is labelled with (under the
+    key the server generated and kept)."""
+    value_id = ids.value_id
     out = [
         SimpleNamespace(extra={"cache_salt": salt}, id=f"salt:{value_id(salt)}", seed=i)
         for i, salt in enumerate(SALTS)
@@ -54,7 +58,7 @@ def test_per_tenant_hits_loads_and_bytes_match_the_responses(server, tmp_path):
     for repeat in (False, True):
         if repeat:
             server.reset_prefix_cache()  # vLLM's own cache: the repeats load from KVLens
-        for t in tenants():
+        for t in tenants(server.tenant_ids):
             for prompt in (shared, prompt_tokens(700, seed=t.seed)):
                 body = server.complete(prompt, **t.extra)
                 looked_up[t.id] = looked_up.get(t.id, 0) + len(prompt)

@@ -17,7 +17,7 @@ from connector.engine.outcomes import MissReason
 from connector.responses import for_client
 from connector.scheduler import ConnectorScheduler
 
-from .fakes import BLOCK, BLOCK_BYTES, LAYERS, admit_fully, blocks, request
+from .fakes import BLOCK, BLOCK_BYTES, LAYERS, admit_fully, blocks
 from .test_admin import PROMPT, Worker, _hashed
 
 BASE = Namespace("m", "bfloat16", "L")
@@ -133,3 +133,72 @@ def test_the_local_memory_answers_a_tenant_alike_however_many_tenants_stored_the
 def test_for_client_hides_any_tenant_part():
     usage = {"miss_reason": "other_namespace", "miss_detail": {"differs_in": ["model", "cache_salt"]}}
     assert for_client(usage) == {"miss_reason": "not_stored"}
+
+
+# ---- item 15: tenant ids are keyed with a per-deployment secret ----------------------------
+def _public_constant_id(value: str) -> str:
+    """The id every KVLens computed before: anyone could recompute it from a guessed salt."""
+    import hashlib
+
+    return hashlib.blake2b(value.encode(), digest_size=5, key=b"kvlens-tenant").hexdigest()
+
+
+def _config(**settings):
+    if "local_disk" in settings:
+        settings["max_local_disk_size"] = 1
+    return load_config({f"lmcache.{k}": v for k, v in settings.items()}, env={})
+
+
+def test_a_tenant_id_cannot_be_recomputed_from_the_salt_without_the_deployments_key(tmp_path):
+    from connector.engine.tenants import TenantIds
+    from connector.tenant_id_key import deployment_key
+
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = TenantIds(deployment_key(_config(local_disk=str(tmp_path / "one"))))
+    two = TenantIds(deployment_key(_config(local_disk=str(tmp_path / "two"))))
+    salted = BASE.with_request(None, "tenant-42", {})
+    tenant = one.tenant_id(salted)
+    assert tenant.startswith("salt:") and len(tenant) == len("salt:") + 16  # 64 bits
+    assert tenant != f"salt:{_public_constant_id('tenant-42')}"
+    assert tenant != two.tenant_id(salted)  # another deployment: another id
+    tagged = BASE.with_request(None, None, {"user": "alice"})
+    assert one.tenant_id(tagged).startswith("user:") and "alice" not in one.tenant_id(tagged)
+    assert one.tenant_id(BASE) == "default"
+
+
+def test_instances_sharing_a_disk_directory_compute_the_same_ids(tmp_path):
+    import stat
+
+    from connector.engine import tenants
+    from connector.tenant_id_key import deployment_key
+
+    (tmp_path / "disk").mkdir()
+    config = _config(local_disk=str(tmp_path / "disk"))
+    first, again = deployment_key(config), deployment_key(config)
+    assert first == again and len(first) >= 16
+    (path,) = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # readable by the engine's user only
+    s = _on_model(tmp_path, "m")
+    try:  # a scheduler on that directory counts its tenants under the deployment's ids
+        salted = BASE.with_request(None, "tenant-42", {})
+        assert tenants.tenant_id(salted) == tenants.TenantIds(first).tenant_id(salted)
+    finally:
+        s.shutdown()
+
+
+def test_a_configured_key_gives_the_same_ids_wherever_the_cache_is(tmp_path):
+    from connector.engine.tenants import TenantIds
+    from connector.tenant_id_key import deployment_key
+
+    secret = "a-long-operator-secret-0123456789"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = deployment_key(_config(local_disk=str(tmp_path / "a"), extra_config={"tenant_id_key": secret}))
+    b = deployment_key(_config(local_disk=str(tmp_path / "b"), extra_config={"tenant_id_key": secret}))
+    (tmp_path / "key").write_text(secret + "\n")
+    c = deployment_key(_config(extra_config={"tenant_id_key_file": str(tmp_path / "key")}))
+    assert a == b == c
+    assert not list((tmp_path / "a").rglob("*"))  # nothing generated, nothing written
+    salted = BASE.with_request(None, "s", {})
+    assert TenantIds(a).tenant_id(salted) != TenantIds(deployment_key(_config(local_disk=str(tmp_path / "b")))).tenant_id(salted)
