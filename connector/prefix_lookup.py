@@ -60,8 +60,11 @@ class PrefixLookup:
                 s.config.priority_limit,
                 s.config.force_skip_save,
                 s.config.extra_config.tag_keys,
+                s.tenant_limits,
             )
             s.policies[rid] = policy
+            if policy.refused is not None:
+                s.tenants.refused(policy.refused)
             if policy.namespace is not None:
                 s.hashers[rid] = PrefixHasher(policy.namespace, self._chunk_size)
         return policy

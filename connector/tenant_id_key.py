@@ -44,7 +44,9 @@ def deployment_key(config: KVLensConfig) -> bytes:
     if config.remote is not None:
         places.append(("the Redis prefix", lambda: _in_redis(config)))
     if config.local_disk:
-        places.append(("the disk directory", lambda: _in_file(os.path.join(config.local_disk, ".kvlens-namespaces"))))
+        places.append(
+            ("the disk directory", lambda: _in_file(os.path.join(config.local_disk, ".kvlens-namespaces")))
+        )
     places.append(("the state directory", lambda: _in_file(_state_dir())))
     for where, kept in places:
         try:

@@ -7,6 +7,9 @@ there: a mark pairs the first 8 bytes of a prompt's namespace-free first-chunk f
 (``keys.first_chunk_fingerprint``) with the key fingerprint of the namespace that stored it.
 The namespace's parts are read from its namespace record (``namespace_records.py``), which
 holds no cache salt and no tag value, so an explanation names what differs and never a value.
+Whether a record's namespace is the request's own tenant (same salt, same tags) is found by
+keying the request's salt and tags with the record's other parts: a lookup prefers its own
+tenant's namespace, and a client is told only of those (``namespaces.client_miss_reason``).
 
 Marks live in ``BUCKETS`` blobs chosen by the mark's first byte, each holding at most
 ``PER_BUCKET`` entries (most recent last): at most 256 x 256 x 14 bytes (under 1 MiB) per

@@ -13,7 +13,7 @@ from .keys import Namespace, parse_tags
 from .outcomes import MissReason, SaveSkipReason
 from .retention import PARAMS as RETENTION_PARAMS
 from .retention import Retention, parse_retention
-from .tenants import tenant_id
+from .tenants import TenantLimits, refusal, tenant_id
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -28,6 +28,7 @@ class RequestPolicy:
     ignored_params: int = 0  # lmcache.* / kvlens.* request parameters ignored (unknown or invalid)
     retention: Retention | None = None  # what the request asks for the chunks it stores or hits
     tenant: str = "default"  # whose quota its chunks count against (tenants.tenant_id)
+    refused: str | None = None  # why its salt or tags were refused (tenants.REFUSAL_REASONS)
 
 
 def _bool_param(params: Mapping[str, Any], name: str) -> bool:
@@ -44,6 +45,8 @@ def _bool_param(params: Mapping[str, Any], name: str) -> bool:
 _KNOWN_PARAMS = frozenset({"lmcache.skip_save"}) | RETENTION_PARAMS
 _TAG_PREFIX = "lmcache.tag."
 _warned_params: set[str] = set()  # names already logged (bounded below)
+_warned_refusals: set[str] = set()  # refusal reasons already logged (once each)
+_DEFAULT_LIMITS = TenantLimits()
 
 
 def unknown_params(params: Mapping[Any, Any]) -> int:
@@ -96,6 +99,7 @@ def decide_policy(
     priority_limit: int | None,
     force_skip_save: bool,
     tag_keys: Sequence[str] = (),
+    limits: TenantLimits = _DEFAULT_LIMITS,
 ) -> RequestPolicy:
     if has_unsupported_input:
         return RequestPolicy(None, MissReason.UNSUPPORTED_INPUT, SaveSkipReason.UNSUPPORTED_INPUT)
@@ -108,6 +112,12 @@ def decide_policy(
         # request is served without KVLens instead.
         logger.warning("KVLens: request %s: %s; not caching this request", request_id, e)
         return RequestPolicy(None, MissReason.INVALID_PARAMS, SaveSkipReason.INVALID_PARAMS)
+    refused = refusal(cache_salt, tags, limits)
+    if refused is not None:  # client-sized state: served without KVLens, counted by the caller
+        if refused not in _warned_refusals:
+            _warned_refusals.add(refused)
+            logger.warning("KVLens: request %s: %s (bounds: %s); not caching it", request_id, refused, limits)
+        return RequestPolicy(None, MissReason.INVALID_PARAMS, SaveSkipReason.INVALID_PARAMS, refused=refused)
     ignored = unknown_params(params)
     try:
         retention = parse_retention(params)

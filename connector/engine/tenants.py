@@ -16,6 +16,11 @@ tenant is counted under ``other`` for the engine's lifetime. A label never moves
 series flaps between scrapes and no counter ever goes back; the price is that the first
 tenants keep their labels (restart the engine, or raise ``tenant_labels_max``, to re-rank).
 
+What clients size is bounded: a request whose cache salt or tag (name or value) is longer
+than its bound, or that carries more tags than ``tags_max``, is served without KVLens and its
+refusal counted (``refusal``, ``REFUSAL_REASONS``); the namespaces remembered for labels are the
+``namespaces_max`` most recently seen (a forgotten one gets its label back from its id).
+
 Bytes held follow the scheduler's index: a chunk this engine admits to a tier is its
 tenant's until the tier drops it (evicted, removed, cleared). A chunk's key depends on the
 namespace, so each chunk belongs to exactly one tenant. Chunks another engine wrote to a
@@ -61,6 +66,29 @@ class TenantIds:
         return ",".join(parts)
 
 
+REFUSAL_REASONS = ("salt_too_long", "tag_too_long", "too_many_tags", "namespaces_full")
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """Bounds on what a request may make the scheduler keep (extra_config's)."""
+
+    salt_chars: int = 256  # cache_salt_max_chars
+    tag_chars: int = 256  # tag_value_max_chars: a tag's name and its value each
+    tags: int = 8  # tags_max
+
+
+def refusal(cache_salt: str | None, tags: Mapping[str, str], limits: TenantLimits) -> str | None:
+    """Why a request's salt or tags are refused (one of ``REFUSAL_REASONS``), or None."""
+    if cache_salt is not None and len(cache_salt) > limits.salt_chars:
+        return "salt_too_long"
+    if len(tags) > limits.tags:
+        return "too_many_tags"
+    if any(len(name) > limits.tag_chars or len(value) > limits.tag_chars for name, value in tags.items()):
+        return "tag_too_long"
+    return None
+
+
 # Until the scheduler sets the deployment's key, a key of this process alone: an id is never
 # computed under a key anyone else knows.
 _deployment = TenantIds(os.urandom(32))
@@ -92,31 +120,36 @@ class TenantUsage:
     hit_tokens: Mapping[str, int]  # of those, tokens KVLens held (num_lmcache_cached_tokens)
     load_tokens: Mapping[str, int]  # tokens KVLens loaded into vLLM
     bytes_held: Mapping[tuple[str, str], int]  # (label, tier) -> bytes (one rank's share); 0 kept
+    refusals: Mapping[str, int] = field(default_factory=dict)  # reason -> requests or notes refused
 
 
 class TenantBook:
     """Labels, counters and bytes held per tenant, for the scheduler half (no I/O, no vLLM)."""
 
-    def __init__(self, max_labels: int, tiers: tuple[str, ...] = ()) -> None:
+    def __init__(self, max_labels: int, tiers: tuple[str, ...] = (), max_namespaces: int = 4096) -> None:
         self.max_labels = max_labels
         self._labels: dict[str, str] = {DEFAULT: DEFAULT}  # tenant id -> its label
         self._own = 0  # tenants given their own label
-        self._by_namespace: dict[Namespace | None, str] = {}
+        self._max_namespaces = max_namespaces
+        self._by_namespace: OrderedDict[Namespace | None, str] = OrderedDict()  # most recent last
         self._requests: OrderedDict[str, str] = OrderedDict()  # request id -> label
         self._chunks: dict[tuple[str, str], tuple[str, int]] = {}  # (tier, chunk) -> (label, bytes)
         self._bytes: dict[tuple[str, str], int] = {(label, t): 0 for label in (DEFAULT, OTHER) for t in tiers}
         self._lookup: dict[str, int] = {}
         self._hit: dict[str, int] = {}
         self._load: dict[str, int] = {}
+        self._refused: dict[str, int] = {}
 
     # ---- labels ---------------------------------------------------------------------------
     def label(self, namespace: Namespace | None) -> str:
         """The label a namespace's tenant is counted under (assigned once, never moved)."""
         label = self._by_namespace.get(namespace)
         if label is None:
-            label = self._label_of(tenant_id(namespace))
-            if len(self._by_namespace) < _MAX_OPEN:
-                self._by_namespace[namespace] = label
+            label = self._by_namespace[namespace] = self._label_of(tenant_id(namespace))
+            if len(self._by_namespace) > self._max_namespaces:
+                self._by_namespace.popitem(last=False)
+        else:
+            self._by_namespace.move_to_end(namespace)
         return label
 
     def _label_of(self, tenant: str) -> str:
@@ -160,6 +193,10 @@ class TenantBook:
             label = self.request_label(request_id)
             self._load[label] = self._load.get(label, 0) + tokens
 
+    def refused(self, reason: str) -> None:
+        """A request's salt or tags, or a namespace to remember, refused (``REFUSAL_REASONS``)."""
+        self._refused[reason] = self._refused.get(reason, 0) + 1
+
     # ---- bytes held -----------------------------------------------------------------------
     def held(self, tier: str, chunk: str, label: str, nbytes: int) -> None:
         """``tier`` admitted ``chunk`` for a request counted under ``label``."""
@@ -181,6 +218,6 @@ class TenantBook:
 
     def take(self) -> TenantUsage:
         """Counters since the last call, and the bytes every label holds now."""
-        usage = TenantUsage(self._lookup, self._hit, self._load, dict(self._bytes))
-        self._lookup, self._hit, self._load = {}, {}, {}
+        usage = TenantUsage(self._lookup, self._hit, self._load, dict(self._bytes), self._refused)
+        self._lookup, self._hit, self._load, self._refused = {}, {}, {}, {}
         return usage

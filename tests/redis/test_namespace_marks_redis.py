@@ -69,7 +69,8 @@ def test_engines_sharing_a_redis_prefix_agree_on_tenant_ids(redis_server, tmp_pa
     assert redis.Redis(port=redis_server.port).exists("ids1:tenant-id-key")
     assert not list((tmp_path / "a").rglob("tenant-id-key"))  # the shared store's, not the host's
     other = load_config(
-        {"lmcache.remote_url": redis_server.url, "lmcache.extra_config": {"remote_key_prefix": "ids2"}}, env={}
+        {"lmcache.remote_url": redis_server.url, "lmcache.extra_config": {"remote_key_prefix": "ids2"}},
+        env={},
     )
     salted = Namespace("m", "bfloat16", "L", cache_salt="s")
     assert TenantIds(keys[0]).tenant_id(salted) != TenantIds(deployment_key(other)).tenant_id(salted)

@@ -17,7 +17,7 @@ from connector.engine.outcomes import MissReason
 from connector.responses import for_client
 from connector.scheduler import ConnectorScheduler
 
-from .fakes import BLOCK, BLOCK_BYTES, LAYERS, admit_fully, blocks
+from .fakes import BLOCK, BLOCK_BYTES, LAYERS, admit_fully, blocks, request
 from .test_admin import PROMPT, Worker, _hashed
 
 BASE = Namespace("m", "bfloat16", "L")
@@ -201,4 +201,76 @@ def test_a_configured_key_gives_the_same_ids_wherever_the_cache_is(tmp_path):
     assert a == b == c
     assert not list((tmp_path / "a").rglob("*"))  # nothing generated, nothing written
     salted = BASE.with_request(None, "s", {})
-    assert TenantIds(a).tenant_id(salted) != TenantIds(deployment_key(_config(local_disk=str(tmp_path / "b")))).tenant_id(salted)
+    assert TenantIds(a).tenant_id(salted) != TenantIds(
+        deployment_key(_config(local_disk=str(tmp_path / "b")))
+    ).tenant_id(salted)
+
+
+# ---- item 16: what clients size is bounded, and what is refused is counted ------------------
+def test_an_over_long_salt_or_tag_is_served_without_kvlens_and_counted():
+    from .fakes import scheduler
+
+    s = scheduler()
+    cases = {
+        "salt": ({"cache_salt": "s" * 257}, "salt_too_long"),
+        "tag": ({"kv_transfer_params": {"lmcache.tag.user": "u" * 257}}, "tag_too_long"),
+        "name": ({"kv_transfer_params": {f"lmcache.tag.{'n' * 257}": "u"}}, "tag_too_long"),
+        "many": ({"kv_transfer_params": {f"lmcache.tag.t{i}": "v" for i in range(9)}}, "too_many_tags"),
+    }
+    for rid, (kw, _) in cases.items():
+        req = request(rid, PROMPT, **kw)
+        need, plan = admit_fully(s, req, blocks(10, 5))
+        assert need == 0 and not plan.writes  # nothing loaded, nothing stored
+        usage = s.finish(req).params["kvlens"]
+        assert usage["miss_reason"] == "invalid_params" and "tenant" not in usage
+    refusals = s.take_tenant_usage().refusals
+    assert refusals == {"salt_too_long": 1, "tag_too_long": 2, "too_many_tags": 1}
+    ok = request("ok", PROMPT, cache_salt="s" * 256, kv_transfer_params={"lmcache.tag.user": "u" * 256})
+    assert (
+        s.lookup(ok, 0) == 0 and s.lookups["ok"].miss_reason is MissReason.NOT_STORED
+    )  # at the bound: served
+
+
+def test_the_bounds_on_salts_and_tags_are_settings():
+    from .fakes import scheduler
+
+    s = scheduler(extra_config={"cache_salt_max_chars": 8, "tags_max": 1})
+    s.lookup(request("a", PROMPT, cache_salt="123456789"), 0)
+    s.lookup(request("b", PROMPT, cache_salt="12345678"), 0)
+    assert [s.lookups[r].miss_reason for r in "ab"] == [MissReason.INVALID_PARAMS, MissReason.NOT_STORED]
+
+
+def test_the_tenant_book_remembers_a_bounded_number_of_namespaces():
+    from connector.engine.tenants import OTHER, TenantBook
+
+    book = TenantBook(max_labels=2, max_namespaces=100)
+    labels = [book.label(BASE.with_request(None, f"salt-{i}", {})) for i in range(10_000)]
+    assert len(book._by_namespace) <= 100
+    assert labels[2:] == [OTHER] * (len(labels) - 2)
+    assert book.label(BASE.with_request(None, "salt-0", {})) == labels[0]  # forgotten, same label
+
+
+def test_the_first_chunk_memory_holds_a_bounded_number_of_namespaces_and_counts_refusals():
+    mem = FirstChunkNamespaces(max_namespaces=64)
+    for i in range(1000):
+        mem.note(first_chunk_fingerprint(list(range(i, i + 256)), 256), BASE.with_request(None, f"s{i}", {}))
+    assert len(mem._lists) == 64 and mem.refused == 1000 - 64
+    own = BASE.with_request(None, "s0", {})
+    assert mem.note(first_chunk_fingerprint(PROMPT, 256), own)  # a namespace it holds: noted
+
+
+def test_first_chunk_notes_refused_are_counted_under_the_scheduler():
+    from .fakes import scheduler
+
+    s = scheduler(extra_config={"namespaces_max": 2})
+    for i in range(4):
+        admit_fully(s, request(f"r{i}", [i] * 600, cache_salt=f"tenant-{i}"), blocks(10 * i, 5))
+    assert s.take_tenant_usage().refusals == {"namespaces_full": 2}
+
+
+def test_every_refusal_reason_has_a_series():
+    from connector.engine.tenants import REFUSAL_REASONS
+    from telemetry.metrics import _OWN_DOMAINS, METRICS
+
+    assert METRICS["tenant_refusals"].labels == ("reason",)
+    assert _OWN_DOMAINS["tenant_refusal_reasons"] == REFUSAL_REASONS
