@@ -213,9 +213,10 @@ class PrefixLookup:
             found.append(record_differences(namespace, record))
         elif shared is not None:
             shared.wanted()
-        for differs_in in sorted(found, key=lambda d: bool(TENANT_PARTS & set(d))):
-            return MissReason.OTHER_NAMESPACE, {"differs_in": differs_in}
-        return reason, None
+        if not found:
+            return reason, None
+        own_tenant_first = min(found, key=lambda differs_in: bool(TENANT_PARTS & set(differs_in)))
+        return MissReason.OTHER_NAMESPACE, {"differs_in": own_tenant_first}
 
     def _find_hits(
         self, rid: str, tokens: Any, upto: int

@@ -121,14 +121,14 @@ def for_client(usage: dict[str, Any]) -> dict[str, Any]:
     tenant's namespace (another cache salt or tags) reads ``not_stored`` there (the request log,
     for the operator, keeps ``other_namespace``): cache_salt exists so that tenants cannot learn
     each other's prompts (``engine/namespaces.py``)."""
-    reason = usage.get("miss_reason")
-    if reason is None:
-        return usage
     detail = usage.get("miss_detail")
-    safe = client_miss_reason(MissReason(reason), detail if isinstance(detail, dict) else None)
-    if safe is not None and safe.value != reason:
+    if (
+        usage.get("miss_reason") == MissReason.OTHER_NAMESPACE.value
+        and client_miss_reason(MissReason.OTHER_NAMESPACE, detail if isinstance(detail, dict) else None)
+        is not MissReason.OTHER_NAMESPACE
+    ):
         usage = {k: v for k, v in usage.items() if k != "miss_detail"}
-        usage["miss_reason"] = safe.value
+        usage["miss_reason"] = MissReason.NOT_STORED.value
     return usage
 
 
