@@ -82,9 +82,12 @@ def record_differences(mine: Namespace, other: NamespaceRecord) -> list[str]:
     return out + tenant_differences(mine, other)
 
 
-def tenant_differences(mine: Namespace, other: NamespaceRecord) -> list[str]:
+def tenant_differences(
+    mine: Namespace, other: NamespaceRecord, keyed: dict[tuple[object, ...], str] | None = None
+) -> list[str]:
     """``cache_salt`` and/or ``tags`` where ``other`` belongs to another tenant than ``mine``;
-    empty when it is the same tenant (same salt, same tags, or neither)."""
+    empty when it is the same tenant (same salt, same tags, or neither). ``keyed`` memoizes
+    ``mine``'s salt and tags keyed with a record's other parts (one hash for many records)."""
     salted = mine.cache_salt is not None
     tag_names = sorted(name for name, _ in mine.tags)
     out = []
@@ -94,7 +97,13 @@ def tenant_differences(mine: Namespace, other: NamespaceRecord) -> list[str]:
         out.append("tags")
     if out or not (salted or tag_names):
         return out
-    if key_fingerprint(other.keyed_with(mine.cache_salt, dict(mine.tags))) == other.fingerprint:
+    parts = (other.model, other.dtype, other.kv_layout, other.world_size, other.lora)
+    fingerprint = keyed.get(parts) if keyed is not None else None
+    if fingerprint is None:
+        fingerprint = key_fingerprint(other.keyed_with(mine.cache_salt, dict(mine.tags)))
+        if keyed is not None:
+            keyed[parts] = fingerprint
+    if fingerprint == other.fingerprint:
         return []
     return (["cache_salt"] if salted else []) + (["tags"] if tag_names else [])  # values differ
 
@@ -131,10 +140,11 @@ class MarkView:
         what a client is told must not depend on other tenants' prompts)."""
         mine = key_fingerprint(namespace)
         found = None
+        keyed: dict[tuple[object, ...], str] = {}
         for fp in reversed(self._by_mark.get(mark_of(first_chunk), ())):
             if fp != mine:
                 record = self._records[fp]
-                if not tenant_differences(namespace, record):
+                if not tenant_differences(namespace, record, keyed):
                     return record
                 found = found or record
         return found
