@@ -63,8 +63,8 @@ class PrefixLookup:
                 s.tenant_limits,
             )
             s.policies[rid] = policy
-            if policy.refused is not None:
-                s.tenants.refused(policy.refused)
+            if policy.tenant_refused is not None:
+                s.tenants.refused(policy.tenant_refused)
             if policy.namespace is not None:
                 s.hashers[rid] = PrefixHasher(policy.namespace, self._chunk_size)
         return policy

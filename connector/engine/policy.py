@@ -28,7 +28,7 @@ class RequestPolicy:
     ignored_params: int = 0  # lmcache.* / kvlens.* request parameters ignored (unknown or invalid)
     retention: Retention | None = None  # what the request asks for the chunks it stores or hits
     tenant: str = "default"  # whose quota its chunks count against (tenants.tenant_id)
-    refused: str | None = None  # why its salt or tags were refused (tenants.REFUSAL_REASONS)
+    tenant_refused: str | None = None  # why its salt or tags were refused (tenants.REFUSAL_REASONS)
 
 
 def _bool_param(params: Mapping[str, Any], name: str) -> bool:
@@ -112,12 +112,16 @@ def decide_policy(
         # request is served without KVLens instead.
         logger.warning("KVLens: request %s: %s; not caching this request", request_id, e)
         return RequestPolicy(None, MissReason.INVALID_PARAMS, SaveSkipReason.INVALID_PARAMS)
-    refused = refusal(cache_salt, tags, limits)
-    if refused is not None:  # client-sized state: served without KVLens, counted by the caller
-        if refused not in _warned_refusals:
-            _warned_refusals.add(refused)
-            logger.warning("KVLens: request %s: %s (bounds: %s); not caching it", request_id, refused, limits)
-        return RequestPolicy(None, MissReason.INVALID_PARAMS, SaveSkipReason.INVALID_PARAMS, refused=refused)
+    over_bound = refusal(cache_salt, tags, limits)
+    if over_bound is not None:  # client-sized state: served without KVLens, counted by the caller
+        if over_bound not in _warned_refusals:
+            _warned_refusals.add(over_bound)
+            logger.warning(
+                "KVLens: request %s: %s (bounds: %s); not caching it", request_id, over_bound, limits
+            )
+        return RequestPolicy(
+            None, MissReason.INVALID_PARAMS, SaveSkipReason.INVALID_PARAMS, tenant_refused=over_bound
+        )
     ignored = unknown_params(params)
     try:
         retention = parse_retention(params)
