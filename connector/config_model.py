@@ -85,6 +85,20 @@ class ExtraConfig(BaseModel):
     # Tenants (cache salt and tags) shown under their own label in the per-tenant metrics: the
     # first this many seen; later ones are counted under "other" (bounded label cardinality).
     tenant_labels_max: int = Field(10, ge=0, le=100)
+    # ---- tenants (issue 26 items 15, 16: keep together) ----
+    # The key tenant ids on /metrics are computed with (engine/tenants.py): a secret of 16 or
+    # more characters, or a file holding one; unset, one is generated and kept with the cache.
+    tenant_id_key: SecretStr | None = None
+    tenant_id_key_file: str | None = Field(None, min_length=1)
+    # Client-sized state: a request whose cache salt or tag value is longer, or with more tags,
+    # is served without KVLens (miss reason invalid_params), counted in tenant_refusals_total.
+    cache_salt_max_chars: int = Field(256, ge=1, le=65536)
+    tag_value_max_chars: int = Field(256, ge=1, le=65536)
+    tags_max: int = Field(8, ge=1, le=64)
+    # Namespaces (salt, tags, LoRA) the scheduler remembers for labels and miss explanations;
+    # beyond, the least recently used are forgotten (labels) or new ones not noted (explanations).
+    namespaces_max: int = Field(4096, ge=1, le=1_000_000)
+    # ---- end tenants ----
     # Retention (kv_transfer_params kvlens.retention_priority / kvlens.retain_for_s): the share of
     # each CPU or disk tier's budget retained chunks may hold; beyond it the lowest become normal.
     max_retained_share: float = Field(0.5, ge=0, le=1)
@@ -151,6 +165,13 @@ class ExtraConfig(BaseModel):
         if not isinstance(value, dict):
             raise ValueError("must map a tier to bytes, e.g. {cpu: 1073741824}")
         return tuple(value.items())
+
+    @field_validator("tenant_id_key")
+    @classmethod
+    def _tenant_id_key_is_long(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < 16:
+            raise ValueError("must be 16 or more characters (a secret, not a name)")
+        return value
 
     def tenant_quota(self, tier: str) -> int | None:
         """A tenant's byte budget in ``tier`` (None: no quota)."""

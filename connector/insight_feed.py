@@ -60,8 +60,8 @@ class InsightFeed:
         size = s.config.chunk_size
         if stores:
             fingerprint = hasher.fingerprint(request.all_token_ids)
-            if fingerprint is not None:
-                s.first_chunks.note(fingerprint, policy.namespace)
+            if fingerprint is not None and not s.first_chunks.note(fingerprint, policy.namespace):
+                s.tenants.refused("namespaces_full")
         if self.whatif is None:
             return
         nbytes = s.facts.chunk_nbytes

@@ -19,7 +19,7 @@ from .engine.index import TierIndex
 from .engine.jobs import CPU, DISK, REMOTE
 from .engine.keys import ChunkKey, PrefixHasher, block_aligned_keys, block_prefixes
 from .engine.namespace_marks import record_differences
-from .engine.namespaces import namespace_differences
+from .engine.namespaces import TENANT_PARTS, client_miss_reason, namespace_differences
 from .engine.outcomes import LookupOutcome, MissReason, RemoteCall
 from .engine.policy import RequestPolicy, decide_policy, miss_reason, trace_headers
 from .engine.tracker import ChunkHit, LookupResult, external_tokens, tokens_by_tier
@@ -62,10 +62,13 @@ class PrefixLookup:
                 s.config.force_skip_save,
                 s.config.extra_config.tag_keys,
                 s.retention_rules,
+                s.tenant_limits,
             )
             if policy.namespace is not None:  # a salt per request must not make a quota per request
                 policy = replace(policy, tenant=s.tenants.label(policy.namespace))
             s.policies[rid] = policy
+            if policy.tenant_refused is not None:
+                s.tenants.refused(policy.tenant_refused)
             if policy.namespace is not None:
                 s.hashers[rid] = PrefixHasher(policy.namespace, self._chunk_size)
         return policy
@@ -190,7 +193,9 @@ class PrefixLookup:
     def _other_namespace(
         self, rid: str, tokens: Any, policy: RequestPolicy, reason: MissReason
     ) -> tuple[MissReason, dict[str, Any] | None]:
-        """A first chunk never stored here may have been stored under another namespace."""
+        """A first chunk never stored here may have been stored under another namespace: one of
+        the request's own tenant (this instance's memory, then the shared stores' marks) before
+        one of another tenant, which only the operator's views show (``namespaces.py``)."""
         s = self._s
         namespace, shared = policy.namespace, s.shared_marks
         if namespace is None:
@@ -201,16 +206,21 @@ class PrefixLookup:
                 shared.wanted()
             return reason, None
         fingerprint = s.hashers[rid].fingerprint(tokens)
-        other = s.first_chunks.other(fingerprint, namespace) if fingerprint and local else None
+        if fingerprint is None:
+            return reason, None
+        found: list[list[str]] = []
+        other = s.first_chunks.other(fingerprint, namespace) if local else None
         if other is not None:
-            return MissReason.OTHER_NAMESPACE, {"differs_in": namespace_differences(namespace, other)}
-        if shared is None or fingerprint is None:
-            return reason, None
-        record = shared.view.other(fingerprint, namespace)  # another instance's, from the store
-        if record is None:
+            found.append(namespace_differences(namespace, other))
+        record = shared.view.other(fingerprint, namespace) if shared is not None else None
+        if record is not None:  # another instance's, from the store
+            found.append(record_differences(namespace, record))
+        elif shared is not None:
             shared.wanted()
+        if not found:
             return reason, None
-        return MissReason.OTHER_NAMESPACE, {"differs_in": record_differences(namespace, record)}
+        own_tenant_first = min(found, key=lambda differs_in: bool(TENANT_PARTS & set(differs_in)))
+        return MissReason.OTHER_NAMESPACE, {"differs_in": own_tenant_first}
 
     def _find_hits(
         self, rid: str, tokens: Any, upto: int
@@ -386,7 +396,8 @@ class PrefixLookup:
             hit_tokens_by_tier=tokens_by_tier(result.hits, 0, result.hit_tokens),
             external_tokens=result.num_external_tokens if scheduled and result.can_load else 0,
             chunks=len(result.hits),
-            miss_reason=result.miss_reason,
+            # /metrics and spans: what the client may see (the request log keeps the rest)
+            miss_reason=client_miss_reason(result.miss_reason, result.miss_detail),
             save_skip_reason=policy.save_skip_reason if policy is not None else None,
             scheduled=scheduled,
             resumed=request.request_id in self._s.trackers,

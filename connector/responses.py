@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .engine.namespaces import client_miss_reason
 from .engine.outcomes import LookupOutcome, MissReason, RequestSummary
 from .engine.tracker import LookupResult, RequestTracker
 from .prefix_lookup import PrefixLookup
@@ -99,10 +100,11 @@ class Responses:
         if tracker is not None:
             params["kvlens"] = for_client(tracker.usage())
         elif unscheduled is not None:
+            reason = result.miss_reason if result is not None else unscheduled.miss_reason
             usage = {
                 "vllm_cached_tokens": unscheduled.vllm_cached_tokens,
                 "hit_tokens": unscheduled.hit_tokens,
-                "miss_reason": unscheduled.miss_reason.value if unscheduled.miss_reason else None,
+                "miss_reason": reason.value if reason else None,
             }
             if result is not None and result.miss_detail:
                 usage["miss_detail"] = result.miss_detail
@@ -114,17 +116,16 @@ class Responses:
         return done
 
 
-# Parts of a namespace that separate tenants: a response never says another tenant stored its prompt.
-_TENANT_PARTS = frozenset({"cache_salt", "tags"})
-
-
 def for_client(usage: dict[str, Any]) -> dict[str, Any]:
-    """The usage a response carries. A miss because the prompt is stored under another cache salt
-    or tags reads ``not_stored`` there (the request log and metrics, for the operator, keep
-    ``other_namespace``): cache_salt exists so that tenants cannot learn each other's prompts."""
-    detail = usage.get("miss_detail") or {}
-    if usage.get("miss_reason") == MissReason.OTHER_NAMESPACE.value and _TENANT_PARTS & set(
-        detail.get("differs_in", ())
+    """The usage a response carries. A miss because the prompt is stored only under another
+    tenant's namespace (another cache salt or tags) reads ``not_stored`` there (the request log,
+    for the operator, keeps ``other_namespace``): cache_salt exists so that tenants cannot learn
+    each other's prompts (``engine/namespaces.py``)."""
+    detail = usage.get("miss_detail")
+    if (
+        usage.get("miss_reason") == MissReason.OTHER_NAMESPACE.value
+        and client_miss_reason(MissReason.OTHER_NAMESPACE, detail if isinstance(detail, dict) else None)
+        is not MissReason.OTHER_NAMESPACE
     ):
         usage = {k: v for k, v in usage.items() if k != "miss_detail"}
         usage["miss_reason"] = MissReason.NOT_STORED.value
@@ -153,7 +154,7 @@ def _unscheduled_summary(outcome: LookupOutcome, result: LookupResult | None) ->
         prompt_tokens=outcome.prompt_tokens,
         vllm_cached_tokens=outcome.vllm_cached_tokens,
         loaded_tokens={},
-        miss_reason=outcome.miss_reason,
+        miss_reason=result.miss_reason if result is not None else outcome.miss_reason,  # the operator's
         miss_detail=result.miss_detail if result is not None else None,
         load_seconds=None,
         stored_chunks=0,

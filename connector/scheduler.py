@@ -25,13 +25,14 @@ from .engine.jobs import DISK, REMOTE, StepPlan
 from .engine.outcomes import LookupOutcome, RequestSummary, TierState, WorkerReport
 from .engine.policy import trace_headers
 from .engine.snapshots import InsightSnapshot, SchedulerSizes, TierGauge, TierRetention
-from .engine.tenants import DEFAULT, TenantUsage, tenant_id
+from .engine.tenants import DEFAULT, TenantUsage, tenant_id, use_deployment_key
 from .engine.tracker import StorePolicy
 from .insight_feed import InsightFeed
 from .prefix_lookup import PrefixLookup
 from .responses import FinishResult, Responses
 from .scheduler_state import SchedulerState
 from .step_planner import StepPlanner
+from .tenant_id_key import deployment_key
 from .worker_feedback import WorkerFeedback
 
 MAX_DRAIN_S = 30.0  # an idle engine keeps stepping at most this long for background writes
@@ -43,6 +44,7 @@ class ConnectorScheduler:
     def __init__(
         self, config: KVLensConfig, facts: EngineFacts, clock: Callable[[], float] = time.monotonic
     ) -> None:
+        use_deployment_key(deployment_key(config))  # tenant ids: the deployment's, before any request
         self.state = state = SchedulerState(config, facts, clock)
         self.config, self.facts, self._clock = config, facts, clock
         # The shared tables, by their names (tests and tools read them).

@@ -29,7 +29,7 @@ from .engine.policy import RecentlyEvicted, RequestPolicy
 from .engine.retention_rules import RetentionRules
 from .engine.suspects import SuspectBlocks, downstream
 from .engine.tails import TailDirectory
-from .engine.tenants import TenantBook
+from .engine.tenants import TenantBook, TenantLimits
 from .engine.tracker import LookupResult, RequestTracker
 from .engine.unreadable import UnreadableChunks
 from .instance_info import disk_identity
@@ -105,7 +105,11 @@ class SchedulerState:
         self.unfinished: dict[str, Any] = {}  # request id -> vLLM Request
         self.recently_evicted = RecentlyEvicted()
         self.suspects = SuspectBlocks()
-        self.first_chunks = FirstChunkNamespaces()
+        extra = config.extra_config  # client-sized state (engine/tenants.py): bounded
+        self.first_chunks = FirstChunkNamespaces(max_namespaces=extra.namespaces_max)
+        self.tenant_limits = TenantLimits(
+            extra.cache_salt_max_chars, extra.tag_value_max_chars, extra.tags_max
+        )
         self.shared_marks: SharedMarks | None = None  # what other instances stored (admin.py sets it)
         self.tier_speeds = TierSpeeds()  # how fast each tier loaded, as measured
         self.block_events = BlockEvents(facts.block_size, facts.kv_events and facts.stores)
@@ -125,8 +129,8 @@ class SchedulerState:
         self._unreported_loads: dict[int, frozenset[int]] = {}
         self.reported_through = -1  # the newest step whose report was processed
         # Per-tenant accounting (engine/tenants.py): bytes held follow admissions and drops.
-        self.tenants = TenantBook(config.extra_config.tenant_labels_max, tuple(self.tiers))
         extra = config.extra_config
+        self.tenants = TenantBook(extra.tenant_labels_max, tuple(self.tiers), extra.namespaces_max)
         self.retention_rules = RetentionRules.of(
             extra.retention_allowed, extra.retention_max_priority, extra.retention_max_seconds
         )

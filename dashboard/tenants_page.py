@@ -11,7 +11,8 @@ from .layout import NO_TRAFFIC, chart
 
 ABOUT = (
     "A tenant is a cache salt or a set of key tags (lmcache.tag.*): requests of different tenants "
-    "never share KV. KVLens names each by a short keyed hash (salt:3fa1c2d90b, user:9e2a41c07d), "
+    "never share KV. KVLens names each by a hash keyed with the deployment's secret "
+    "(salt:3fa1c2d90b7e4f01, user:9e2a41c07d5b3a88), "
     "never the salt or tag value; default: requests with neither; other: tenants seen after the "
     "first extra_config.tenant_labels_max (10)."
 )

@@ -112,6 +112,8 @@ def tenant_counters(usage: TenantUsage) -> dict[str, float]:
     for field, key in _TENANT_COUNTERS:
         for label, n in getattr(usage, field).items():
             out[wire_key(key, label_value(label))] = n
+    for reason, n in usage.refusals.items():
+        out[wire_key("tenant_refusals", label_value(reason))] = n
     return out
 
 

@@ -414,6 +414,19 @@ _DEFINITIONS += (
         domains=("tenants", "indexed_tiers"),
     ),
 )
+# client-sized state refused (connector/engine/tenants.py REFUSAL_REASONS): a request whose
+# cache salt or tags are over their bounds, served without KVLens; a namespace not remembered
+_OWN_DOMAINS["tenant_refusal_reasons"] = ("salt_too_long", "tag_too_long", "too_many_tags", "namespaces_full")
+_DEFINITIONS += (
+    Metric(
+        "tenant_refusals",
+        COUNTER,
+        "Requests served without KVLens because their cache salt or tags exceed cache_salt_max_chars, "
+        "tag_value_max_chars or tags_max, and namespaces not remembered past namespaces_max, by reason.",
+        ("reason",),
+        domains=("tenant_refusal_reasons",),
+    ),
+)
 _NOT_IN_LOG_LINE = ("info", "whatif_hit_ratio")  # labels, not amounts: kept out of vLLM's log line
 _NOT_IN_LOG_LINE += ("tenant_bytes",)  # a value per tenant and tier: too many for one line
 

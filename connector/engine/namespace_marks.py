@@ -7,6 +7,9 @@ there: a mark pairs the first 8 bytes of a prompt's namespace-free first-chunk f
 (``keys.first_chunk_fingerprint``) with the key fingerprint of the namespace that stored it.
 The namespace's parts are read from its namespace record (``namespace_records.py``), which
 holds no cache salt and no tag value, so an explanation names what differs and never a value.
+Whether a record's namespace is the request's own tenant (same salt, same tags) is found by
+keying the request's salt and tags with the record's other parts: a lookup prefers its own
+tenant's namespace, and a client is told only of those (``namespaces.client_miss_reason``).
 
 Marks live in ``BUCKETS`` blobs chosen by the mark's first byte, each holding at most
 ``PER_BUCKET`` entries (most recent last): at most 256 x 256 x 14 bytes (under 1 MiB) per
@@ -70,20 +73,39 @@ def merge(existing: Iterable[Entry], new: Iterable[Entry], limit: int = PER_BUCK
 
 
 def record_differences(mine: Namespace, other: NamespaceRecord) -> list[str]:
-    """The names of the namespace parts that differ, as far as ``other``'s record tells: a salt
-    or tag values it does not hold differ when every part it does hold is the same."""
+    """The names of the namespace parts that differ, as far as ``other``'s record tells. The
+    record holds no salt or tag value, but every other part of the key: so ``mine``'s salt and
+    tags, keyed with the record's parts, give the record's fingerprint exactly when the two
+    namespaces belong to the same tenant."""
     plain = [f.name for f in fields(Namespace) if f.name not in ("cache_salt", "tags")]
     out = [name for name in plain if getattr(mine, name) != getattr(other, name)]
+    return out + tenant_differences(mine, other)
+
+
+def tenant_differences(
+    mine: Namespace, other: NamespaceRecord, keyed: dict[tuple[object, ...], str] | None = None
+) -> list[str]:
+    """``cache_salt`` and/or ``tags`` where ``other`` belongs to another tenant than ``mine``;
+    empty when it is the same tenant (same salt, same tags, or neither). ``keyed`` memoizes
+    ``mine``'s salt and tags keyed with a record's other parts (one hash for many records)."""
     salted = mine.cache_salt is not None
     tag_names = sorted(name for name, _ in mine.tags)
+    out = []
     if salted != other.salted:
         out.append("cache_salt")
     if tag_names != sorted(other.tag_names):
         out.append("tags")
-    if not out:  # the same described parts under another fingerprint: a salt's or tags' values
-        out += ["cache_salt"] if salted else []
-        out += ["tags"] if tag_names else []
-    return out
+    if out or not (salted or tag_names):
+        return out
+    parts = (other.model, other.dtype, other.kv_layout, other.world_size, other.lora)
+    fingerprint = keyed.get(parts) if keyed is not None else None
+    if fingerprint is None:
+        fingerprint = key_fingerprint(other.keyed_with(mine.cache_salt, dict(mine.tags)))
+        if keyed is not None:
+            keyed[parts] = fingerprint
+    if fingerprint == other.fingerprint:
+        return []
+    return (["cache_salt"] if salted else []) + (["tags"] if tag_names else [])  # values differ
 
 
 class MarkView:
@@ -113,12 +135,19 @@ class MarkView:
         return len(self._records) > (fingerprint in self._records)
 
     def other(self, first_chunk: bytes, namespace: Namespace) -> NamespaceRecord | None:
-        """The record of the most recent other namespace that stored this first chunk."""
+        """The record of the most recent other namespace of the same tenant that stored this
+        first chunk, else of the most recent namespace of another tenant (``namespaces.py``:
+        what a client is told must not depend on other tenants' prompts)."""
         mine = key_fingerprint(namespace)
+        found = None
+        keyed: dict[tuple[object, ...], str] = {}
         for fp in reversed(self._by_mark.get(mark_of(first_chunk), ())):
             if fp != mine:
-                return self._records[fp]
-        return None
+                record = self._records[fp]
+                if not tenant_differences(namespace, record, keyed):
+                    return record
+                found = found or record
+        return found
 
 
 def valid_fingerprint(fp: str) -> bool:

@@ -14,7 +14,7 @@ from .outcomes import MissReason, SaveSkipReason
 from .retention import PARAMS as RETENTION_PARAMS
 from .retention import Retention, parse_retention
 from .retention_rules import RetentionRules
-from .tenants import tenant_id
+from .tenants import TenantLimits, refusal, tenant_id
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -32,6 +32,7 @@ class RequestPolicy:
     # label (tenants.TenantBook: beyond tenant_labels_max, one shared "other") in the scheduler
     tenant: str = "default"
     retention_refused: str | None = None  # why it got less retention than it asked (retention_rules)
+    tenant_refused: str | None = None  # why its salt or tags were refused (tenants.REFUSAL_REASONS)
 
 
 def _bool_param(params: Mapping[str, Any], name: str) -> bool:
@@ -48,6 +49,8 @@ def _bool_param(params: Mapping[str, Any], name: str) -> bool:
 _KNOWN_PARAMS = frozenset({"lmcache.skip_save"}) | RETENTION_PARAMS
 _TAG_PREFIX = "lmcache.tag."
 _warned_params: set[str] = set()  # names already logged (bounded below)
+_warned_refusals: set[str] = set()  # refusal reasons already logged (once each)
+_DEFAULT_LIMITS = TenantLimits()
 
 
 def unknown_params(params: Mapping[Any, Any]) -> int:
@@ -101,6 +104,7 @@ def decide_policy(
     force_skip_save: bool,
     tag_keys: Sequence[str] = (),
     retention_rules: RetentionRules | None = None,
+    limits: TenantLimits = _DEFAULT_LIMITS,
 ) -> RequestPolicy:
     """``retention_rules`` None: the request's retention ask is taken as it is."""
     if has_unsupported_input:
@@ -114,6 +118,16 @@ def decide_policy(
         # request is served without KVLens instead.
         logger.warning("KVLens: request %s: %s; not caching this request", request_id, e)
         return RequestPolicy(None, MissReason.INVALID_PARAMS, SaveSkipReason.INVALID_PARAMS)
+    over_bound = refusal(cache_salt, tags, limits)
+    if over_bound is not None:  # client-sized state: served without KVLens, counted by the caller
+        if over_bound not in _warned_refusals:
+            _warned_refusals.add(over_bound)
+            logger.warning(
+                "KVLens: request %s: %s (bounds: %s); not caching it", request_id, over_bound, limits
+            )
+        return RequestPolicy(
+            None, MissReason.INVALID_PARAMS, SaveSkipReason.INVALID_PARAMS, tenant_refused=over_bound
+        )
     ignored = unknown_params(params)
     try:
         retention = parse_retention(params)

@@ -8,6 +8,7 @@ import time
 
 import redis
 
+from connector.engine.keys import Namespace
 from connector.engine.namespace_marks import MAX_BUCKET_BYTES
 from connector.engine.outcomes import MissReason
 
@@ -42,3 +43,34 @@ def test_an_engine_sharing_only_redis_explains_a_miss_by_what_differs(redis_serv
     assert all(b"secret" not in v for v in values)
     marks = [raw.get(k) for k in raw.keys("marks1:nsmark:*")]
     assert marks and all(len(v) <= MAX_BUCKET_BYTES for v in marks)
+
+
+def test_engines_sharing_a_redis_prefix_agree_on_tenant_ids(redis_server, tmp_path):
+    """The deployment's tenant-id key is created once in the shared prefix (SET NX): engines
+    with their own disk directories but one Redis prefix count a tenant under one id."""
+    from connector.config import load_config
+    from connector.engine.tenants import TenantIds
+    from connector.tenant_id_key import deployment_key
+
+    keys = []
+    for host in ("a", "b"):
+        (tmp_path / host).mkdir()
+        config = load_config(
+            {
+                "lmcache.local_disk": str(tmp_path / host),
+                "lmcache.max_local_disk_size": 1,
+                "lmcache.remote_url": redis_server.url,
+                "lmcache.extra_config": {"remote_key_prefix": "ids1"},
+            },
+            env={},
+        )
+        keys.append(deployment_key(config))
+    assert keys[0] == keys[1]
+    assert redis.Redis(port=redis_server.port).exists("ids1:tenant-id-key")
+    assert not list((tmp_path / "a").rglob("tenant-id-key"))  # the shared store's, not the host's
+    other = load_config(
+        {"lmcache.remote_url": redis_server.url, "lmcache.extra_config": {"remote_key_prefix": "ids2"}},
+        env={},
+    )
+    salted = Namespace("m", "bfloat16", "L", cache_salt="s")
+    assert TenantIds(keys[0]).tenant_id(salted) != TenantIds(deployment_key(other)).tenant_id(salted)

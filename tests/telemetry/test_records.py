@@ -196,12 +196,19 @@ def test_tier_gauges_of_a_shared_store_carry_its_storage_label():
 def test_every_field_of_the_tenants_usage_reaches_a_series():
     from connector.engine.tenants import TenantUsage
 
-    usage = TenantUsage({"salt:aa": 7001}, {"salt:aa": 7014}, {"user:bb": 7027}, {("salt:aa", "cpu"): 7040})
+    usage = TenantUsage(
+        {"salt:aa": 7001},
+        {"salt:aa": 7014},
+        {"user:bb": 7027},
+        {("salt:aa", "cpu"): 7040},
+        {"salt_too_long": 7053},
+    )
     rec = SchedulerRecorder(SETTINGS, "m", "0", 128, True)
     sizes = snapshots.SchedulerSizes(0, 0, 0, 0, 0, 0)
     values, labels = exposed([rec.stats(sizes, None, True, {}, {}, usage)])
     expected = [(f.name, v) for f in dataclasses.fields(usage) for v in getattr(usage, f.name).values()]
-    assert not shows([*expected, ("tenant", "salt:aa"), ("tenant", "user:bb")], values, labels)
+    shown = [("tenant", "salt:aa"), ("tenant", "user:bb"), ("reason", "salt_too_long")]
+    assert not shows([*expected, *shown], values, labels)
     again = rec.stats(
         sizes, None, True, {}, {}, TenantUsage({"salt:aa": 5}, {}, {}, {("salt:aa", "cpu"): 7040})
     )

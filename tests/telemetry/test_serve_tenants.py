@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from connector.engine.tenants import value_id
+from connector.engine.tenants import TenantIds
 
 from .serve import VllmServer, base_env, kv_transfer_config, prompt_tokens, sample, sum_samples, wait_until
 
@@ -21,16 +21,20 @@ TAG = "carol-secret-team"
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tenants")
-    srv = VllmServer(tiny_model, kv_transfer_config(), tmp / "serve.log", base_env())
+    env = base_env(XDG_STATE_HOME=str(tmp / "state"))  # a CPU tier only: the key is kept there
+    srv = VllmServer(tiny_model, kv_transfer_config(), tmp / "serve.log", env)
     try:
         srv.wait_ready()
+        srv.tenant_ids = TenantIds((tmp / "state" / "kvlens" / "tenant-id-key").read_bytes())
         yield srv
     finally:
         srv.stop()
 
 
-def tenants() -> list[SimpleNamespace]:
-    """Each tenant: its request parameters and the id its series is labelled with."""
+def tenants(ids: TenantIds) -> list[SimpleNamespace]:
+    """Each tenant: its request parameters and the id its series is labelled with (under the
+    key the server generated and kept)."""
+    value_id = ids.value_id
     out = [
         SimpleNamespace(extra={"cache_salt": salt}, id=f"salt:{value_id(salt)}", seed=i)
         for i, salt in enumerate(SALTS)
@@ -54,7 +58,7 @@ def test_per_tenant_hits_loads_and_bytes_match_the_responses(server, tmp_path):
     for repeat in (False, True):
         if repeat:
             server.reset_prefix_cache()  # vLLM's own cache: the repeats load from KVLens
-        for t in tenants():
+        for t in tenants(server.tenant_ids):
             for prompt in (shared, prompt_tokens(700, seed=t.seed)):
                 body = server.complete(prompt, **t.extra)
                 looked_up[t.id] = looked_up.get(t.id, 0) + len(prompt)
@@ -94,3 +98,21 @@ def test_per_tenant_hits_loads_and_bytes_match_the_responses(server, tmp_path):
     (tmp_path / "metrics.txt").write_text(text)  # the dashboards' canned tenant series come from here
     for secret in (*SALTS, TAG, "alice", "bob", "carol"):
         assert secret not in text
+
+
+def test_an_over_long_tag_is_served_without_kvlens_and_counted(server):
+    """Client-sized state (issue 26 item 16): the request is answered as vLLM alone answers it,
+    its response says why KVLens stayed out, and /metrics counts the refusal by reason. (vLLM's
+    server itself refuses a cache_salt over 128 characters; tags reach KVLens as sent.)"""
+    prompt = prompt_tokens(600, seed=77)
+    body = server.complete(prompt, kv_transfer_params={"lmcache.tag.user": "x" * 5000})
+    usage = body["kv_transfer_params"]["kvlens"]
+    assert usage["miss_reason"] == "invalid_params" and "tenant" not in usage
+    assert body["choices"][0]["text"] == server.complete(prompt)["choices"][0]["text"]
+
+    def counted():
+        s = server.samples()
+        return sample(s, "vllm:kvlens_tenant_refusals_total", reason="tag_too_long") == 1 and s
+
+    s = wait_until(counted, timeout=30, what="the refusal on /metrics")
+    assert sample(s, "vllm:kvlens_tenant_refusals_total", reason="salt_too_long") == 0  # exported at 0
