@@ -210,8 +210,8 @@ class ConnectorWorker:
     ) -> LoadOutcome:
         """Read, check and copy a job's chunks on the asynchronous-load thread."""
         assert self.copier is not None
-        if cancelled():
-            return LoadOutcome(job.request_id)
+        if cancelled():  # every rank's outcome lists the job's chunks, loaded or not
+            return LoadOutcome.not_started(job.request_id, ((c.name, c.tier, c.num_tokens) for c in job.chunks))
         _, outcome, staged, opened = self._read_job(job, effects)
         try:
             return self._copy_outside_step(job, outcome, staged, effects, cancelled)

@@ -65,7 +65,8 @@ class WorkerFeedback:
         s = self._s
         partial = self._partial.pop(rid, None)
         if partial is not None:
-            partial.merge(outcome)
+            if partial.merge(outcome):
+                outcome.rank_disagreements += 1  # counted with this report's outcome
             outcome = partial
         if outcome.ranks < s.facts.world_size:
             self._partial[rid] = outcome
