@@ -33,7 +33,7 @@ class WorkerFeedback:
             failed.update(outcome.failed_block_ids)
         s.taint(failed, self._responses.late_trackers())
         if report.step is not None:
-            s.loads_reported(report.step)
+            s.loads_reported(report.step, failed)
         for rid, outcome in report.loads.items():
             if rid in s.async_loading:
                 self._async_reported(rid, outcome, recomputed)

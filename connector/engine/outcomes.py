@@ -11,6 +11,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -181,7 +182,9 @@ class LoadOutcome:
                 mine.tier = theirs.tier
         for theirs in theirs_by_name.values():  # listed there only: not loaded here
             self.chunks.append(
-                ChunkLoadResult(theirs.name, theirs.planned_tier, theirs.num_tokens, None, theirs.reason, theirs.detail)
+                ChunkLoadResult(
+                    theirs.name, theirs.planned_tier, theirs.num_tokens, None, theirs.reason, theirs.detail
+                )
             )
         self.failed_block_ids = sorted(set(self.failed_block_ids) | set(other.failed_block_ids))
         self.nbytes += other.nbytes
@@ -193,10 +196,10 @@ class LoadOutcome:
         return disagree
 
     @classmethod
-    def not_started(cls, request_id: str, chunks: Iterable[tuple[str, str, int]]) -> LoadOutcome:
-        """A load abandoned before it read anything: every chunk listed, none loaded (so that
-        every rank's outcome lists the same chunks)."""
-        return cls(request_id, [ChunkLoadResult(name, tier, tokens) for name, tier, tokens in chunks])
+    def not_started(cls, request_id: str, chunks: Iterable[Any]) -> LoadOutcome:
+        """A load abandoned before it read anything (``chunks``: its ``ChunkLoad``s): every
+        chunk listed, none loaded, so that every rank's outcome lists the same chunks."""
+        return cls(request_id, [ChunkLoadResult(c.name, c.tier, c.num_tokens) for c in chunks])
 
 
 @dataclass(frozen=True, slots=True)

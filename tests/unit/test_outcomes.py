@@ -1,3 +1,4 @@
+from connector.engine.jobs import ChunkLoad
 from connector.engine.outcomes import (
     ChunkLoadResult,
     FailureReason,
@@ -68,7 +69,8 @@ def test_the_other_order_and_chunks_one_rank_lists_alone_are_not_loaded_either()
 
 
 def test_an_outcome_not_started_lists_every_chunk_so_ranks_agree():
-    none = LoadOutcome.not_started("r", [("a", "disk", 256), ("b", "disk", 256)])
+    chunks = [ChunkLoad(n, "disk", (1, 2), 0, 256) for n in ("a", "b")]
+    none = LoadOutcome.not_started("r", chunks)
     started = outcome(("a", "disk", 256, "disk"), ("b", "disk", 256, "disk"))
     assert started.merge(none) is False
     assert started.rank_disagreements == 0 and started.tokens_by_tier() == {}
