@@ -18,15 +18,20 @@ import time
 
 
 def damage(
-    directory: str, corrupt: int, delete: int, rank: int | None = None, smallest: bool = False
+    directory: str,
+    corrupt: int,
+    delete: int,
+    rank: int | None = None,
+    smallest: bool = False,
+    largest: bool = False,
 ) -> list[str]:
-    """Corrupt then delete chunk files (of one rank, smallest first when asked)."""
+    """Corrupt then delete chunk files (of one rank, smallest or largest first when asked)."""
     from connector.tiers.disk import chunk_files
 
     suffix = ".kvlens" if rank is None else f".r{rank}.kvlens"
     files = [os.path.relpath(p, directory) for p in chunk_files(directory) if p.endswith(suffix)]
-    if smallest:
-        files.sort(key=lambda f: os.path.getsize(os.path.join(directory, f)))
+    if smallest or largest:
+        files.sort(key=lambda f: os.path.getsize(os.path.join(directory, f)), reverse=largest)
     touched = []
     for name in files[:corrupt]:
         path = os.path.join(directory, name)
@@ -183,7 +188,14 @@ def main() -> None:
         if rnd.get("damage"):
             flush_writes()
             d = rnd["damage"]
-            damage(d["dir"], d.get("corrupt", 0), d.get("delete", 0), d.get("rank"), d.get("smallest", False))
+            damage(
+                d["dir"],
+                d.get("corrupt", 0),
+                d.get("delete", 0),
+                d.get("rank"),
+                d.get("smallest", False),
+                d.get("largest", False),
+            )
         if rnd.get("break_disk"):  # the disk tier's directory becomes a file: every I/O fails
             flush_writes()
             shutil.rmtree(rnd["break_disk"])

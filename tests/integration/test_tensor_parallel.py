@@ -71,3 +71,62 @@ def test_per_rank_gauges_are_summed_over_ranks(tp_run):
     index = _gauge(text, "vllm:kvlens_tier_used_bytes", "cpu")  # one rank's share
     assert index > 0
     assert _gauge(text, "vllm:kvlens_tier_stored_bytes", "cpu") == 2 * index
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    from ..redis.servers import REDIS_SERVER, RedisServer
+
+    if not REDIS_SERVER:
+        pytest.skip("redis-server not installed (bash scripts/setup.sh)")
+    server = RedisServer(tmp_path_factory.mktemp("tp-redis"))
+    try:
+        yield server.start().url
+    finally:
+        server.kill()
+
+
+@pytest.fixture(scope="module")
+def tp_fault_run(tiny_model, tmp_path_factory, redis_url):
+    """Disk and Redis tiers, vLLM's default failure policy (``fail``). Round 3 loads the two
+    shared chunks from disk in the step; rank 1's copy of one of them is damaged, rank 0's is
+    sound, and the same step computes and stores the chunks after them."""
+    disk = str(tmp_path_factory.mktemp("kv-tp-fault"))
+    kv = disk_kv(disk, remote_url=redis_url)
+    kv["lmcache.extra_config"] = {"remote_key_prefix": "tp", "remote_lookup_timeout_ms": 1000}
+    rounds = [
+        {"prompts": [w.SHARED]},  # chunks 0 and 1, on both ranks, on disk and in Redis
+        {"prompts": [w.A]},  # loads them (the disk's speed is measured), stores A's tail
+        {
+            "prompts": [w.B_LONGER],
+            "damage": {"dir": disk, "corrupt": 1, "rank": 1, "largest": True},  # a whole chunk
+        },
+        {"prompts": [[1, 2, 3]], "sleep_s": 1.0},  # one more step: every report has arrived
+    ]
+    spec = {"model": tiny_model, "kv": kv, "engine": TP, "rounds": rounds, "policy": "fail"}
+    return run_engine(spec, tmp_path_factory.mktemp("tp-fault"), env=ENV)
+
+
+def _redis_ranks(url: str, prefix: str) -> dict[str, set[str]]:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    ranks: dict[str, set[str]] = {}
+    for key in client.scan_iter(match=f"{prefix}:*"):
+        name = key.decode().split(":", 1)[1]
+        m = re.fullmatch(r"([0-9a-f]{32})\.r(\d+)", name)
+        if m:
+            ranks.setdefault(m.group(1), set()).add(m.group(2))
+    return ranks
+
+
+def test_a_store_over_a_load_failing_on_one_rank_is_written_by_no_rank(tp_fault_run, redis_url):
+    """Rank 0 computed B's later chunks over rank 1's failed load: their KV is wrong on every
+    rank, so no rank writes them, in any tier: Redis, whose copies KVLens never deletes for a
+    dependency, holds no half of them (a half becomes loadable across the fleet once another
+    engine writes the other rank's half)."""
+    assert tp_fault_run["state"]["failed_blocks_by_round"][2], "rank 1's load failed"
+    ranks = _redis_ranks(redis_url, "tp")
+    assert len(ranks) >= 3  # rounds 1 and 2 stored chunks 0, 1 and A's tail on both ranks
+    halves = {digest: r for digest, r in ranks.items() if r != {"0", "1"}}
+    assert halves == {}, f"chunks stored by one rank only: {halves}"
