@@ -47,7 +47,7 @@ from .layer_copies import (
     StepCopies,
     copy_load_layer,
 )
-from .payload_pool import PayloadPool
+from .payload_pool import PayloadPool, ViewLease
 from .store_dependencies import StepWrites, StoreDependencies
 from .tiers import disk as disk_files
 from .tiers.background import BackgroundTier, QueueFull
@@ -62,7 +62,8 @@ logger = logging.getLogger("vllm.kvlens")
 _Staged = tuple[ChunkLoadResult, BlockLoad, ChunkLoad]  # a chunk read (or being read), to copy in
 _Read = memoryview | BaseException | LayeredRecord  # a chunk's read: its payload, why not, or underway
 # a job's chunks read and checked; the layer-wise disk reads it started (closed when it is done)
-_ReadJob = tuple[LoadJob, LoadOutcome, list[_Staged], list[LayeredReads]]
+_Opened = list[LayeredReads | ViewLease]  # what a job's reads hold until they are closed
+_ReadJob = tuple[LoadJob, LoadOutcome, list[_Staged], _Opened]
 
 DRAIN_WAIT_S = 0.05  # an idle engine's empty step waits this long for background writes
 IDLE_WAIT_S = 0.01  # a step that computed nothing waits this long for an asynchronous load
@@ -330,8 +331,9 @@ class ConnectorWorker:
         outcome = LoadOutcome(job.request_id)
         started = time.perf_counter()
         staged: list[_Staged] = []
-        opened: list[LayeredReads] = []
-        reads = self._start_reads(job, opened)
+        lease = self._pool.lease()  # the CPU-tier views it reads: not reused before it is closed
+        opened: _Opened = [lease]
+        reads = self._start_reads(job, opened, lease)
         failed = False
         for chunk in job.chunks:
             result = ChunkLoadResult(chunk.name, chunk.tier, chunk.num_tokens)
@@ -339,7 +341,7 @@ class ConnectorWorker:
             if failed:  # recomputed anyway, and no longer trusted as part of this prefix
                 result.reason = FailureReason.PREFIX_FAILED
             else:
-                load = self._read_chunk(chunk, next(reads[chunk.tier]), result, effects)
+                load = self._read_chunk(chunk, next(reads[chunk.tier]), result, lease, effects)
                 if load is not None:
                     outcome.nbytes += self._payload_bytes(chunk)
                     staged.append((result, load, chunk))
@@ -399,16 +401,16 @@ class ConnectorWorker:
             first.detail,
         )
 
-    def _start_reads(self, job: LoadJob, opened: list[LayeredReads]) -> dict[str, Iterator[_Read]]:
+    def _start_reads(self, job: LoadJob, opened: _Opened, lease: ViewLease) -> dict[str, Iterator[_Read]]:
         """Per planned tier, the reads of its chunks in job order (slow tiers read ahead);
         layer-wise disk reads started are added to ``opened``."""
         by_tier: dict[str, list[ChunkLoad]] = {}
         for chunk in job.chunks:
             by_tier.setdefault(chunk.tier, []).append(chunk)
-        return {tier: self._read_many(tier, chunks, opened) for tier, chunks in by_tier.items()}
+        return {tier: self._read_many(tier, chunks, opened, lease) for tier, chunks in by_tier.items()}
 
     def _read_many(
-        self, tier_name: str, chunks: list[ChunkLoad], opened: list[LayeredReads]
+        self, tier_name: str, chunks: list[ChunkLoad], opened: _Opened, lease: ViewLease
     ) -> Iterator[_Read]:
         tier, health = self.tiers.get(tier_name), self.health.get(tier_name)
         names = [storage_name(chunk.name, self.rank) for chunk in chunks]
@@ -425,13 +427,14 @@ class ConnectorWorker:
             return (reads.record(i) for i in range(len(names)))
         if isinstance(tier, BackgroundTier):
             return tier.get_many(names)
-        return (_get(tier, name) for name in names)
+        return (lease.read(tier, name) for name in names)
 
     def _read_chunk(
         self,
         chunk: ChunkLoad,
         first_read: _Read,
         result: ChunkLoadResult,
+        lease: ViewLease,
         effects: list[Callable[[], None]] | None = None,
     ) -> BlockLoad | None:
         """One chunk's copy to make, from its tier or, failing that, another usable tier."""
@@ -443,7 +446,7 @@ class ConnectorWorker:
             if tier_name != chunk.tier:
                 if not self.health[tier_name].usable():
                     continue
-                source, read = None, _get(self.tiers[tier_name], name)
+                source, read = None, lease.read(self.tiers[tier_name], name)
             if read is None and source is not None:  # its layers are read straight into its blocks
                 result.tier = tier_name
                 self.health[tier_name].succeeded()
@@ -815,13 +818,6 @@ def _close_reads(jobs: list[_ReadJob]) -> None:
     for _, _, _, opened in jobs:
         for reads in opened:
             reads.close()
-
-
-def _get(tier: Tier | BackgroundTier, name: str) -> memoryview | BaseException:
-    try:
-        return tier.get(name)
-    except Exception as e:  # noqa: BLE001 - a failed read is a value the caller classifies
-        return e
 
 
 def _run_or_defer(effects: list[Callable[[], None]] | None, effect: Callable[[], None]) -> None:
