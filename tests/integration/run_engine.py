@@ -18,20 +18,15 @@ import time
 
 
 def damage(
-    directory: str,
-    corrupt: int,
-    delete: int,
-    rank: int | None = None,
-    smallest: bool = False,
-    largest: bool = False,
+    directory: str, corrupt: int, delete: int, rank: int | None = None, smallest: bool = False
 ) -> list[str]:
-    """Corrupt then delete chunk files (of one rank, smallest or largest first when asked)."""
+    """Corrupt then delete chunk files (of one rank, smallest first when asked)."""
     from connector.tiers.disk import chunk_files
 
     suffix = ".kvlens" if rank is None else f".r{rank}.kvlens"
     files = [os.path.relpath(p, directory) for p in chunk_files(directory) if p.endswith(suffix)]
-    if smallest or largest:
-        files.sort(key=lambda f: os.path.getsize(os.path.join(directory, f)), reverse=largest)
+    if smallest:
+        files.sort(key=lambda f: os.path.getsize(os.path.join(directory, f)))
     touched = []
     for name in files[:corrupt]:
         path = os.path.join(directory, name)
@@ -217,14 +212,7 @@ def main() -> None:
         if rnd.get("damage"):
             flush_writes()
             d = rnd["damage"]
-            damage(
-                d["dir"],
-                d.get("corrupt", 0),
-                d.get("delete", 0),
-                d.get("rank"),
-                d.get("smallest", False),
-                d.get("largest", False),
-            )
+            damage(d["dir"], d.get("corrupt", 0), d.get("delete", 0), d.get("rank"), d.get("smallest", False))
         if rnd.get("break_disk"):  # the disk tier's directory becomes a file: every I/O fails
             flush_writes()
             shutil.rmtree(rnd["break_disk"])
