@@ -282,6 +282,9 @@ class PrefixLookup:
             local = [t for t in local if t.name != CPU]
         if s.unreadable.any_tier(name):
             local = [t for t in local if not s.unreadable.unreadable(t.name, name)]
+        held = s.held_stores.hidden_in(name)  # not written until every rank's loads are reported
+        if held:
+            local = [t for t in local if t.name not in held]
         return holder(local, name)
 
     def _extend_from_remote(

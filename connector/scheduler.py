@@ -130,6 +130,7 @@ class ConnectorScheduler:
             cancel_async=state.async_cancels,
             step=self._step,
             reported_through=state.reported_through,
+            withdrawn=state.held_stores.take_withdrawn(),
         )
         state.async_jobs, state.async_cancels = [], []
         self.planner.plan(plan, scheduler_output)

@@ -19,6 +19,7 @@ from .disk_scrub import DiskScrubber
 from .disk_sync import DiskWatcher, SharedDiskView
 from .engine.block_events import BlockEvents
 from .engine.facts import EngineFacts
+from .engine.held_stores import HeldStores
 from .engine.index import PinTable, TierIndex
 from .engine.jobs import CPU, DISK, REMOTE, Eviction, LoadJob
 from .engine.keys import PrefixHasher
@@ -128,6 +129,8 @@ class SchedulerState:
         # Blocks loaded (or failed as unloadable) per step whose report has not arrived yet.
         self._unreported_loads: dict[int, frozenset[int]] = {}
         self.reported_through = -1  # the newest step whose report was processed
+        # Tensor parallelism: stores over loads some rank has not reported yet wait for the report.
+        self.held_stores = HeldStores()
         # Per-tenant accounting (engine/tenants.py): bytes held follow admissions and drops.
         extra = config.extra_config
         self.tenants = TenantBook(extra.tenant_labels_max, tuple(self.tiers), extra.namespaces_max)
@@ -197,11 +200,22 @@ class SchedulerState:
         if blocks:
             self._unreported_loads[step] = frozenset(blocks)
 
-    def loads_reported(self, step: int) -> None:
-        """Reports arrive in step order: every step up to ``step`` is settled."""
+    def loads_reported(self, step: int, failed: Iterable[int] = ()) -> None:
+        """Reports arrive in step order: every step up to ``step`` is settled; ``failed``: the
+        blocks whose load failed on some rank. Stores held for them are settled: withdrawn ones
+        leave the index (the workers never write them)."""
         self.reported_through = max(self.reported_through, step)
         for done in [n for n in self._unreported_loads if n <= step]:
             del self._unreported_loads[done]
+        self.held_stores.failed(step, failed)
+        for held in self.held_stores.reported(self.reported_through):
+            logger.info("KVLens: withdrew chunk %s: computed over a failed load", held.name[:12])
+            for tier in held.tiers:
+                self.forget(tier, held.name, FailureReason.DEPENDENCY_FAILED)
+
+    def steps_loading(self, blocks: set[int]) -> list[int]:
+        """The unreported steps that loaded any of ``blocks``."""
+        return [step for step, loaded in self._unreported_loads.items() if not loaded.isdisjoint(blocks)]
 
     def unreported_loaded_blocks(self) -> set[int]:
         """Blocks loaded in steps whose report has not arrived (asynchronous scheduling)."""

@@ -77,6 +77,7 @@ class StepPlanner:
         depends_on = loaded | s.unreported_loaded_blocks()
         for tracker, request, _start in step:
             self._plan_stores(plan, tracker, request, depends_on)
+        s.held_stores.failed(plan.step, plan.fail_blocks)  # failed on every rank from the start
         plan.writes = [w for w in plan.writes if w is not None]  # stores cancelled by later admissions
 
     # ---- trackers and loads ---------------------------------------------------------------
@@ -246,6 +247,7 @@ class StepPlanner:
                     self._s.block_events.describe(key.hex, key.start, key.num_tokens, request)
                 if tiers:
                     self._planned.update({(t, key.hex): len(plan.writes) for t in tiers})
+                    after = tuple(b for i, b in deps if i < end_block)
                     plan.writes.append(
                         StoreJob(
                             tracker.request_id,
@@ -253,9 +255,10 @@ class StepPlanner:
                             blocks,
                             tuple(tiers),
                             key.num_tokens,
-                            tuple(b for i, b in deps if i < end_block),
+                            after,
                             tracker.trace_context,
                             key_fingerprint(tracker.hasher.namespace),
+                            self._settled_by(plan.step, key.hex, tiers, after),
                         )
                     )
                     tracker.stored_chunks += 1
@@ -263,6 +266,13 @@ class StepPlanner:
         finally:
             for tier, name in held:
                 tier.unpin(name)
+
+    def _settled_by(self, step: int, name: str, tiers: list[str], after: tuple[int, ...]) -> int:
+        """Tensor parallelism: a store over loads not reported yet is held on every rank until
+        the report of the last of them (``engine/held_stores.py``); -1: written at once."""
+        s = self._s
+        steps = s.steps_loading(set(after)) if after and s.facts.world_size > 1 else []
+        return s.held_stores.hold(step, name, tiers, after, steps) if steps else -1
 
     def _stop(self, tracker: RequestTracker, key: ChunkKey) -> None:
         """Stores stop before ``key``; they are planned again in a later step."""

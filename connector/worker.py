@@ -13,7 +13,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -48,7 +47,8 @@ from .layer_copies import (
     StepCopies,
     copy_load_layer,
 )
-from .payload_pool import PayloadPool
+from .payload_pool import PayloadPool, ViewLease
+from .store_dependencies import StepWrites, StoreDependencies
 from .tiers import disk as disk_files
 from .tiers.background import BackgroundTier, QueueFull
 from .tiers.base import Tier, classify
@@ -63,22 +63,11 @@ logger = logging.getLogger("vllm.kvlens")
 _Staged = tuple[ChunkLoadResult, BlockLoad, ChunkLoad]  # a chunk read (or being read), to copy in
 _Read = memoryview | BaseException | LayeredRecord  # a chunk's read: its payload, why not, or underway
 # a job's chunks read and checked; the layer-wise disk reads it started (closed when it is done)
-_ReadJob = tuple[LoadJob, LoadOutcome, list[_Staged], list[LayeredReads]]
+_Opened = list[LayeredReads | ViewLease]  # what a job's reads hold until they are closed
+_ReadJob = tuple[LoadJob, LoadOutcome, list[_Staged], _Opened]
 
 DRAIN_WAIT_S = 0.05  # an idle engine's empty step waits this long for background writes
 IDLE_WAIT_S = 0.01  # a step that computed nothing waits this long for an asynchronous load
-
-
-@dataclass(eq=False)
-class _StepWrites:
-    """A step's evictions and stores, run in step order once its gathers are in host memory
-    (at the step's end on CPU; on CUDA when the device has copied them, a step or so later)."""
-
-    plan: StepPlan
-    copies: StepCopies
-    withdrawn: set[int]  # ids of store jobs computed over a failed load (decided in the step)
-    names: set[str]  # chunks it writes: a later load of one of them waits for it
-    on_device: bool  # its stores were gathered by a device's stream (the step is over when written)
 
 
 class ConnectorWorker:
@@ -137,9 +126,7 @@ class ConnectorWorker:
         self.copier: BlockCopier | None = None
         self._failed_blocks: set[int] = set()  # to hand to vLLM this step
         self._step_failed: set[int] = set()  # blocks that failed to load in the current step
-        # Failed blocks of recent steps, kept until the scheduler has their report: a store
-        # planned before it did may depend on them (asynchronous scheduling).
-        self._failed_by_step: dict[int, set[int]] = {}
+        self._deps = StoreDependencies()  # stores over failed loads: withdrawn, or held for the report
         self._report = WorkerReport()
         self._reported_pending = 0  # the pending-write count the scheduler last heard
         self._suffix = storage_name("", rank)
@@ -147,7 +134,7 @@ class ConnectorWorker:
         # stream of KVLens's own on CUDA; None: inline, in the step
         self._runner: CopyRunner | None = None
         self._step: StepCopies | None = None  # this step's copies, from its first hook to save()
-        self._unwritten: deque[_StepWrites] = deque()  # steps whose writes wait for their copies
+        self._unwritten: deque[StepWrites] = deque()  # steps whose writes wait for their copies
         self._loading: list[_ReadJob] = []  # this step's load jobs, from start_load to finish_load
         self._async: AsyncLoader | None = None  # loads outside the step, started on first use
 
@@ -181,11 +168,10 @@ class ConnectorWorker:
         self._write_before(plan)
         self._step_failed = set(plan.fail_blocks)
         self._failed_blocks.update(plan.fail_blocks)
-        for settled in [n for n in self._failed_by_step if n <= plan.reported_through]:
-            del self._failed_by_step[settled]
+        self._deps.step_started(plan, self._step_failed)
         if plan.awaits_report:  # only steps with loads can fail one; their report always comes
-            self._failed_by_step[plan.step] = self._step_failed
             self._report.step = plan.step
+        self._write_settled()  # held stores every rank's report settled, before any read
         self._start_async(plan)
         _close_reads(self._loading)  # a step vLLM abandoned before finish_load
         self._loading = [self._read_job(job) for job in plan.loads]
@@ -214,8 +200,8 @@ class ConnectorWorker:
     ) -> LoadOutcome:
         """Read, check and copy a job's chunks on the asynchronous-load thread."""
         assert self.copier is not None
-        if cancelled():
-            return LoadOutcome(job.request_id)
+        if cancelled():  # every rank's outcome lists the job's chunks, loaded or not
+            return LoadOutcome.not_started(job.request_id, job.chunks)
         _, outcome, staged, opened = self._read_job(job, effects)
         try:
             return self._copy_outside_step(job, outcome, staged, effects, cancelled)
@@ -349,8 +335,9 @@ class ConnectorWorker:
         outcome = LoadOutcome(job.request_id)
         started = time.perf_counter()
         staged: list[_Staged] = []
-        opened: list[LayeredReads] = []
-        reads = self._start_reads(job, opened)
+        lease = self._pool.lease()  # the CPU-tier views it reads: not reused before it is closed
+        opened: _Opened = [lease]
+        reads = self._start_reads(job, opened, lease)
         failed = False
         for chunk in job.chunks:
             result = ChunkLoadResult(chunk.name, chunk.tier, chunk.num_tokens)
@@ -358,7 +345,7 @@ class ConnectorWorker:
             if failed:  # recomputed anyway, and no longer trusted as part of this prefix
                 result.reason = FailureReason.PREFIX_FAILED
             else:
-                load = self._read_chunk(chunk, next(reads[chunk.tier]), result, effects)
+                load = self._read_chunk(chunk, next(reads[chunk.tier]), result, lease, effects)
                 if load is not None:
                     outcome.nbytes += self._payload_bytes(chunk)
                     staged.append((result, load, chunk))
@@ -418,16 +405,16 @@ class ConnectorWorker:
             first.detail,
         )
 
-    def _start_reads(self, job: LoadJob, opened: list[LayeredReads]) -> dict[str, Iterator[_Read]]:
+    def _start_reads(self, job: LoadJob, opened: _Opened, lease: ViewLease) -> dict[str, Iterator[_Read]]:
         """Per planned tier, the reads of its chunks in job order (slow tiers read ahead);
         layer-wise disk reads started are added to ``opened``."""
         by_tier: dict[str, list[ChunkLoad]] = {}
         for chunk in job.chunks:
             by_tier.setdefault(chunk.tier, []).append(chunk)
-        return {tier: self._read_many(tier, chunks, opened) for tier, chunks in by_tier.items()}
+        return {tier: self._read_many(tier, chunks, opened, lease) for tier, chunks in by_tier.items()}
 
     def _read_many(
-        self, tier_name: str, chunks: list[ChunkLoad], opened: list[LayeredReads]
+        self, tier_name: str, chunks: list[ChunkLoad], opened: _Opened, lease: ViewLease
     ) -> Iterator[_Read]:
         tier, health = self.tiers.get(tier_name), self.health.get(tier_name)
         names = [storage_name(chunk.name, self.rank) for chunk in chunks]
@@ -444,13 +431,14 @@ class ConnectorWorker:
             return (reads.record(i) for i in range(len(names)))
         if isinstance(tier, BackgroundTier):
             return tier.get_many(names)
-        return (_get(tier, name) for name in names)
+        return (lease.read(tier, name) for name in names)
 
     def _read_chunk(
         self,
         chunk: ChunkLoad,
         first_read: _Read,
         result: ChunkLoadResult,
+        lease: ViewLease,
         effects: list[Callable[[], None]] | None = None,
     ) -> BlockLoad | None:
         """One chunk's copy to make, from its tier or, failing that, another usable tier."""
@@ -462,7 +450,7 @@ class ConnectorWorker:
             if tier_name != chunk.tier:
                 if not self.health[tier_name].usable():
                     continue
-                source, read = None, _get(self.tiers[tier_name], name)
+                source, read = None, lease.read(self.tiers[tier_name], name)
             if read is None and source is not None:  # its layers are read straight into its blocks
                 result.tier = tier_name
                 self.health[tier_name].succeeded()
@@ -545,9 +533,9 @@ class ConnectorWorker:
         step.finish_gathers()
         self._step = None
         self._retire_if_stalled(step)
-        withdrawn = {id(job) for job in plan.stores if self._over_failed_load(job)}
+        withdrawn = {id(job) for job in plan.stores if self._deps.over_failed_load(job)}
         names = {op.name for op in plan.writes}
-        self._unwritten.append(_StepWrites(plan, step, withdrawn, names, on_device))
+        self._unwritten.append(StepWrites(plan, step, withdrawn, names, on_device))
         failures = self._write_ready(self._unwritten[-1] if plan.drain else None)
         if plan.drain:
             for tier in self._background:
@@ -564,7 +552,7 @@ class ConnectorWorker:
                 through = queued
         self._write_ready(through)
 
-    def _write_ready(self, through: _StepWrites | None = None) -> list[StoreFailure]:
+    def _write_ready(self, through: StepWrites | None = None) -> list[StoreFailure]:
         """Makes queued steps' writes, in step order, while their gathers are in host memory;
         up to ``through``, waits for them (bounded; gathers not done in time fail)."""
         failures: list[StoreFailure] = []
@@ -582,7 +570,7 @@ class ConnectorWorker:
         self._report.store_failures.extend(failures)
         return failures
 
-    def _write(self, queued: _StepWrites) -> list[StoreFailure]:
+    def _write(self, queued: StepWrites) -> list[StoreFailure]:
         gathers = queued.copies.gathers or {}
         failures: list[StoreFailure] = []
         for op in queued.plan.writes:
@@ -598,13 +586,13 @@ class ConnectorWorker:
                     op, op.tiers, FailureReason.TIER_UNHEALTHY, "no usable tier in its step"
                 )
             else:
-                failures += self._store(op, gathers.get(id(op)))
+                failures += self._store(op, gathers.get(id(op)), queued.plan.step)
         return failures
 
-    def _over_failed_load(self, job: StoreJob) -> bool:
-        return bool(job.after_loads) and any(
-            not f.isdisjoint(job.after_loads) for f in self._failed_by_step.values()
-        )
+    def _write_settled(self) -> None:
+        """Held stores every rank's report has settled: written, or withdrawn on every rank."""
+        oldest = self._unwritten[0].plan.step if self._unwritten else None
+        self._report.store_failures += self._deps.write_settled(oldest, self._write_payload)
 
     def _gather_for(self, job: StoreJob) -> BlockGather:
         assert self.copier is not None
@@ -649,12 +637,13 @@ class ConnectorWorker:
         tier = self.tiers.get(op.tier)
         if tier is None:
             return
+        self._deps.drop(op.tier, op.name)  # a store of it still held comes before this eviction
         try:
             tier.delete(storage_name(op.name, self.rank))
         except OSError as e:  # a stale copy costs space, never correctness: its index entry is gone
             logger.debug("KVLens: evicting %s from %s failed: %s", op.name[:12], op.tier, e)
 
-    def _store(self, job: StoreJob, gathered: BlockGather | None) -> list[StoreFailure]:
+    def _store(self, job: StoreJob, gathered: BlockGather | None, step: int) -> list[StoreFailure]:
         usable = [t for t in job.tiers if t in self.tiers and self.health[t].usable()]
         failures = self._fail(job, [t for t in job.tiers if t not in usable], FailureReason.TIER_UNHEALTHY)
         if not usable:
@@ -674,6 +663,16 @@ class ConnectorWorker:
         payload = memoryview(data.numpy()).cast("B")
         for tier_name in usable:  # one gather feeds every tier the chunk goes to
             self._report.tier_traffic(tier_name).add_moved(Stage.GATHER, payload.nbytes, gather_s)
+        if job.settled_by >= 0:  # written once every rank's loads it depends on are reported
+            self._deps.hold(step, job, usable, payload, data)
+            return failures
+        return failures + self._write_payload(job, usable, payload, data)
+
+    def _write_payload(
+        self, job: StoreJob, tiers: list[str], payload: memoryview, data: torch.Tensor
+    ) -> list[StoreFailure]:
+        usable = [t for t in tiers if self.health[t].usable()]  # a held store: checked again
+        failures = self._fail(job, [t for t in tiers if t not in usable], FailureReason.TIER_UNHEALTHY)
         if usable == [CPU]:  # only the CPU tier reads it: reusable once dropped
             self._pool.own(payload, data)
         name = storage_name(job.name, self.rank)
@@ -714,7 +713,7 @@ class ConnectorWorker:
         # The count before what landed: a write landing in between is in both, never in neither.
         # A skipped tier's queue counts too: its writes' outcomes are still to be reported.
         pending = sum(t.pending for t in self._background)
-        pending += sum(len(q.plan.stores) for q in self._unwritten)
+        pending += sum(len(q.plan.stores) for q in self._unwritten) + len(self._deps)
         for tier in self._background:
             traffic = tier.take_traffic(self._counts_chunks)
             if not traffic.is_empty():
@@ -802,6 +801,7 @@ class ConnectorWorker:
         cpu = self.tiers.get(CPU)
         if isinstance(cpu, CpuTier):
             cpu.clear()
+        self._deps.clear()
         self._pool.clear()
         _close_reads(self._loading)
         self._loading = []
@@ -822,13 +822,6 @@ def _close_reads(jobs: list[_ReadJob]) -> None:
     for _, _, _, opened in jobs:
         for reads in opened:
             reads.close()
-
-
-def _get(tier: Tier | BackgroundTier, name: str) -> memoryview | BaseException:
-    try:
-        return tier.get(name)
-    except Exception as e:  # noqa: BLE001 - a failed read is a value the caller classifies
-        return e
 
 
 def _run_or_defer(effects: list[Callable[[], None]] | None, effect: Callable[[], None]) -> None:

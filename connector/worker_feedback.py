@@ -38,7 +38,7 @@ class WorkerFeedback:
             failed.update(outcome.failed_block_ids)
         s.taint(failed, self._responses.late_trackers())
         if report.step is not None:
-            s.loads_reported(report.step)
+            s.loads_reported(report.step, failed)
         for rid, outcome in report.loads.items():
             if rid in s.async_loading:
                 self._async_reported(rid, outcome, recomputed)
@@ -70,7 +70,8 @@ class WorkerFeedback:
         s = self._s
         partial = self._partial.pop(rid, None)
         if partial is not None:
-            partial.merge(outcome)
+            if partial.merge(outcome):
+                outcome.rank_disagreements += 1  # counted with this report's outcome
             outcome = partial
         if outcome.ranks < s.facts.world_size:
             self._partial[rid] = outcome

@@ -139,6 +139,11 @@ _DEFINITIONS = (
     Metric("load_bytes", COUNTER, "Bytes of KV KVLens loaded into vLLM (all ranks)."),
     Metric("failed_load_requests", COUNTER, "Requests whose load failed, in part or whole."),
     Metric(
+        "rank_disagreements",
+        COUNTER,
+        "Loads whose tensor-parallel ranks listed different chunks (logged; never raised).",
+    ),
+    Metric(
         "failed_blocks",
         COUNTER,
         "vLLM blocks KVLens failed to load, by reason.",

@@ -213,6 +213,8 @@ class SchedulerRecorder:
         for tier, n in by_tier.items():
             b.inc(wire_key("load_tokens", tier), n)
         b.inc("load_bytes", outcome.nbytes)
+        if outcome.rank_disagreements:
+            b.inc("rank_disagreements", outcome.rank_disagreements)
         b.observe("operation_seconds|load", outcome.seconds)
         for chunk in outcome.failures():
             b.inc(wire_key("failed_chunks", "load", chunk.planned_tier, chunk.reason.value))

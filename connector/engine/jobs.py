@@ -45,6 +45,10 @@ class StoreJob:
     after_loads: tuple[int, ...] = ()
     trace_context: Mapping[str, str] | None = None
     namespace: str = ""  # key fingerprint of the request's namespace, written into disk/remote records
+    # Tensor parallelism: the step whose merged report settles ``after_loads`` on every rank;
+    # the store is gathered in its step and held until a plan's ``reported_through`` reaches
+    # this, then written unless that plan (or an earlier one) lists it ``withdrawn``. -1: no wait.
+    settled_by: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +80,9 @@ class StepPlan:
     # The newest step whose report the scheduler had processed when it built this plan: no
     # later store depends on loads of that step or before (workers forget their failures).
     reported_through: int = -1
+    # (plan step, chunk) of held stores (``StoreJob.settled_by``) computed over a block whose
+    # load failed on some rank: never written, on any rank.
+    withdrawn: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def awaits_report(self) -> bool:

@@ -7,9 +7,13 @@ workers to the scheduler in the ``WorkerReport`` (picklable, no torch).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
+
+logger = logging.getLogger("vllm.kvlens")
 
 
 class FailureReason(str, Enum):
@@ -133,6 +137,7 @@ class LoadOutcome:
     remote_calls: list[RemoteCall] = field(default_factory=list)
     ranks: int = 1  # how many ranks' outcomes are merged in (asynchronous loads report apart)
     cancelled: bool = False  # an asynchronous load abandoned because its request finished
+    rank_disagreements: int = 0  # merges of ranks' outcomes that listed different chunks
 
     @property
     def failed(self) -> bool:
@@ -148,23 +153,54 @@ class LoadOutcome:
     def failures(self) -> list[ChunkLoadResult]:
         return [c for c in self.chunks if c.reason is not None]
 
-    def merge(self, other: LoadOutcome) -> None:
-        """Chunk by chunk: loaded only if every rank loaded it; a rank's fallback tier wins."""
-        if len(other.chunks) != len(self.chunks):
-            raise ValueError(f"ranks disagree on the chunks of {self.request_id}'s load")
-        for mine, theirs in zip(self.chunks, other.chunks, strict=True):
+    def merge(self, other: LoadOutcome) -> bool:
+        """Chunk by chunk: loaded only if every rank loaded it; a rank's fallback tier wins.
+
+        Never raises (it runs inside vLLM's aggregation of the workers' outputs). Ranks that
+        disagree on the chunks (a rank that abandoned its load before it started) are logged
+        and counted (``rank_disagreements``): a chunk a rank does not list is not loaded there.
+        Returns whether they disagreed."""
+        disagree = [c.name for c in self.chunks] != [c.name for c in other.chunks]
+        if disagree:
+            logger.warning(
+                "KVLens: ranks disagree on the chunks of %s's load (%d and %d); a chunk one rank "
+                "does not list counts as not loaded",
+                self.request_id,
+                len(self.chunks),
+                len(other.chunks),
+            )
+        theirs_by_name = {c.name: c for c in other.chunks}
+        for mine in self.chunks:
+            theirs = theirs_by_name.pop(mine.name, None)
+            if theirs is None:  # not listed there: not loaded there
+                mine.tier = None
+                continue
             if mine.reason is None and theirs.reason is not None:
                 mine.reason, mine.detail = theirs.reason, theirs.detail  # its planned copy failed somewhere
             if mine.ok and not theirs.ok:
                 mine.tier = None
             elif mine.ok and theirs.ok and mine.tier == mine.planned_tier:
                 mine.tier = theirs.tier
+        for theirs in theirs_by_name.values():  # listed there only: not loaded here
+            self.chunks.append(
+                ChunkLoadResult(
+                    theirs.name, theirs.planned_tier, theirs.num_tokens, None, theirs.reason, theirs.detail
+                )
+            )
         self.failed_block_ids = sorted(set(self.failed_block_ids) | set(other.failed_block_ids))
         self.nbytes += other.nbytes
         self.seconds = max(self.seconds, other.seconds)
         self.remote_calls.extend(other.remote_calls)
         self.ranks += other.ranks
         self.cancelled = self.cancelled or other.cancelled
+        self.rank_disagreements += other.rank_disagreements + disagree
+        return disagree
+
+    @classmethod
+    def not_started(cls, request_id: str, chunks: Iterable[Any]) -> LoadOutcome:
+        """A load abandoned before it read anything (``chunks``: its ``ChunkLoad``s): every
+        chunk listed, none loaded, so that every rank's outcome lists the same chunks."""
+        return cls(request_id, [ChunkLoadResult(c.name, c.tier, c.num_tokens) for c in chunks])
 
 
 @dataclass(frozen=True, slots=True)

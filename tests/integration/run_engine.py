@@ -82,6 +82,35 @@ def force_async_scheduling() -> None:
     cpu.CpuPlatform.check_and_update_config = classmethod(keep_async)
 
 
+def abort_once_loaded(llm, connector, prompts: list[list[int]], abort: int, params) -> list:
+    """Sends ``prompts`` at once and steps the engine; request ``abort`` is aborted, as a client
+    that disconnects is, once some rank has reported its asynchronous load and another has
+    not (the scheduler holds that rank's outcome, waiting for the others). Outputs in order;
+    None for the aborted one."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    ids = [f"abort-round-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+    partial = connector._scheduler.feedback._partial  # asynchronous loads some ranks reported
+    deadline = time.monotonic() + 120
+    aborted = False
+    outs = {}
+    while engine.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the abort round never finished")
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+        if not aborted and any(rid.startswith(ids[abort]) for rid in partial):
+            engine.abort_request([ids[abort]])
+            aborted = True
+    if not aborted:
+        raise AssertionError("no rank reported the load before the others")
+    return [outs.get(rid) if i != abort else None for i, rid in enumerate(ids)]
+
+
 def settle(llm, spec: dict, flush_writes) -> None:
     """Engines sharing a disk directory: once every engine has finished its rounds, step (a
     3-token prompt stores nothing) until the directory has not changed for ``quiet_s`` (longer
@@ -196,9 +225,12 @@ def main() -> None:
         params = SamplingParams(
             temperature=0.0, max_tokens=rnd.get("max_tokens", 8), detokenize=False, ignore_eos=True
         )
-        outs = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in rnd["prompts"]], params, use_tqdm=False
-        )
+        if "abort_once_loaded" in rnd:
+            outs = abort_once_loaded(llm, connector, rnd["prompts"], rnd["abort_once_loaded"], params)
+        else:
+            outs = llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in rnd["prompts"]], params, use_tqdm=False
+            )
         rounds.append(
             [
                 {
@@ -207,6 +239,8 @@ def main() -> None:
                     "kv_transfer_params": o.kv_transfer_params,
                     "finish_reason": o.outputs[0].finish_reason,
                 }
+                if o is not None
+                else None
                 for o in outs
             ]
         )

@@ -71,3 +71,108 @@ def test_per_rank_gauges_are_summed_over_ranks(tp_run):
     index = _gauge(text, "vllm:kvlens_tier_used_bytes", "cpu")  # one rank's share
     assert index > 0
     assert _gauge(text, "vllm:kvlens_tier_stored_bytes", "cpu") == 2 * index
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    from ..redis.servers import REDIS_SERVER, RedisServer
+
+    if not REDIS_SERVER:
+        pytest.skip("redis-server not installed (bash scripts/setup.sh)")
+    server = RedisServer(tmp_path_factory.mktemp("tp-redis"))
+    try:
+        yield server.start().url
+    finally:
+        server.kill()
+
+
+@pytest.fixture(scope="module")
+def tp_fault_run(tiny_model, tmp_path_factory, redis_url):
+    """Disk and Redis tiers, vLLM's default failure policy (``fail``). Round 2 loads the two
+    shared chunks from disk in the step; rank 1's copy of one of them is damaged, rank 0's is
+    sound, and the same step computes and stores the chunks after them. Loads run in the step
+    as with LMCache's default (``enable_async_loading: false``): with KVLens's, a lone disk
+    load runs in the step only when the disk measured fast, which a busy test machine does
+    not promise."""
+    disk = str(tmp_path_factory.mktemp("kv-tp-fault"))
+    kv = disk_kv(disk, remote_url=redis_url, enable_async_loading=False)
+    kv["lmcache.extra_config"] = {"remote_key_prefix": "tp", "remote_lookup_timeout_ms": 1000}
+    rounds = [
+        {"prompts": [w.SHARED]},  # chunks 0 and 1, on both ranks, on disk and in Redis
+        {
+            "prompts": [w.B_LONGER],
+            "damage": {"dir": disk, "corrupt": 1, "rank": 1},  # one of the two, on rank 1 only
+        },
+        {"prompts": [[1, 2, 3]], "sleep_s": 1.0},  # one more step: every report has arrived
+    ]
+    spec = {"model": tiny_model, "kv": kv, "engine": TP, "rounds": rounds, "policy": "fail"}
+    return run_engine(spec, tmp_path_factory.mktemp("tp-fault"), env=ENV)
+
+
+def _redis_ranks(url: str, prefix: str) -> dict[str, set[str]]:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    ranks: dict[str, set[str]] = {}
+    for key in client.scan_iter(match=f"{prefix}:*"):
+        name = key.decode().split(":", 1)[1]
+        m = re.fullmatch(r"([0-9a-f]{32})\.r(\d+)", name)
+        if m:
+            ranks.setdefault(m.group(1), set()).add(m.group(2))
+    return ranks
+
+
+def test_a_store_over_a_load_failing_on_one_rank_is_written_by_no_rank(tp_fault_run, redis_url):
+    """Rank 0 computed B's later chunks over rank 1's failed load: their KV is wrong on every
+    rank, so no rank writes them, in any tier: Redis, whose copies KVLens never deletes for a
+    dependency, holds no half of them (a half becomes loadable across the fleet once another
+    engine writes the other rank's half)."""
+    assert tp_fault_run["state"]["failed_blocks_by_round"][1], "rank 1's load failed"
+    ranks = _redis_ranks(redis_url, "tp")
+    assert len(ranks) >= 2  # round 1 stored chunks 0 and 1 on both ranks
+    halves = {digest: r for digest, r in ranks.items() if r != {"0", "1"}}
+    assert halves == {}, f"chunks stored by one rank only: {halves}"
+
+
+@pytest.fixture(scope="module")
+def tp_abort_run(tiny_model, tmp_path_factory, redis_url):
+    """Redis only (loads asynchronous), rank 1's reads slowed by its link: a request aborted
+    once rank 0 has loaded its chunks while rank 1 has not started (its loads queue behind
+    the slow ones), as a client that disconnects during its load is."""
+    from urllib.parse import urlparse
+
+    from .rank_slow_proxy import RankSlowProxy
+
+    proxy = RankSlowProxy(urlparse(redis_url).port, rank=1, delay_s=3.0)
+    kv = {
+        "lmcache.chunk_size": 256,
+        "lmcache.local_cpu": False,
+        "lmcache.remote_url": proxy.url,
+        # the proxy's hop costs more than a lookup's default 50 ms on a busy machine
+        "lmcache.extra_config": {"remote_key_prefix": "tp-abort", "remote_lookup_timeout_ms": 1000},
+    }
+    prompts = [w.A, w.B_LONGER, w.LONG[0][:800]]
+    rounds = [
+        {"prompts": prompts},  # stored in Redis by both ranks (writes are not slowed)
+        {"prompts": prompts, "abort_once_loaded": 2, "sleep_s": 2.0},
+        {"prompts": [[1, 2, 3]], "sleep_s": 1.0},  # the engine serves on
+    ]
+    spec = {"model": tiny_model, "kv": kv, "engine": TP, "rounds": rounds}
+    try:
+        yield run_engine(spec, tmp_path_factory.mktemp("tp-abort"), env=ENV)
+    finally:
+        proxy.close()
+
+
+def test_a_client_abort_during_an_asynchronous_load_under_tp_does_not_crash_the_engine(
+    tp_abort_run, tp_baseline
+):
+    """One rank had loaded the aborted request's chunks, the other abandoned its load before
+    starting it: their outcomes still merge (the engine ran every round), and the request
+    beside it is served with vLLM's own output."""
+    served, _, aborted = tp_abort_run["rounds"][1]
+    assert aborted is None
+    assert served["token_ids"] == tp_baseline[0]
+    assert tp_abort_run["rounds"][2][0]["finish_reason"] == "length"
+    assert "ranks disagree" not in tp_abort_run["log"]  # every rank listed the same chunks
+    assert tp_abort_run["state"]["pinned_chunks"] == 0

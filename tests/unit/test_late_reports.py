@@ -137,8 +137,9 @@ def test_blocks_computed_over_a_failed_load_stay_suspect_until_rewritten():
 def test_the_worker_forgets_failures_once_the_scheduler_has_their_report():
     engine = Engine(delay=1)
     failed_load_then_next_step(engine)
-    assert engine.worker._failed_by_step  # step N's failure: a store planned before its report may need it
+    # step N's failure: a store planned before its report may need it
+    assert engine.worker._deps._failed_by_step
     for _ in range(3):  # quiet steps: nothing loads, every report has arrived
         engine.step(step())
-    assert engine.worker._failed_by_step == {}
+    assert engine.worker._deps._failed_by_step == {}
     assert engine.sched.state.unreported_loaded_blocks() == set()
