@@ -552,8 +552,9 @@ class ConnectorWorker:
 
     def _write_before(self, plan: StepPlan) -> None:
         """Writes still waiting for a device's copies are made before this step reads any chunk
-        they write (the tiers then hold what the scheduler's index says); the rest when ready."""
-        needed = {chunk.name for job in plan.loads for chunk in job.chunks}
+        they write, in the step or outside it (the tiers then hold what the scheduler's index
+        says); the rest when ready."""
+        needed = {chunk.name for job in (*plan.loads, *plan.async_loads) for chunk in job.chunks}
         through = None
         for queued in self._unwritten:
             if not needed.isdisjoint(queued.names):
