@@ -68,6 +68,7 @@ class _Record:
     error: BaseException | None = None
     failed_from: int = 0  # the first layer not to use, once ``error`` is set
     unopened: bool = False  # failed before any layer was read (missing, damaged header)
+    given_up: bool = False  # the consumer will not use it: nothing of it goes into the KV cache
 
 
 class LayeredReads:
@@ -142,13 +143,23 @@ class LayeredReads:
         later: ``wait_layer``); None when its layers go straight into its targets; or why it
         cannot be read at all. A layer that fails later, even layer 0, fails in ``wait_layer``,
         never here: the consumer must not load the chunk from elsewhere into blocks a read of
-        this record may still be writing."""
-        if not self._opened.wait(max(self._deadline - time.monotonic(), 0.0)):
-            return TimeoutError(f"disk read took over {self._timeout_s:g} s")
+        this record may still be writing. Once this returns why not, no read of this record
+        writes into the KV cache (one under way is waited for): the consumer may load the chunk
+        from elsewhere into the same blocks."""
         record = self._records[index]
+        if not self._opened.wait(max(self._deadline - time.monotonic(), 0.0)):
+            self._give_up(record)
+            return TimeoutError(f"disk read took over {self._timeout_s:g} s")
         if record.unopened:
+            self._give_up(record)
             return record.error  # type: ignore[return-value]
         return record.payload
+
+    def _give_up(self, record: _Record) -> None:
+        with self._lock:
+            record.given_up = True
+            while self._writing:
+                self._written.wait()
 
     def close(self) -> None:
         """The consumer is done with these reads: returns once nothing writes into the KV cache
@@ -215,7 +226,7 @@ class LayeredReads:
         header, runs = record.header, record.targets[layer]  # type: ignore[index]
         assert header is not None and header.layers is not None
         offset = header.end + layer * size
-        with self._writing_into_kv():
+        with self._writing_into_kv(record):
             cached = self._tier.reads_nowait and _read_cached(record.fd, runs, offset, self._tier)
             if cached:
                 good = codec.layer_checksum_of(view for _, view in runs) == header.layers[layer]
@@ -224,7 +235,7 @@ class LayeredReads:
             _read_exactly(record.fd, bounce, offset, record.name)
             good = codec.layer_checksum(bounce) == header.layers[layer]
             if good:
-                with self._writing_into_kv():
+                with self._writing_into_kv(record):
                     for start, view in runs:
                         view[:] = bounce[start : start + view.nbytes]
         if not good:
@@ -233,9 +244,9 @@ class LayeredReads:
             self._bytes += size
 
     @contextlib.contextmanager
-    def _writing_into_kv(self) -> Iterator[None]:
+    def _writing_into_kv(self, record: _Record) -> Iterator[None]:
         with self._lock:
-            if self._closed:
+            if self._closed or record.given_up:
                 raise ReadsClosed("the load was given up before this layer was read")
             self._writing += 1
         try:

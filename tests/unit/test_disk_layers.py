@@ -388,3 +388,66 @@ def test_a_damaged_layer_0_fails_the_layer_never_the_open(tmp_path):
         reads.wait_layer(0, 0)
     buffered = layered(DiskTier(str(tmp_path), "layout", layers=L), [RECORD])
     assert isinstance(buffered.payload(0), BaseException)  # the corrupt record was removed
+
+
+def test_a_record_whose_payload_timed_out_never_writes_into_the_kv_cache(tmp_path, monkeypatch):
+    """The consumer gave up on a record at ``payload()`` (its header took too long) and loads
+    that chunk from another tier into the same blocks: a late read of the record must not land
+    there (its bytes were never checked against what the consumer reports loaded)."""
+    tier = DiskTier(str(tmp_path), "layout", layers=L)
+    tier.put(RECORD, payload())
+    release = threading.Event()
+    open_record = tier.open_record
+
+    def slow_open(name):
+        release.wait(10)
+        return open_record(name)
+
+    monkeypatch.setattr(tier, "open_record", slow_open)
+    kv = bytearray(L * LAYER_BYTES)
+    background = BackgroundTier(tier, TierHealth(DISK), timeout_s=0.3)
+    try:
+        reads = background.get_layered([RECORD], L, [_targets(kv)])
+        assert isinstance(reads.payload(0), TimeoutError)
+        kv[:] = b"\x07" * len(kv)  # what the consumer loaded from elsewhere
+        release.set()  # the record opens now and its layers are read
+        assert all(layer.wait(10) for layer in reads._layers)
+        assert bytes(kv) == b"\x07" * len(kv)
+    finally:
+        release.set()
+        background.close()
+
+
+@pytest.mark.parametrize("outside_step", [False, True])
+def test_a_load_whose_reading_raises_closes_its_reads_and_fails_whole(tmp_path, outside_step, monkeypatch):
+    """The reads straight into the KV cache started for the first chunk are closed (no write
+    into its blocks after), the load fails whole, and nothing raises into vLLM."""
+    caches, w, second = _two_chunks_on_disk(tmp_path, local_cpu=False)
+    disk = w.tiers[DISK]
+    started: list[disk_layers.LayeredReads] = []
+    get_layered = disk.get_layered
+
+    def recording(*args, **kwargs):
+        started.append(get_layered(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(disk, "get_layered", recording)
+    read_chunk = w._read_chunk
+
+    def raising(chunk, *args, **kwargs):
+        if chunk.name == second:
+            raise RuntimeError("a bug while reading")
+        return read_chunk(chunk, *args, **kwargs)
+
+    monkeypatch.setattr(w, "_read_chunk", raising)
+    job = LoadJob("b", (ChunkLoad(NAME, DISK, (8, 9), 0, 32), ChunkLoad(second, DISK, (10, 11), 0, 32)))
+    if outside_step:
+        _load_outside_step(w, job)
+    else:
+        w.load(StepPlan(step=1, loads=[job]))
+    assert started and all(reads._closed for reads in started)
+    assert w.take_failed_blocks() == {8, 9, 10, 11}
+    assert [c.reason for c in w.take_report().loads["b"].chunks] == [
+        FailureReason.IO_ERROR,
+        FailureReason.PREFIX_FAILED,
+    ]
