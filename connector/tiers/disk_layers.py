@@ -226,10 +226,15 @@ class LayeredReads:
         header, runs = record.header, record.targets[layer]  # type: ignore[index]
         assert header is not None and header.layers is not None
         offset = header.end + layer * size
+        cached = good = False
+        tried = self._tier.reads_nowait
         with self._writing_into_kv(record):
-            cached = self._tier.reads_nowait and _read_cached(record.fd, runs, offset, self._tier)
-            if cached:
-                good = codec.layer_checksum_of(view for _, view in runs) == header.layers[layer]
+            try:
+                cached = tried and _read_cached(record.fd, runs, offset, self._tier)
+                good = cached and codec.layer_checksum_of(view for _, view in runs) == header.layers[layer]
+            finally:
+                if tried and not good:  # bytes read but not checked good (or not whole): none stays
+                    _zero(runs)
         if not cached:  # not all in the page cache: through a buffer, then in once checked
             bounce = self._tier.read_buffers.take(size)[:size]
             _read_exactly(record.fd, bounce, offset, record.name)
@@ -325,6 +330,14 @@ def _read_cached(fd: int, runs: Sequence[tuple[int, memoryview]], offset: int, t
         if n != view.nbytes:
             return False
     return True
+
+
+def _zero(runs: Sequence[tuple[int, memoryview]]) -> None:
+    """Clear runs of vLLM's blocks a read wrote unchecked bytes into: vLLM reuses blocks
+    without clearing them and its attention kernels read a block's unused slots (masked, but
+    a NaN there still poisons the result), so only checked KV or zeros may stay in them."""
+    for _, view in runs:
+        view[:] = bytes(view.nbytes)
 
 
 def _read_exactly(fd: int, view: memoryview, offset: int, name: str) -> None:

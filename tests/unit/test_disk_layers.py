@@ -451,3 +451,51 @@ def test_a_load_whose_reading_raises_closes_its_reads_and_fails_whole(tmp_path, 
         FailureReason.IO_ERROR,
         FailureReason.PREFIX_FAILED,
     ]
+
+
+@pytest.mark.parametrize("page_cached", [True, False])
+def test_a_damaged_layer_read_into_the_kv_cache_leaves_none_of_its_bytes_there(tmp_path, page_cached):
+    """vLLM reuses blocks without clearing them, and a block's unused slots are read by the
+    attention kernel (random bytes as bf16 hold NaNs that poison every answer over that
+    block): a layer that fails its check leaves nothing of itself in the blocks."""
+    tier = DiskTier(str(tmp_path), "layout", layers=L)
+    tier.put(RECORD, payload())
+    path = tier.path(RECORD)
+    with open(path, "r+b") as f:  # random bytes over the middle of layer L - 2, size kept
+        f.seek(os.path.getsize(path) - 2 * LAYER_BYTES + LAYER_BYTES // 4)
+        f.write(os.urandom(LAYER_BYTES // 2))
+    tier.reads_nowait = page_cached
+    kv = bytearray(b"\x07" * (L * LAYER_BYTES))  # what vLLM's blocks held before
+    reads = layered_into(tier, kv)
+    with pytest.raises(ChunkCorrupt):
+        reads.wait_layer(0, L - 2)
+    damaged = bytes(kv[(L - 2) * LAYER_BYTES : (L - 1) * LAYER_BYTES])
+    assert damaged in (b"\x07" * LAYER_BYTES, bytes(LAYER_BYTES))
+    assert bytes(kv[: (L - 2) * LAYER_BYTES]) == bytes(payload()[: (L - 2) * LAYER_BYTES])  # checked ones
+
+
+def test_a_layer_read_only_partly_from_the_page_cache_and_then_found_damaged_leaves_nothing(
+    tmp_path, monkeypatch
+):
+    """The page cache held the first run of a layer (read straight into its block), the rest
+    came from the device, and the layer fails its check: the first run's bytes go too."""
+    tier = DiskTier(str(tmp_path), "layout", layers=L)
+    tier.put(RECORD, payload())
+    path = tier.path(RECORD)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - LAYER_BYTES + 7)  # in the first run of the last layer
+        f.write(os.urandom(64))
+    preadv = os.preadv
+
+    def first_run_cached(fd, buffers, offset, flags=0):
+        if flags and offset % LAYER_BYTES != os.path.getsize(path) % LAYER_BYTES:  # not a layer's start
+            raise BlockingIOError
+        return preadv(fd, buffers, offset, flags) if not flags else preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(disk_layers.os, "preadv", first_run_cached)
+    kv = bytearray(b"\x07" * (L * LAYER_BYTES))
+    reads = layered_into(tier, kv)
+    with pytest.raises(ChunkCorrupt):
+        reads.wait_layer(0, L - 1)
+    last = bytes(kv[(L - 1) * LAYER_BYTES :])
+    assert last in (b"\x07" * LAYER_BYTES, bytes(LAYER_BYTES))
