@@ -16,12 +16,17 @@ The payloads land in buffers of the tier's pool (``read_buffers.py``): no page f
 
 Straight into the KV cache: where the consumer hands a record's destinations (``Targets``: per
 layer, the runs of vLLM's host KV blocks the whole layer goes to), its layers are read into them
-directly and checked there, one memory copy instead of two (a failed check leaves bytes only in
-blocks that are reported failed). A read into the KV cache never waits for the device: it asks
-for what is in the page cache (``RWF_NOWAIT``); a layer that is not is read into a pool buffer
-first (that read may block) and copied in once checked. Each write into the KV cache starts only
-while the reads are open and ``close`` waits for those under way, so once the consumer is done
-with a load (finished, failed, timed out, cancelled) nothing writes into vLLM's blocks again.
+directly and checked there, one memory copy instead of two. A read into the KV cache never waits
+for the device: it asks for what is in the page cache (``RWF_NOWAIT``); a layer that is not is
+read into a pool buffer first (that read may block) and copied in once checked. A layer read in
+place that fails its check, or was read only in part, is zeroed before anything may read it:
+vLLM reuses a block without clearing it and its attention kernels read a block's unused slots
+too, so the random bytes of a damaged record (NaNs, as bf16) left there would poison the answer
+of whichever request gets the block next. Only checked KV or zeros stay in vLLM's blocks. Each
+write into the KV cache starts only while the reads are open (and, for its record, while the
+consumer has not given it up at ``payload``), and ``close`` waits for those under way, so once
+the consumer is done with a load (finished, failed, timed out, cancelled) or loads a chunk from
+another tier instead, nothing of this record writes into vLLM's blocks again.
 """
 
 from __future__ import annotations
