@@ -499,3 +499,30 @@ def test_a_layer_read_only_partly_from_the_page_cache_and_then_found_damaged_lea
         reads.wait_layer(0, L - 1)
     last = bytes(kv[(L - 1) * LAYER_BYTES :])
     assert last in (b"\x07" * LAYER_BYTES, bytes(LAYER_BYTES))
+
+
+@pytest.mark.parametrize("outside_step", [False, True])
+def test_random_bytes_over_a_records_middle_never_reach_vllms_blocks(tmp_path, outside_step):
+    """Issue 26's damage (random bytes over the middle of every record, sizes kept) loaded by
+    the worker, in the step and outside it: the failed chunk's blocks hold the chunk's own KV
+    (layers checked before the damaged one) or zeros, never a damaged byte (NaNs as bf16)."""
+    caches, w, second = _two_chunks_on_disk(tmp_path, local_cpu=False)
+    truth = {n: t[[0, 1, 2, 3]].clone() for n, t in caches.items()}  # what blocks 8..11 load
+    for name in (NAME, second):
+        path = disk_files.chunk_path(str(tmp_path), f"{name}.r0")
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            f.write(os.urandom(256))
+    for t in caches.values():
+        t[8:12] = 7.0  # what vLLM's blocks held before
+    job = LoadJob("b", (ChunkLoad(NAME, DISK, (8, 9), 0, 32), ChunkLoad(second, DISK, (10, 11), 0, 32)))
+    if outside_step:
+        _load_outside_step(w, job)
+    else:
+        w.load(StepPlan(step=1, loads=[job]))
+    assert w.take_failed_blocks() == {8, 9, 10, 11}
+    for n, t in caches.items():
+        for i, b in enumerate((8, 9, 10, 11)):
+            got = t[b]
+            assert torch.equal(got, truth[n][i]) or not got.any() or bool((got == 7.0).all()), n
+        assert not t[8:12].float().isnan().any()
