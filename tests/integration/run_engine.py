@@ -27,7 +27,7 @@ def damage(
 ) -> list[str]:
     """Corrupt then delete chunk files (of one rank, smallest first when asked). ``middle``:
     each corrupted file has that many random bytes written over its middle instead of its
-    last 8 bytes flipped (sizes kept)."""
+    last 8 bytes flipped (at most half the file, centred on its middle; sizes kept)."""
     import random
 
     from connector.tiers.disk import chunk_files
@@ -41,8 +41,10 @@ def damage(
         path = os.path.join(directory, name)
         with open(path, "r+b") as f:
             if middle:
-                f.seek(os.path.getsize(path) // 2)
-                f.write(random.Random(name).randbytes(middle))
+                size = os.path.getsize(path)
+                n = min(middle, size // 2)
+                f.seek(size // 2 - n // 2)
+                f.write(random.Random(name).randbytes(n))
                 touched.append(name)
                 continue
             f.seek(-8, os.SEEK_END)
