@@ -127,7 +127,7 @@ class PrefixLookup:
             calls,
             miss_detail=detail,
             load_async=bool(need)
-            and s.config.enable_async_loading
+            and (s.config.enable_async_loading or s.facts.failed_blocks_stay_cached)
             and any(h.tier in SLOW_TIERS and h.key.end > num_computed_tokens for h in hits)
             and not self._loads_in_step(rid, hits, num_computed_tokens),
         )
@@ -143,10 +143,16 @@ class PrefixLookup:
         """Whether a disk load is better made inside the step: no other request is in the
         engine (none would wait for it) and, as measured, it takes at most
         ``async_load_in_step_max_ms`` (an engine step stays short for requests arriving). A
-        remote load always waits outside: a network stalls more often than a local disk."""
+        remote load always waits outside: a network stalls more often than a local disk.
+
+        Never where vLLM keeps failed blocks cached (its ``recompute`` policy): a load in the
+        step has its blocks in vLLM's prefix cache from the start, and one that fails leaves
+        them there, unfilled, for any request (this step's, the next one vLLM already planned,
+        or one arriving before the owner recomputed them) to compute over. A load outside the
+        step has its blocks cached only once it is reported, and then only what loaded."""
         s = self._s
         budget_s = s.config.extra_config.async_load_in_step_max_ms / 1e3
-        if budget_s <= 0 or any(other != rid for other in s.unfinished):
+        if budget_s <= 0 or s.facts.failed_blocks_stay_cached or any(other != rid for other in s.unfinished):
             return False
         total_s = 0.0
         for hit in hits:

@@ -209,6 +209,8 @@ def engine_facts(
             getattr(getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events", False)
         ),
         identity=identity,
+        failed_blocks_stay_cached=getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
+        == "recompute",
     )
 
 

@@ -48,6 +48,18 @@ from .layer_copies import (
     copy_load_layer,
 )
 from .payload_pool import PayloadPool, ViewLease
+from .read_jobs import (
+    NO_PAYLOAD,
+    Opened,
+    Read,
+    ReadJob,
+    Staged,
+    close_reads,
+    copy_seconds,
+    get_or_error,
+    read_safely,
+    run_or_defer,
+)
 from .store_dependencies import StepWrites, StoreDependencies
 from .tiers import disk as disk_files
 from .tiers.background import BackgroundTier, QueueFull
@@ -59,12 +71,6 @@ from .tiers.record_trust import RecordTrust
 from .tiers.redis_tier import RedisTier
 
 logger = logging.getLogger("vllm.kvlens")
-
-_Staged = tuple[ChunkLoadResult, BlockLoad, ChunkLoad]  # a chunk read (or being read), to copy in
-_Read = memoryview | BaseException | LayeredRecord  # a chunk's read: its payload, why not, or underway
-# a job's chunks read and checked; the layer-wise disk reads it started (closed when it is done)
-_Opened = list[LayeredReads | ViewLease]  # what a job's reads hold until they are closed
-_ReadJob = tuple[LoadJob, LoadOutcome, list[_Staged], _Opened]
 
 DRAIN_WAIT_S = 0.05  # an idle engine's empty step waits this long for background writes
 IDLE_WAIT_S = 0.01  # a step that computed nothing waits this long for an asynchronous load
@@ -135,7 +141,7 @@ class ConnectorWorker:
         self._runner: CopyRunner | None = None
         self._step: StepCopies | None = None  # this step's copies, from its first hook to save()
         self._unwritten: deque[StepWrites] = deque()  # steps whose writes wait for their copies
-        self._loading: list[_ReadJob] = []  # this step's load jobs, from start_load to finish_load
+        self._loading: list[ReadJob] = []  # this step's load jobs, from start_load to finish_load
         self._async: AsyncLoader | None = None  # loads outside the step, started on first use
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
@@ -173,7 +179,7 @@ class ConnectorWorker:
             self._report.step = plan.step
         self._write_settled()  # held stores every rank's report settled, before any read
         self._start_async(plan)
-        _close_reads(self._loading)  # a step vLLM abandoned before finish_load
+        close_reads(self._loading)  # a step vLLM abandoned before finish_load
         self._loading = [self._read_job(job) for job in plan.loads]
         for job, outcome, _, _ in self._loading:
             self._report.loads[job.request_id] = outcome
@@ -206,13 +212,13 @@ class ConnectorWorker:
         try:
             return self._copy_outside_step(job, outcome, staged, effects, cancelled)
         finally:
-            _close_reads([(job, outcome, staged, opened)])  # nothing writes into its blocks after
+            close_reads([(job, outcome, staged, opened)])  # nothing writes into its blocks after
 
     def _copy_outside_step(
         self,
         job: LoadJob,
         outcome: LoadOutcome,
-        staged: list[_Staged],
+        staged: list[Staged],
         effects: list[Callable[[], None]],
         cancelled: Callable[[], bool],
     ) -> LoadOutcome:
@@ -235,7 +241,7 @@ class ConnectorWorker:
                 self._settle_promotions(staged[position:], effects)
                 break
             if load.error is not None:
-                _run_or_defer(effects, lambda e=load.error, t=result.tier: self._layer_failed(t, e))
+                run_or_defer(effects, lambda e=load.error, t=result.tier: self._layer_failed(t, e))
                 self._fail_from(outcome, staged[position:], load.error, effects)
                 break
             outcome.seconds += load.seconds + load.waited
@@ -243,12 +249,12 @@ class ConnectorWorker:
                 effects.append(load.promote)
             if result.tier is not None:
                 traffic = copied.setdefault(result.tier, TierTraffic())
-                traffic.add_moved(Stage.COPY, self._payload_bytes(chunk), _copy_seconds(load))
+                traffic.add_moved(Stage.COPY, self._payload_bytes(chunk), copy_seconds(load))
         if copied:  # counted on the step thread, with the step's report
             effects.append(lambda: self._count_copies(copied))
         return outcome
 
-    def _settle_promotions(self, staged: list[_Staged], effects: list[Callable[[], None]]) -> None:
+    def _settle_promotions(self, staged: list[Staged], effects: list[Callable[[], None]]) -> None:
         """Promotions still waiting for their chunk's read: made once it is read whole and
         checked, else reported failed (the scheduler admitted them to the faster tiers)."""
         assert self.copier is not None
@@ -305,7 +311,7 @@ class ConnectorWorker:
         loading, self._loading = self._loading, []
         if self._step is not None:
             self._step.wait_all()
-        _close_reads(loading)  # a read still under way (a chunk after a failed one) stops here
+        close_reads(loading)  # a read still under way (a chunk after a failed one) stops here
         outcomes = []
         for job, outcome, staged, _ in loading:
             for position, (result, load, _) in enumerate(staged):
@@ -321,22 +327,27 @@ class ConnectorWorker:
             for result, load, chunk in staged:
                 if result.tier is not None:
                     traffic = self._report.tier_traffic(result.tier)
-                    traffic.add_moved(Stage.COPY, self._payload_bytes(chunk), _copy_seconds(load))
+                    traffic.add_moved(Stage.COPY, self._payload_bytes(chunk), copy_seconds(load))
             if outcome.failed:
                 self._log_failed_load(job, outcome)
             outcomes.append(outcome)
         return outcomes
 
-    def _read_job(self, job: LoadJob, effects: list[Callable[[], None]] | None = None) -> _ReadJob:
+    def _read_job(self, job: LoadJob, effects: list[Callable[[], None]] | None = None) -> ReadJob:
         """Reads and checks a job's chunks; the copies to make for the ones that are usable.
 
         ``effects``: off the step thread, what changes the step's state (promotions into
         faster tiers, the report's store failures) is appended there to run on it later."""
+        return read_safely(job, lambda opened: self._read_chunks(job, opened, effects))
+
+    def _read_chunks(
+        self, job: LoadJob, opened: Opened, effects: list[Callable[[], None]] | None
+    ) -> ReadJob:
         outcome = LoadOutcome(job.request_id)
         started = time.perf_counter()
-        staged: list[_Staged] = []
+        staged: list[Staged] = []
         lease = self._pool.lease()  # the CPU-tier views it reads: not reused before it is closed
-        opened: _Opened = [lease]
+        opened.append(lease)
         reads = self._start_reads(job, opened, lease)
         failed = False
         for chunk in job.chunks:
@@ -356,7 +367,7 @@ class ConnectorWorker:
                     failure = StoreFailure(
                         job.request_id, chunk.name, tier_name, result.reason or FailureReason.IO_ERROR
                     )
-                    _run_or_defer(effects, lambda f=failure: self._report.store_failures.append(f))
+                    run_or_defer(effects, lambda f=failure: self._report.store_failures.append(f))
         remote = self.tiers.get(REMOTE)
         if isinstance(remote, BackgroundTier):
             while remote.reads:
@@ -367,7 +378,7 @@ class ConnectorWorker:
     def _fail_from(
         self,
         outcome: LoadOutcome,
-        staged: list[_Staged],
+        staged: list[Staged],
         error: BaseException,
         effects: list[Callable[[], None]] | None = None,
     ) -> None:
@@ -383,7 +394,7 @@ class ConnectorWorker:
                 load.promote = None
                 for tier_name in chunk.promote_to:
                     failure = StoreFailure(outcome.request_id, chunk.name, tier_name, result.reason)
-                    _run_or_defer(effects, lambda f=failure: self._report.store_failures.append(f))
+                    run_or_defer(effects, lambda f=failure: self._report.store_failures.append(f))
 
     def _layer_failed(self, tier_name: str | None, error: BaseException) -> None:
         """A chunk's read failed after its header was good (a layer's checksum or read)."""
@@ -405,7 +416,7 @@ class ConnectorWorker:
             first.detail,
         )
 
-    def _start_reads(self, job: LoadJob, opened: _Opened, lease: ViewLease) -> dict[str, Iterator[_Read]]:
+    def _start_reads(self, job: LoadJob, opened: Opened, lease: ViewLease) -> dict[str, Iterator[Read]]:
         """Per planned tier, the reads of its chunks in job order (slow tiers read ahead);
         layer-wise disk reads started are added to ``opened``."""
         by_tier: dict[str, list[ChunkLoad]] = {}
@@ -414,8 +425,8 @@ class ConnectorWorker:
         return {tier: self._read_many(tier, chunks, opened, lease) for tier, chunks in by_tier.items()}
 
     def _read_many(
-        self, tier_name: str, chunks: list[ChunkLoad], opened: _Opened, lease: ViewLease
-    ) -> Iterator[_Read]:
+        self, tier_name: str, chunks: list[ChunkLoad], opened: Opened, lease: ViewLease
+    ) -> Iterator[Read]:
         tier, health = self.tiers.get(tier_name), self.health.get(tier_name)
         names = [storage_name(chunk.name, self.rank) for chunk in chunks]
         if tier is None or health is None or not health.usable():
@@ -436,7 +447,7 @@ class ConnectorWorker:
     def _read_chunk(
         self,
         chunk: ChunkLoad,
-        first_read: _Read,
+        first_read: Read,
         result: ChunkLoadResult,
         lease: ViewLease,
         effects: list[Callable[[], None]] | None = None,
@@ -455,7 +466,7 @@ class ConnectorWorker:
                 result.tier = tier_name
                 self.health[tier_name].succeeded()
                 nothing_to_copy: CopyPairs = [[] for _ in range(self.copier.num_layers)]
-                return BlockLoad(_NO_PAYLOAD, chunk.block_ids, chunk.first_block, nothing_to_copy, source)
+                return BlockLoad(NO_PAYLOAD, chunk.block_ids, chunk.first_block, nothing_to_copy, source)
             error: BaseException | None = read if isinstance(read, BaseException) else None
             if error is None:
                 try:
@@ -470,7 +481,7 @@ class ConnectorWorker:
                 if chunk.promote_to:  # once every layer is read and checked, and copied
                     promote = lambda read=read: self._promote(chunk, name, read)  # type: ignore[misc]  # noqa: E731
                     if source is None:
-                        _run_or_defer(effects, promote)
+                        run_or_defer(effects, promote)
                         promote = None
                 pairs = (
                     None
@@ -544,8 +555,9 @@ class ConnectorWorker:
 
     def _write_before(self, plan: StepPlan) -> None:
         """Writes still waiting for a device's copies are made before this step reads any chunk
-        they write (the tiers then hold what the scheduler's index says); the rest when ready."""
-        needed = {chunk.name for job in plan.loads for chunk in job.chunks}
+        they write, in the step or outside it (the tiers then hold what the scheduler's index
+        says); the rest when ready."""
+        needed = {chunk.name for job in (*plan.loads, *plan.async_loads) for chunk in job.chunks}
         through = None
         for queued in self._unwritten:
             if not needed.isdisjoint(queued.names):
@@ -803,29 +815,6 @@ class ConnectorWorker:
             cpu.clear()
         self._deps.clear()
         self._pool.clear()
-        _close_reads(self._loading)
+        close_reads(self._loading)
         self._loading = []
         self.copier = None
-
-
-_NO_PAYLOAD = torch.empty(0, dtype=torch.uint8)  # a load whose reads write into its blocks themselves
-
-
-def _copy_seconds(load: BlockLoad) -> float:
-    """How long a load took to land in the KV cache: its copies, or for a load its reads wrote
-    into the blocks themselves, the time it waited for them."""
-    return load.seconds + load.waited if load.payload is _NO_PAYLOAD else load.seconds
-
-
-def _close_reads(jobs: list[_ReadJob]) -> None:
-    """The jobs are done (or given up): no read of theirs writes into the KV cache after this."""
-    for _, _, _, opened in jobs:
-        for reads in opened:
-            reads.close()
-
-
-def _run_or_defer(effects: list[Callable[[], None]] | None, effect: Callable[[], None]) -> None:
-    if effects is None:
-        effect()
-    else:
-        effects.append(effect)

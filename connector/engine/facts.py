@@ -39,6 +39,9 @@ class EngineFacts:
     engine_id: str = "0"
     kv_events: bool = False  # vLLM publishes KV cache events (--kv-events-config)
     identity: ModelIdentity | None = None  # the parts of ``model``, for the info gauge
+    # vLLM's kv_load_failure_policy is "recompute": it keeps a failed load's blocks in its prefix
+    # cache, where other requests hit them, until their owner has recomputed them
+    failed_blocks_stay_cached: bool = False
 
     def namespace(self) -> Namespace:
         return Namespace(self.model, self.dtype, self.kv_layout, self.world_size)

@@ -16,12 +16,17 @@ The payloads land in buffers of the tier's pool (``read_buffers.py``): no page f
 
 Straight into the KV cache: where the consumer hands a record's destinations (``Targets``: per
 layer, the runs of vLLM's host KV blocks the whole layer goes to), its layers are read into them
-directly and checked there, one memory copy instead of two (a failed check leaves bytes only in
-blocks that are reported failed). A read into the KV cache never waits for the device: it asks
-for what is in the page cache (``RWF_NOWAIT``); a layer that is not is read into a pool buffer
-first (that read may block) and copied in once checked. Each write into the KV cache starts only
-while the reads are open and ``close`` waits for those under way, so once the consumer is done
-with a load (finished, failed, timed out, cancelled) nothing writes into vLLM's blocks again.
+directly and checked there, one memory copy instead of two. A read into the KV cache never waits
+for the device: it asks for what is in the page cache (``RWF_NOWAIT``); a layer that is not is
+read into a pool buffer first (that read may block) and copied in once checked. A layer read in
+place that fails its check, or was read only in part, is zeroed before anything may read it:
+vLLM reuses a block without clearing it and its attention kernels read a block's unused slots
+too, so the random bytes of a damaged record (NaNs, as bf16) left there would poison the answer
+of whichever request gets the block next. Only checked KV or zeros stay in vLLM's blocks. Each
+write into the KV cache starts only while the reads are open (and, for its record, while the
+consumer has not given it up at ``payload``), and ``close`` waits for those under way, so once
+the consumer is done with a load (finished, failed, timed out, cancelled) or loads a chunk from
+another tier instead, nothing of this record writes into vLLM's blocks again.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class _Record:
     error: BaseException | None = None
     failed_from: int = 0  # the first layer not to use, once ``error`` is set
     unopened: bool = False  # failed before any layer was read (missing, damaged header)
+    given_up: bool = False  # the consumer will not use it: nothing of it goes into the KV cache
 
 
 class LayeredReads:
@@ -142,13 +148,23 @@ class LayeredReads:
         later: ``wait_layer``); None when its layers go straight into its targets; or why it
         cannot be read at all. A layer that fails later, even layer 0, fails in ``wait_layer``,
         never here: the consumer must not load the chunk from elsewhere into blocks a read of
-        this record may still be writing."""
-        if not self._opened.wait(max(self._deadline - time.monotonic(), 0.0)):
-            return TimeoutError(f"disk read took over {self._timeout_s:g} s")
+        this record may still be writing. Once this returns why not, no read of this record
+        writes into the KV cache (one under way is waited for): the consumer may load the chunk
+        from elsewhere into the same blocks."""
         record = self._records[index]
+        if not self._opened.wait(max(self._deadline - time.monotonic(), 0.0)):
+            self._give_up(record)
+            return TimeoutError(f"disk read took over {self._timeout_s:g} s")
         if record.unopened:
+            self._give_up(record)
             return record.error  # type: ignore[return-value]
         return record.payload
+
+    def _give_up(self, record: _Record) -> None:
+        with self._lock:
+            record.given_up = True
+            while self._writing:
+                self._written.wait()
 
     def close(self) -> None:
         """The consumer is done with these reads: returns once nothing writes into the KV cache
@@ -215,16 +231,21 @@ class LayeredReads:
         header, runs = record.header, record.targets[layer]  # type: ignore[index]
         assert header is not None and header.layers is not None
         offset = header.end + layer * size
-        with self._writing_into_kv():
-            cached = self._tier.reads_nowait and _read_cached(record.fd, runs, offset, self._tier)
-            if cached:
-                good = header.digests.layer_of(view for _, view in runs) == header.layers[layer]
+        cached = good = False
+        tried = self._tier.reads_nowait
+        with self._writing_into_kv(record):
+            try:
+                cached = tried and _read_cached(record.fd, runs, offset, self._tier)
+                good = cached and header.digests.layer_of(view for _, view in runs) == header.layers[layer]
+            finally:
+                if tried and not good:  # bytes read but not checked good (or not whole): none stays
+                    _zero(runs)
         if not cached:  # not all in the page cache: through a buffer, then in once checked
             bounce = self._tier.read_buffers.take(size)[:size]
             _read_exactly(record.fd, bounce, offset, record.name)
             good = header.digests.layer(bounce) == header.layers[layer]
             if good:
-                with self._writing_into_kv():
+                with self._writing_into_kv(record):
                     for start, view in runs:
                         view[:] = bounce[start : start + view.nbytes]
         if not good:
@@ -233,9 +254,9 @@ class LayeredReads:
             self._bytes += size
 
     @contextlib.contextmanager
-    def _writing_into_kv(self) -> Iterator[None]:
+    def _writing_into_kv(self, record: _Record) -> Iterator[None]:
         with self._lock:
-            if self._closed:
+            if self._closed or record.given_up:
                 raise ReadsClosed("the load was given up before this layer was read")
             self._writing += 1
         try:
@@ -314,6 +335,14 @@ def _read_cached(fd: int, runs: Sequence[tuple[int, memoryview]], offset: int, t
         if n != view.nbytes:
             return False
     return True
+
+
+def _zero(runs: Sequence[tuple[int, memoryview]]) -> None:
+    """Clear runs of vLLM's blocks a read wrote unchecked bytes into: vLLM reuses blocks
+    without clearing them and its attention kernels read a block's unused slots (masked, but
+    a NaN there still poisons the result), so only checked KV or zeros may stay in them."""
+    for _, view in runs:
+        view[:] = bytes(view.nbytes)
 
 
 def _read_exactly(fd: int, view: memoryview, offset: int, name: str) -> None:

@@ -18,9 +18,18 @@ import time
 
 
 def damage(
-    directory: str, corrupt: int, delete: int, rank: int | None = None, smallest: bool = False
+    directory: str,
+    corrupt: int,
+    delete: int,
+    rank: int | None = None,
+    smallest: bool = False,
+    middle: int = 0,
 ) -> list[str]:
-    """Corrupt then delete chunk files (of one rank, smallest first when asked)."""
+    """Corrupt then delete chunk files (of one rank, smallest first when asked). ``middle``:
+    each corrupted file has that many random bytes written over its middle instead of its
+    last 8 bytes flipped (at most half the file, centred on its middle; sizes kept)."""
+    import random
+
     from connector.tiers.disk import chunk_files
 
     suffix = ".kvlens" if rank is None else f".r{rank}.kvlens"
@@ -31,6 +40,13 @@ def damage(
     for name in files[:corrupt]:
         path = os.path.join(directory, name)
         with open(path, "r+b") as f:
+            if middle:
+                size = os.path.getsize(path)
+                n = min(middle, size // 2)
+                f.seek(size // 2 - n // 2)
+                f.write(random.Random(name).randbytes(n))
+                touched.append(name)
+                continue
             f.seek(-8, os.SEEK_END)
             tail = f.read(8)
             f.seek(-8, os.SEEK_END)
@@ -212,7 +228,14 @@ def main() -> None:
         if rnd.get("damage"):
             flush_writes()
             d = rnd["damage"]
-            damage(d["dir"], d.get("corrupt", 0), d.get("delete", 0), d.get("rank"), d.get("smallest", False))
+            damage(
+                d["dir"],
+                d.get("corrupt", 0),
+                d.get("delete", 0),
+                d.get("rank"),
+                d.get("smallest", False),
+                d.get("middle", 0),
+            )
         if rnd.get("break_disk"):  # the disk tier's directory becomes a file: every I/O fails
             flush_writes()
             shutil.rmtree(rnd["break_disk"])

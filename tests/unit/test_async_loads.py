@@ -27,11 +27,21 @@ PROMPT = list(range(1000, 1072))  # two whole chunks and half a block
 
 
 class Engine:
-    def __init__(self, disk, **extra) -> None:
+    def __init__(self, disk, recompute_policy: bool = False, **extra) -> None:
         storage = torch.randn(LAYERS, NUM_BLOCKS, HEADS, BS, 2 * HEAD)
         self.kv = {f"model.layers.{i}.self_attn.attn": storage[i] for i in range(LAYERS)}
         block_bytes = BlockCopier(self.kv, NUM_BLOCKS).block_bytes
-        facts = EngineFacts("m", "float32", BS, LAYERS, block_bytes, "layout", 1, "kv_both")
+        facts = EngineFacts(
+            "m",
+            "float32",
+            BS,
+            LAYERS,
+            block_bytes,
+            "layout",
+            1,
+            "kv_both",
+            failed_blocks_stay_cached=recompute_policy,
+        )
         settings = {
             "lmcache.chunk_size": CHUNK,
             "lmcache.local_cpu": False,
@@ -206,6 +216,25 @@ def test_a_lone_request_loads_a_fast_tier_in_the_step_and_one_beside_others_outs
     slow = Engine(tmp_path / "slow")
     stored(slow)
     assert looked_up(slow, "slow", seconds=100.0)  # 100 s a MB: too long a step for arrivals
+
+
+def test_where_vllm_keeps_failed_blocks_cached_a_disk_load_is_never_made_in_the_step(tmp_path):
+    """Under vLLM's ``recompute`` policy a failed load's blocks stay in its prefix cache until
+    their owner recomputes them. A load in the step has them cached from the start, so another
+    request (this step's, the one vLLM already planned, a later arrival) computes over the
+    unfilled blocks when it fails. Every disk load is made outside the step there, even alone
+    on a disk measured fast, and even with ``enable_async_loading`` off; CPU hits stay in it."""
+    e = Engine(tmp_path, recompute_policy=True)
+    stored(e)
+    for _ in range(2):  # measured: 1 MB in 1 ms, well within async_load_in_step_max_ms
+        e.sched.state.tier_speeds.observe(DISK, 1e6, 1e-3)
+    assert e.sched.lookup(request("alone", PROMPT), 0) == 64 and e.sched.loads_async("alone")
+    off = Engine(tmp_path / "off", recompute_policy=True, enable_async_loading=False)
+    stored(off)
+    assert off.sched.lookup(request("off", PROMPT), 0) == 64 and off.sched.loads_async("off")
+    cpu = Engine(tmp_path / "cpu", recompute_policy=True, local_cpu=True, max_local_cpu_size=0.1)
+    stored(cpu)
+    assert cpu.sched.lookup(request("c", PROMPT), 0) == 64 and not cpu.sched.loads_async("c")
 
 
 def test_an_asynchronous_load_reports_the_bytes_it_read_and_copied(tmp_path):

@@ -199,6 +199,29 @@ def test_a_load_of_a_chunk_still_being_copied_out_waits_for_that_store():
         assert torch.equal(t[8:10], t[[2, 5]])
 
 
+def test_an_asynchronous_load_of_a_chunk_still_being_copied_out_waits_for_that_store():
+    """With asynchronous scheduling the host runs a step ahead of the device: a load outside
+    the step that looks for a chunk whose store the device has yet to copy out finds it."""
+    caches = cpu_layout()
+    gpu = FakeGpu()
+    w = device_worker(caches, gpu)
+    store_step(w)
+    gpu.runs_while_polled = True  # the device goes on while the host waits
+    plan = StepPlan(async_loads=[LoadJob("b", (ChunkLoad(NAME, CPU, (8, 9), 0, 32),))])
+    w.start_load(plan)
+    w.finish_load()
+    w.save(plan)
+    done = []
+    deadline = time.monotonic() + 10
+    while not done and time.monotonic() < deadline:
+        done = w.take_finished_loads(idle=True)[1]
+    gpu.run()
+    ((_, outcome),) = done
+    assert not outcome.failed and w.take_failed_blocks() == set()
+    for t in caches.values():
+        assert torch.equal(t[8:10], t[[2, 5]])
+
+
 def test_deferred_evictions_and_stores_keep_step_order():
     caches = cpu_layout()
     gpu = FakeGpu()

@@ -388,3 +388,141 @@ def test_a_damaged_layer_0_fails_the_layer_never_the_open(tmp_path):
         reads.wait_layer(0, 0)
     buffered = layered(DiskTier(str(tmp_path), "layout", layers=L), [RECORD])
     assert isinstance(buffered.payload(0), BaseException)  # the corrupt record was removed
+
+
+def test_a_record_whose_payload_timed_out_never_writes_into_the_kv_cache(tmp_path, monkeypatch):
+    """The consumer gave up on a record at ``payload()`` (its header took too long) and loads
+    that chunk from another tier into the same blocks: a late read of the record must not land
+    there (its bytes were never checked against what the consumer reports loaded)."""
+    tier = DiskTier(str(tmp_path), "layout", layers=L)
+    tier.put(RECORD, payload())
+    release = threading.Event()
+    open_record = tier.open_record
+
+    def slow_open(name):
+        release.wait(10)
+        return open_record(name)
+
+    monkeypatch.setattr(tier, "open_record", slow_open)
+    kv = bytearray(L * LAYER_BYTES)
+    background = BackgroundTier(tier, TierHealth(DISK), timeout_s=0.3)
+    try:
+        reads = background.get_layered([RECORD], L, [_targets(kv)])
+        assert isinstance(reads.payload(0), TimeoutError)
+        kv[:] = b"\x07" * len(kv)  # what the consumer loaded from elsewhere
+        release.set()  # the record opens now and its layers are read
+        assert all(layer.wait(10) for layer in reads._layers)
+        assert bytes(kv) == b"\x07" * len(kv)
+    finally:
+        release.set()
+        background.close()
+
+
+@pytest.mark.parametrize("outside_step", [False, True])
+def test_a_load_whose_reading_raises_closes_its_reads_and_fails_whole(tmp_path, outside_step, monkeypatch):
+    """The reads straight into the KV cache started for the first chunk are closed (no write
+    into its blocks after), the load fails whole, and nothing raises into vLLM."""
+    caches, w, second = _two_chunks_on_disk(tmp_path, local_cpu=False)
+    disk = w.tiers[DISK]
+    started: list[disk_layers.LayeredReads] = []
+    get_layered = disk.get_layered
+
+    def recording(*args, **kwargs):
+        started.append(get_layered(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(disk, "get_layered", recording)
+    read_chunk = w._read_chunk
+
+    def raising(chunk, *args, **kwargs):
+        if chunk.name == second:
+            raise RuntimeError("a bug while reading")
+        return read_chunk(chunk, *args, **kwargs)
+
+    monkeypatch.setattr(w, "_read_chunk", raising)
+    job = LoadJob("b", (ChunkLoad(NAME, DISK, (8, 9), 0, 32), ChunkLoad(second, DISK, (10, 11), 0, 32)))
+    if outside_step:
+        _load_outside_step(w, job)
+    else:
+        w.load(StepPlan(step=1, loads=[job]))
+    assert started and all(reads._closed for reads in started)
+    assert w.take_failed_blocks() == {8, 9, 10, 11}
+    assert [c.reason for c in w.take_report().loads["b"].chunks] == [
+        FailureReason.IO_ERROR,
+        FailureReason.PREFIX_FAILED,
+    ]
+
+
+@pytest.mark.parametrize("page_cached", [True, False])
+def test_a_damaged_layer_read_into_the_kv_cache_leaves_none_of_its_bytes_there(tmp_path, page_cached):
+    """vLLM reuses blocks without clearing them, and a block's unused slots are read by the
+    attention kernel (random bytes as bf16 hold NaNs that poison every answer over that
+    block): a layer that fails its check leaves nothing of itself in the blocks."""
+    tier = DiskTier(str(tmp_path), "layout", layers=L)
+    tier.put(RECORD, payload())
+    path = tier.path(RECORD)
+    with open(path, "r+b") as f:  # random bytes over the middle of layer L - 2, size kept
+        f.seek(os.path.getsize(path) - 2 * LAYER_BYTES + LAYER_BYTES // 4)
+        f.write(os.urandom(LAYER_BYTES // 2))
+    tier.reads_nowait = page_cached
+    kv = bytearray(b"\x07" * (L * LAYER_BYTES))  # what vLLM's blocks held before
+    reads = layered_into(tier, kv)
+    with pytest.raises(ChunkCorrupt):
+        reads.wait_layer(0, L - 2)
+    damaged = bytes(kv[(L - 2) * LAYER_BYTES : (L - 1) * LAYER_BYTES])
+    assert damaged in (b"\x07" * LAYER_BYTES, bytes(LAYER_BYTES))
+    assert bytes(kv[: (L - 2) * LAYER_BYTES]) == bytes(payload()[: (L - 2) * LAYER_BYTES])  # checked ones
+
+
+def test_a_layer_read_only_partly_from_the_page_cache_and_then_found_damaged_leaves_nothing(
+    tmp_path, monkeypatch
+):
+    """The page cache held the first run of a layer (read straight into its block), the rest
+    came from the device, and the layer fails its check: the first run's bytes go too."""
+    tier = DiskTier(str(tmp_path), "layout", layers=L)
+    tier.put(RECORD, payload())
+    path = tier.path(RECORD)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - LAYER_BYTES + 7)  # in the first run of the last layer
+        f.write(os.urandom(64))
+    preadv = os.preadv
+
+    def first_run_cached(fd, buffers, offset, flags=0):
+        if flags and offset % LAYER_BYTES != os.path.getsize(path) % LAYER_BYTES:  # not a layer's start
+            raise BlockingIOError
+        return preadv(fd, buffers, offset, flags) if not flags else preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(disk_layers.os, "preadv", first_run_cached)
+    kv = bytearray(b"\x07" * (L * LAYER_BYTES))
+    reads = layered_into(tier, kv)
+    with pytest.raises(ChunkCorrupt):
+        reads.wait_layer(0, L - 1)
+    last = bytes(kv[(L - 1) * LAYER_BYTES :])
+    assert last in (b"\x07" * LAYER_BYTES, bytes(LAYER_BYTES))
+
+
+@pytest.mark.parametrize("outside_step", [False, True])
+def test_random_bytes_over_a_records_middle_never_reach_vllms_blocks(tmp_path, outside_step):
+    """Issue 26's damage (random bytes over the middle of every record, sizes kept) loaded by
+    the worker, in the step and outside it: the failed chunk's blocks hold the chunk's own KV
+    (layers checked before the damaged one) or zeros, never a damaged byte (NaNs as bf16)."""
+    caches, w, second = _two_chunks_on_disk(tmp_path, local_cpu=False)
+    truth = {n: t[[0, 1, 2, 3]].clone() for n, t in caches.items()}  # what blocks 8..11 load
+    for name in (NAME, second):
+        path = disk_files.chunk_path(str(tmp_path), f"{name}.r0")
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            f.write(os.urandom(256))
+    for t in caches.values():
+        t[8:12] = 7.0  # what vLLM's blocks held before
+    job = LoadJob("b", (ChunkLoad(NAME, DISK, (8, 9), 0, 32), ChunkLoad(second, DISK, (10, 11), 0, 32)))
+    if outside_step:
+        _load_outside_step(w, job)
+    else:
+        w.load(StepPlan(step=1, loads=[job]))
+    assert w.take_failed_blocks() == {8, 9, 10, 11}
+    for n, t in caches.items():
+        for i, b in enumerate((8, 9, 10, 11)):
+            got = t[b]
+            assert torch.equal(got, truth[n][i]) or not got.any() or bool((got == 7.0).all()), n
+        assert not t[8:12].float().isnan().any()
