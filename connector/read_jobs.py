@@ -62,13 +62,6 @@ def read_safely(job: LoadJob, read: Callable[[Opened], ReadJob]) -> ReadJob:
         return job, failed_whole(job, e), [], []
 
 
-def get_or_error(tier: Tier | BackgroundTier, name: str) -> memoryview | BaseException:
-    try:
-        return tier.get(name)
-    except Exception as e:  # noqa: BLE001 - a failed read is a value the caller classifies
-        return e
-
-
 def run_or_defer(effects: list[Callable[[], None]] | None, effect: Callable[[], None]) -> None:
     if effects is None:
         effect()

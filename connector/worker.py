@@ -56,7 +56,6 @@ from .read_jobs import (
     Staged,
     close_reads,
     copy_seconds,
-    get_or_error,
     read_safely,
     run_or_defer,
 )
@@ -66,7 +65,7 @@ from .tiers.background import BackgroundTier, QueueFull
 from .tiers.base import Tier, classify
 from .tiers.cpu import CpuTier
 from .tiers.disk import DiskTier
-from .tiers.disk_layers import LayeredReads, LayeredRecord
+from .tiers.disk_layers import LayeredRecord
 from .tiers.record_trust import RecordTrust
 from .tiers.redis_tier import RedisTier
 
