@@ -19,8 +19,6 @@ from .engine.jobs import ChunkLoad, LoadJob
 from .engine.outcomes import ChunkLoadResult, LoadOutcome
 from .layer_copies import BlockLoad
 from .payload_pool import ViewLease
-from .tiers.background import BackgroundTier
-from .tiers.base import Tier
 from .tiers.disk_layers import LayeredReads, LayeredRecord
 
 logger = logging.getLogger("vllm.kvlens")

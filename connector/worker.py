@@ -339,9 +339,7 @@ class ConnectorWorker:
         faster tiers, the report's store failures) is appended there to run on it later."""
         return read_safely(job, lambda opened: self._read_chunks(job, opened, effects))
 
-    def _read_chunks(
-        self, job: LoadJob, opened: Opened, effects: list[Callable[[], None]] | None
-    ) -> ReadJob:
+    def _read_chunks(self, job: LoadJob, opened: Opened, effects: list[Callable[[], None]] | None) -> ReadJob:
         outcome = LoadOutcome(job.request_id)
         started = time.perf_counter()
         staged: list[Staged] = []
