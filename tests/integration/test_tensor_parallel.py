@@ -141,9 +141,9 @@ def tp_abort_run(tiny_model, tmp_path_factory, redis_url):
     the slow ones), as a client that disconnects during its load is."""
     from urllib.parse import urlparse
 
-    from .rank_slow_proxy import RankSlowProxy
+    from ..redis.slow_proxy import SlowProxy
 
-    proxy = RankSlowProxy(urlparse(redis_url).port, rank=1, delay_s=3.0)
+    proxy = SlowProxy(urlparse(redis_url).port, rank=1, delay_s=3.0)
     kv = {
         "lmcache.chunk_size": 256,
         "lmcache.local_cpu": False,
