@@ -372,7 +372,22 @@ def misses_by_reason(frame: pd.DataFrame) -> None:
     table(where=right, data=shown.head(500), width="stretch", hide_index=True)
 
 
+# While a refresh re-runs the live part, Streamlit marks what it has not sent again yet as stale
+# and greys it out after half a second. A periodic refresh is not a change the reader made: the
+# last figures stay readable until the new ones replace them (Streamlit's running indicator
+# still shows that a refresh is under way).
+KEEP_READABLE = (
+    "<style>.st-key-live [data-stale='true'], .st-key-live [data-stale='true'] * "
+    "{opacity: 1 !important; transition: none !important;}</style>"
+)
+
+
 def live(cfg: settings.Settings) -> None:
+    with st.container(key="live"):
+        _live(cfg)
+
+
+def _live(cfg: settings.Settings) -> None:
     with guarded("The data"):
         fleet, statuses, window = load(cfg)
         for status in statuses:
@@ -410,6 +425,7 @@ def main() -> None:
     st.set_page_config(page_title="KVLens", layout="wide")
     st.set_option("client.showErrorDetails", "none")
     st.title("KVLens")
+    st.markdown(KEEP_READABLE, unsafe_allow_html=True)
     address = st_config.get_option("server.address")
     if _served() and settings.listens_everywhere_by_default(
         address, st_config.get_where_defined("server.address")

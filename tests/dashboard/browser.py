@@ -114,7 +114,8 @@ def assert_no_exception(driver) -> None:
 # symbol's fill (areas, points) or stroke (lines). Labels Vega shortened ("…") are left out.
 _LEGENDS = """
 const out = [];
-const shown = [...document.querySelectorAll('[data-testid="stVegaLiteChart"]')].filter(c => c.getClientRects().length);
+const shown = [...document.querySelectorAll('[data-testid="stVegaLiteChart"]')]
+  .filter(c => c.getClientRects().length);
 shown.forEach((chart, index) => {
   chart.querySelectorAll('.role-legend').forEach(legend => {
     const labels = [...legend.querySelectorAll('.role-legend-label text')];
@@ -122,7 +123,10 @@ shown.forEach((chart, index) => {
     labels.forEach((label, i) => {
       const symbol = symbols[i];
       if (!symbol || labels.length !== symbols.length) return;
-      const paint = a => { const v = symbol.getAttribute(a); return v && v !== 'none' && v !== 'transparent' ? v : ''; };
+      const paint = a => {
+        const v = symbol.getAttribute(a);
+        return v && v !== 'none' && v !== 'transparent' ? v : '';
+      };
       out.push([index, label.textContent, paint('fill') || paint('stroke')]);
     });
   });
@@ -153,12 +157,17 @@ def legend_colours(driver, where: str) -> list[tuple[str, str, str]]:
 # ---- stale -----------------------------------------------------------------------------------
 # The main area's elements, and those Streamlit marks stale (data-stale, from the moment a rerun
 # starts until it sends the element again) and those a person sees greyed out (Streamlit fades a
-# stale element after 0.5 s: its computed opacity drops below 1).
+# stale element after 0.5 s: its opacity, or an enclosing block's, drops below 1).
 _STALE = """
 const all = [...document.querySelectorAll('[data-testid="stMain"] [data-testid="stElementContainer"]')];
 const shown = all.filter(e => e.offsetParent !== null);
 const stale = shown.filter(e => e.getAttribute('data-stale') === 'true').length;
-const faded = shown.filter(e => parseFloat(getComputedStyle(e).opacity) < 0.9).length;
+const opacity = e => {
+  let o = 1;
+  for (let n = e; n && n !== document.body; n = n.parentElement) o *= parseFloat(getComputedStyle(n).opacity);
+  return o;
+};
+const faded = shown.filter(e => opacity(e) < 0.9).length;
 return [shown.length, stale, faded];
 """
 
