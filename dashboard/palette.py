@@ -77,15 +77,53 @@ OTHERS: tuple[str, ...] = (
     "#D7B5A6",  # tan
     "#FF9D9A",  # salmon
     "#E45756",  # red
+    "#17BECF",  # cyan
+    "#843C39",  # maroon
+    "#7B4173",  # plum
 )
 
 QUANTILES = {"p50": "#499894", "p90": "#EECA3B", "p95": "#EECA3B", "p99": "#E45756"}
 OPERATIONS = ("lookup", "load", "store", "exists", "get", "put", "delete")
 # Fixed colours for names from a known, closed set: the n-th name of a set gets the n-th of OTHERS.
-VOCABULARIES: tuple[tuple[str, ...], ...] = (
-    OPERATIONS,
-    tuple(MISS_REASONS),
-    LEAK_GAUGES,
+# Reasons: why a request missed (the catalog's), why a store was skipped, why a block failed to
+# load (the names KVLens exports, connector/engine/outcomes.py). The skip and failure names
+# follow the miss reasons, so that the names one chart shows never share a colour.
+SKIP_REASONS = ("consumer_role", "force_skip_save", "skip_save", "priority_limit")
+FAILURE_REASONS = (
+    "missing",
+    "corrupt",
+    "io_error",
+    "timeout",
+    "queue_full",
+    "dependency_failed",
+    "prefix_failed",
+    "not_loadable",
+)
+REASONS = (*MISS_REASONS, *SKIP_REASONS, *FAILURE_REASONS)
+VOCABULARIES: tuple[tuple[str, ...], ...] = (OPERATIONS, LEAK_GAUGES)
+
+
+def _distinct_within(groups: Iterable[Iterable[str]]) -> dict[str, str]:
+    """A colour per name, each the first of OTHERS that no name of its group has yet."""
+    colours: dict[str, str] = {}
+    for group in groups:
+        names = list(group)
+        used = {colours[n] for n in names if n in colours}
+        free = [c for c in OTHERS if c not in used]
+        for n in names:
+            if n not in colours:
+                colours[n] = free.pop(0)
+    return colours
+
+
+# The reasons one chart shows side by side: misses; skipped stores (two share miss reasons'
+# names); failed loads (and tier_unhealthy, a miss reason too).
+REASON_COLOURS = _distinct_within(
+    (
+        MISS_REASONS,
+        (*SKIP_REASONS, "unsupported_input", "invalid_params"),
+        (*FAILURE_REASONS, "tier_unhealthy"),
+    )
 )
 
 _FIXED: dict[str, str] = {}
@@ -117,6 +155,8 @@ def _shade_index(words: str) -> int:
 
 
 def _from_vocabularies(name: str) -> str | None:
+    if name in REASON_COLOURS:
+        return REASON_COLOURS[name]
     for vocabulary in VOCABULARIES:
         if name in vocabulary:
             return OTHERS[vocabulary.index(name) % len(OTHERS)]
@@ -139,7 +179,11 @@ def colour(series: str) -> str:
     for source, hue in SOURCES.items():
         if name.startswith(source + ",") or name.startswith(source + " "):
             rest = name[len(source) :]
-            found = _from_vocabularies(rest.strip(" ,"))  # "KVLens lookup": the operation's colour
+            # "KVLens lookup", "failed blocks corrupt": the operation's, the reason's colour
+            last = rest.split()[-1] if rest.split() else ""
+            found = _from_vocabularies(rest.strip(" ,")) or (
+                _from_vocabularies(last) if last in REASONS else None
+            )
             return found if found is not None else shade(hue, _shade_index(rest))
     found = _from_vocabularies(name)
     return found if found is not None else OTHERS[_stable(name) % len(OTHERS)]

@@ -327,12 +327,21 @@ def assert_one_colour_per_source(colours: list[tuple[str, str, str]]) -> None:
     plain: dict[str, set[str]] = {}
     charts_of: dict[str, set[str]] = {}
     for chart, name, drawn in colours:
-        words = name.replace(",", " ").split()
-        tiers = [w for w in words if w in palette.TIERS]
-        key = tiers[0] if tiers else name
-        if len(tiers) == 1 and set(words) - {key} <= {"KVLens", "saved"} or name in palette.SOURCES:
+        key = plain_source(name)
+        if key is not None:
             plain.setdefault(key, set()).add(drawn)
             charts_of.setdefault(key, set()).add(chart)
     assert {k: len(v) for k, v in plain.items()} == dict.fromkeys(plain, 1), plain
     # not vacuous: the CPU and disk tiers and vLLM's prefix cache are each drawn in several charts
     assert all(len(charts_of.get(k, ())) >= 2 for k in ("cpu", "disk", "vLLM prefix cache")), charts_of
+
+
+def plain_source(name: str) -> str | None:
+    """The source or tier a series name names plainly ("KVLens cpu", "saved, disk", "vLLM prefix
+    cache, tokens"), or None for a variant ("load cpu", "KVLens, requests") or anything else."""
+    words = name.replace(",", " ").split()
+    tiers = [w for w in words if w in palette.TIERS]
+    if len(tiers) == 1 and set(words) - {tiers[0]} <= {"KVLens", "saved"}:
+        return tiers[0]
+    source = name.removesuffix(", tokens")
+    return source if source in palette.SOURCES else None

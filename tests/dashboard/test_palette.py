@@ -115,6 +115,17 @@ def test_sources_and_tiers_have_distinct_colours_and_series_of_one_chart_differ(
         ("p50", "p95", "p99"),
         ("lookup", "load", "store"),
         ("vLLM external hits", "KVLens held at lookup", "KVLens loaded"),
+        tuple(palette.MISS_REASONS),  # one chart: misses by reason
+        (
+            "consumer_role",
+            "force_skip_save",
+            "skip_save",
+            "priority_limit",
+            "unsupported_input",
+            "invalid_params",
+        ),
+        tuple(f"failed blocks {r}" for r in (*palette.FAILURE_REASONS, "tier_unhealthy")),
+        palette.LEAK_GAUGES,
     ):
         colours = [palette.colour(n) for n in names]
         assert len(set(colours)) == len(colours), dict(zip(names, colours, strict=True))
