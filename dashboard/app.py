@@ -45,7 +45,7 @@ from dashboard import (  # noqa: E402
     views,
 )
 from dashboard.catalog import MISS_REASONS  # noqa: E402
-from dashboard.layout import NO_TRAFFIC, chart  # noqa: E402
+from dashboard.layout import NO_TRAFFIC, chart, table  # noqa: E402
 from dashboard.urls import NotHttpURL  # noqa: E402
 
 ALL = "All instances (sum)"
@@ -156,7 +156,7 @@ def overview(frame: pd.DataFrame, fleet: pd.DataFrame, window: float) -> None:
     with right:
         st.subheader("Per instance")
         percent = st.column_config.NumberColumn(format="percent")
-        st.dataframe(views.instance_table(fleet), width="stretch", column_config={"KVLens hit rate": percent})
+        table(views.instance_table(fleet), width="stretch", column_config={"KVLens hit rate": percent})
     st.caption(f"Rates over {window:.0f} s windows. KVLens per tier: tokens it loaded into vLLM.")
 
 
@@ -230,16 +230,16 @@ def tiers_and_leaks(frame: pd.DataFrame, fleet: pd.DataFrame, window: float, idl
         )
     if not flags:
         st.success(f"No leak: every leak gauge returns to 0 once an engine is idle for {idle_for_s:.0f} s.")
-    table = views.tier_table(frame)
+    tiers = views.tier_table(frame)
     left, right = st.columns(2)
     with left:
         st.subheader("Tiers: used of capacity")
-        if table.empty:
+        if tiers.empty:
             st.info("No tier reported yet.")
         else:
-            st.altair_chart(charts.tier_fill(table), width="stretch")
+            st.altair_chart(charts.tier_fill(tiers), width="stretch")
             fill = st.column_config.NumberColumn(format="percent")
-            st.dataframe(table, width="stretch", column_config={"fill": fill})
+            table(tiers, width="stretch", column_config={"fill": fill})
     with right:
         st.subheader("Evictions")
         evictions = views.rate(frame, views.kvlens("evictions"), ("tier",), window)
@@ -309,12 +309,12 @@ def failures_view(frame: pd.DataFrame, window: float, logs: tuple[str, ...]) -> 
     chosen_logs = cols[2].multiselect("Log", sorted(events["log"].unique()), key="ev_log")
     request = cols[3].text_input("Request id contains", key="ev_request")
     shown = failures.filter_events(events, tiers, reasons, request, chosen_logs)
-    st.dataframe(
+    table(
         shown.rename(columns={"num_blocks": "blocks", "tokens_affected": "tokens recomputed"}),
         width="stretch",
         hide_index=True,
     )
-    st.dataframe(failures.summary(shown), width="stretch", hide_index=True)
+    table(failures.summary(shown), width="stretch", hide_index=True)
 
 
 def requests_view(logs: tuple[str, ...]) -> None:
@@ -333,7 +333,7 @@ def requests_view(logs: tuple[str, ...]) -> None:
     request_search(frame)
     misses_by_reason(frame)
     st.subheader("Latest requests")
-    st.dataframe(frame.head(200), width="stretch", hide_index=True)
+    table(frame.head(200), width="stretch", hide_index=True)
 
 
 def request_search(frame: pd.DataFrame) -> None:
@@ -350,7 +350,7 @@ def request_search(frame: pd.DataFrame) -> None:
         return
     for _, row in found.head(5).iterrows():
         st.text(request_records.explain(row))
-    st.dataframe(found, width="stretch", hide_index=True)
+    table(found, width="stretch", hide_index=True)
 
 
 def misses_by_reason(frame: pd.DataFrame) -> None:
@@ -360,7 +360,7 @@ def misses_by_reason(frame: pd.DataFrame) -> None:
         st.info("No logged request missed: KVLens supplied every prompt it had stored.")
         return
     left, right = st.columns([1, 2])
-    left.dataframe(counts, width="stretch", hide_index=True)
+    table(where=left, data=counts, width="stretch", hide_index=True)
     labels = dict(zip(counts["miss_reason"], counts["requests"], strict=True))
     reason = right.selectbox(
         "Requests that missed because",
@@ -369,10 +369,25 @@ def misses_by_reason(frame: pd.DataFrame) -> None:
         key="rq_reason",
     )
     shown = request_records.requests_missing_for(frame, reason)
-    right.dataframe(shown.head(500), width="stretch", hide_index=True)
+    table(where=right, data=shown.head(500), width="stretch", hide_index=True)
+
+
+# While a refresh re-runs the live part, Streamlit marks what it has not sent again yet as stale
+# and greys it out after half a second. A periodic refresh is not a change the reader made: the
+# last figures stay readable until the new ones replace them (Streamlit's running indicator
+# still shows that a refresh is under way).
+KEEP_READABLE = (
+    "<style>.st-key-live [data-stale='true'], .st-key-live [data-stale='true'] * "
+    "{opacity: 1 !important; transition: none !important;}</style>"
+)
 
 
 def live(cfg: settings.Settings) -> None:
+    with st.container(key="live"):
+        _live(cfg)
+
+
+def _live(cfg: settings.Settings) -> None:
     with guarded("The data"):
         fleet, statuses, window = load(cfg)
         for status in statuses:
@@ -385,23 +400,24 @@ def live(cfg: settings.Settings) -> None:
         choice = st.selectbox("Instance", [ALL, *names], key="instance") if len(names) > 1 else ALL
         frame = fleet if choice == ALL else views.for_instances(fleet, [choice])
         idle_for_s = max(30.0, 3 * cfg.refresh_s)
-        tabs = st.tabs(list(ROWS))
-        with tabs[0], guarded("Overview"):
-            overview(frame, fleet, window)
-        with tabs[1], guarded("Hits and misses"):
-            hits_and_misses(frame, window)
-        with tabs[2], guarded("Latency and throughput"):
-            latency_and_throughput(frame, window)
-        with tabs[3], guarded("Tiers and leaks"):
-            tiers_and_leaks(frame, fleet, window, idle_for_s)
-        with tabs[4], guarded("Failures"):
-            failures_view(frame, window, cfg.events)
-        with tabs[5], guarded("Requests"):
-            requests_view(cfg.requests)
-        with tabs[6], guarded("Insights"):
-            insights_page.show(frame, fleet, window)
-        with tabs[7], guarded("Tenants"):
-            tenants_page.show(frame, window)
+        sections = {
+            "Overview": lambda: overview(frame, fleet, window),
+            "Hits and misses": lambda: hits_and_misses(frame, window),
+            "Latency and throughput": lambda: latency_and_throughput(frame, window),
+            "Tiers and leaks": lambda: tiers_and_leaks(frame, fleet, window, idle_for_s),
+            "Failures": lambda: failures_view(frame, window, cfg.events),
+            "Requests": lambda: requests_view(cfg.requests),
+            "Insights": lambda: insights_page.show(frame, fleet, window),
+            "Tenants": lambda: tenants_page.show(frame, window),
+        }
+        # Only the open tab is computed and sent, at each refresh and when another is opened
+        # (the refresh re-runs this fragment: the less it does, the less of the page is stale).
+        tabs = st.tabs(list(ROWS), key="section", on_change="rerun")
+        for tab, name in zip(tabs, ROWS, strict=True):
+            with tab:
+                if tab.open:
+                    with guarded(name):
+                        sections[name]()
         st.caption(f"Updated {time.strftime('%H:%M:%S')}; refreshes every {cfg.refresh_s:g} s.")
 
 
@@ -409,6 +425,7 @@ def main() -> None:
     st.set_page_config(page_title="KVLens", layout="wide")
     st.set_option("client.showErrorDetails", "none")
     st.title("KVLens")
+    st.markdown(KEEP_READABLE, unsafe_allow_html=True)
     address = st_config.get_option("server.address")
     if _served() and settings.listens_everywhere_by_default(
         address, st_config.get_where_defined("server.address")

@@ -1,4 +1,5 @@
-"""Altair charts for the views: every chart names its unit on the value axis."""
+"""Altair charts for the views: every chart names its unit on the value axis, and colours each
+series by ``dashboard.palette`` (one colour per source and tier, whatever else a chart holds)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from dataclasses import dataclass
 
 import altair as alt
 import pandas as pd
+
+from . import palette
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +31,19 @@ TOKENS = Unit("tokens", ",.4~s")
 
 HEIGHT = 240
 TIME_AXIS = alt.Axis(format="%H:%M:%S", labelOverlap=True)
+BOTTOM = alt.Legend(orient="bottom")
+
+
+def colours(field: str, names, legend: alt.Legend | None = None, title: str | None = None) -> alt.Color:
+    """A colour channel on ``field`` whose scale maps each name to its palette colour: an
+    explicit domain and range, so the colour never depends on which other names exist."""
+    domain, colours_ = palette.scale(names)
+    return alt.Color(
+        f"{field}:N",
+        title=title,
+        scale=alt.Scale(domain=domain, range=colours_),
+        legend=legend,
+    )
 
 
 def to_long(wide: pd.DataFrame, factor: float = 1.0) -> pd.DataFrame:
@@ -38,6 +54,7 @@ def to_long(wide: pd.DataFrame, factor: float = 1.0) -> pd.DataFrame:
     long = long.dropna(subset=["value"])
     long["time"] = pd.to_datetime(long["t"], unit="s", utc=True)
     long["value"] = long["value"].astype(float) * factor
+    long["series"] = long["series"].astype(str)
     return long[["time", "series", "value"]]
 
 
@@ -52,7 +69,7 @@ def line(wide: pd.DataFrame, unit: Unit, stack: bool = False, zero_to_one: bool 
     return mark.encode(
         x=alt.X("time:T", title=None, axis=TIME_AXIS),
         y=y,
-        color=alt.Color("series:N", title=None, legend=alt.Legend(orient="bottom")),
+        color=colours("series", wide.columns, BOTTOM),
         tooltip=[
             alt.Tooltip("time:T", format="%H:%M:%S"),
             "series:N",
@@ -70,7 +87,7 @@ def bars(values: pd.Series, unit: Unit, label: str = "") -> alt.Chart:
         .encode(
             y=alt.Y("name:N", title=label or None, sort=None),
             x=alt.X("value:Q", title=unit.title, axis=alt.Axis(format=unit.fmt)),
-            color=alt.Color("name:N", legend=None),
+            color=colours("name", data["name"]),
             tooltip=["name:N", alt.Tooltip("value:Q", format=unit.fmt, title=unit.title)],
         )
         .properties(height=alt.Step(28))
@@ -94,7 +111,7 @@ def tier_fill(table: pd.DataFrame) -> alt.Chart:
     ]
     x = alt.X("full:Q", title="used of capacity", axis=alt.Axis(format=".0%"), scale=alt.Scale(domain=[0, 1]))
     capacity = base.mark_bar(color="#dddddd").encode(x=x, tooltip=tooltip)
-    used = base.mark_bar().encode(x="fill:Q", color=alt.Color("tier:N", legend=None), tooltip=tooltip)
+    used = base.mark_bar().encode(x="fill:Q", color=colours("tier", data["tier"]), tooltip=tooltip)
     return (capacity + used).properties(height=alt.Step(32))
 
 
@@ -107,7 +124,7 @@ def event_timeline(events: pd.DataFrame) -> alt.Chart:
             x=alt.X("time:T", title=None, axis=TIME_AXIS),
             y=alt.Y("tier:N", title="tier"),
             size=alt.Size("num_blocks:Q", title="blocks", scale=alt.Scale(range=[60, 600])),
-            color=alt.Color("reason_kind:N", title="reason", legend=alt.Legend(orient="bottom")),
+            color=colours("reason_kind", sorted(events["reason_kind"].unique()), BOTTOM, "reason"),
             tooltip=[
                 alt.Tooltip("time:T", format="%Y-%m-%d %H:%M:%S"),
                 "request_id:N",
@@ -140,7 +157,7 @@ def whatif(curves: pd.DataFrame) -> alt.Chart:
         .encode(
             x=x,
             y=y,
-            color=alt.Color("series:N", title=None, legend=alt.Legend(orient="bottom")),
+            color=colours("series", curves["series"], BOTTOM),
             tooltip=tooltip,
         )
     )

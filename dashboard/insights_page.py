@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from . import charts, insights, text
-from .layout import NO_TRAFFIC, chart
+from .layout import NO_TRAFFIC, chart, table
 
 
 def sizing(frame: pd.DataFrame) -> None:
@@ -28,14 +28,14 @@ def sizing(frame: pd.DataFrame) -> None:
 
 def identity(fleet: pd.DataFrame) -> None:
     st.subheader("Instances and who can share KV")
-    table = insights.instance_identity(fleet)
-    if table.empty:
+    shared = insights.instance_identity(fleet)
+    if shared.empty:
         st.info("No instance reports vllm:kvlens_info yet.")
         return
-    for name in table.index[table["alone"]]:
-        if len(table) > 1:
+    for name in shared.index[shared["alone"]]:
+        if len(shared) > 1:
             st.warning(f"{name} shares KV with no other instance (key, chunk size or storage differ).")
-    st.dataframe(table, width="stretch")
+    table(shared, width="stretch")
     st.caption(
         "Instances share KV only with equal key fingerprint and chunk size and a common storage "
         "entry; a group links instances directly or through others."

@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from . import charts
+from .text import UNKNOWN
 
 NO_TRAFFIC = "No traffic in range."
 
@@ -16,3 +17,8 @@ def chart(wide: pd.DataFrame, unit: charts.Unit, empty: str, **kwargs) -> None:
         st.info(empty)
     else:
         st.altair_chart(charts.line(wide, unit, **kwargs), width="stretch")
+
+
+def table(data: pd.DataFrame, where=st, **kwargs) -> None:
+    """A table whose missing values (a ratio of nothing, a cost not measured) read "–", not None."""
+    where.dataframe(data, placeholder=UNKNOWN, **kwargs)

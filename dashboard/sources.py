@@ -129,7 +129,11 @@ class MetricsHistory:
     ) -> None:
         self.url = http_url(url)
         self.instance = instance_of(self.url)
-        self._points: deque[tuple[float, list[Sample]]] = deque(maxlen=max_points)
+        # The rows of each scrape kept (a count per scrape) and their frame, extended by each
+        # scrape: a refresh re-reads the history, it does not rebuild it.
+        self._points: deque[int] = deque()
+        self._max_points = max_points
+        self._frame = empty_frame()
         self._min_interval_s = min_interval_s
         self._fetch = fetch
         self._clock = clock
@@ -145,21 +149,28 @@ class MetricsHistory:
             self._last_try = now
             samples, self.status = scrape(self.url, self._fetch)
             if samples:
-                self._points.append((now, samples))
+                self._append(self._point(now, samples))
             return self.status
+
+    def _append(self, point: pd.DataFrame) -> None:
+        dropped = 0
+        while len(self._points) >= self._max_points:
+            dropped += self._points.popleft()
+        self._points.append(len(point))
+        kept = self._frame.iloc[dropped:]
+        self._frame = pd.concat([kept, point], ignore_index=True) if not kept.empty else point
 
     def __len__(self) -> int:
         return len(self._points)
 
-    def frame(self) -> pd.DataFrame:
-        with self._lock:
-            points = list(self._points)
-        rows = [
-            (t, self.instance, name, *labels, value)
-            for t, samples in points
-            for name, labels, value in samples
-        ]
+    def _point(self, t: float, samples: list[Sample]) -> pd.DataFrame:
+        rows = [(t, self.instance, name, *labels, value) for name, labels, value in samples]
         return pd.DataFrame(rows, columns=list(COLUMNS))
+
+    def frame(self) -> pd.DataFrame:
+        """Every scrape kept, oldest first (shared until the next scrape: do not modify it)."""
+        with self._lock:
+            return self._frame
 
 
 def empty_frame() -> pd.DataFrame:

@@ -7,7 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from . import charts, tenants
-from .layout import NO_TRAFFIC, chart
+from .layout import NO_TRAFFIC, chart, table
 
 ABOUT = (
     "A tenant is a cache salt or a set of key tags (lmcache.tag.*): requests of different tenants "
@@ -24,7 +24,7 @@ def show(frame: pd.DataFrame, window: float) -> None:
         return
     st.subheader("Per tenant since start")
     percent = st.column_config.NumberColumn(format="percent")
-    st.dataframe(tenants.table(frame), width="stretch", column_config={"hit ratio": percent})
+    table(tenants.table(frame), width="stretch", column_config={"hit ratio": percent})
     left, right = st.columns(2)
     with left:
         st.subheader("Hit ratio per tenant")

@@ -7,6 +7,7 @@ import math
 from . import failures, logfiles, sources
 
 ERROR, WARNING, INFO = "error", "warning", "info"
+UNKNOWN = "–"  # an unknown number (a ratio of nothing looked up, a cost not measured yet)
 
 
 def status_message(status: sources.Status) -> tuple[str, str] | None:
@@ -72,7 +73,7 @@ def skipped_message(status: logfiles.LogStatus) -> str | None:
 def number(value: float | None, unit: str = "") -> str:
     """1234567 -> '1.23M', with an optional unit; '–' when unknown."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
+        return UNKNOWN
     for size, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(value) >= size:
             return f"{value / size:.3g}{suffix}{' ' + unit if unit else ''}"
@@ -82,7 +83,7 @@ def number(value: float | None, unit: str = "") -> str:
 
 def seconds(value: float | None) -> str:
     if value is None or math.isnan(value):
-        return "–"
+        return UNKNOWN
     if value < 1:
         return f"{value * 1000:.3g} ms"
     if value < 120:
@@ -93,4 +94,4 @@ def seconds(value: float | None) -> str:
 
 
 def percent(value: float | None) -> str:
-    return "–" if value is None or math.isnan(value) else f"{value:.1%}"
+    return UNKNOWN if value is None or math.isnan(value) else f"{value:.1%}"

@@ -10,6 +10,7 @@ check. Time series come back "wide": indexed by ``time`` (epoch seconds), one co
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -23,15 +24,50 @@ SERIES = ("instance", "name", *LABELS)
 DEFAULT_WINDOW_S = 30.0
 
 
+@dataclass(frozen=True, slots=True)
+class _Index:
+    frame: pd.DataFrame  # held, so that its id is not reused while the entry lives
+    by_name: dict[str, pd.DataFrame]
+    instance_times: dict[str, np.ndarray]
+
+
+_INDEXES: dict[int, _Index] = {}
+_INDEXES_KEPT = 4
+_INDEX_LOCK = threading.Lock()
+
+
+def _index(frame: pd.DataFrame) -> _Index:
+    """The frame split by metric name, and each instance's read times, computed once per frame:
+    a page draws a dozen views from one frame, and filtering all of its rows for each costs
+    more than drawing them (the last few frames are kept; frames are never modified)."""
+    with _INDEX_LOCK:
+        held = _INDEXES.get(id(frame))
+    if held is not None and held.frame is frame:
+        return held
+    by_name = {str(n): g for n, g in frame.groupby("name", sort=False)} if not frame.empty else {}
+    times = {i: np.sort(g["time"].unique()) for i, g in frame.groupby("instance")} if not frame.empty else {}
+    built = _Index(frame, by_name, times)
+    with _INDEX_LOCK:
+        _INDEXES[id(frame)] = built
+        while len(_INDEXES) > _INDEXES_KEPT:
+            del _INDEXES[next(iter(_INDEXES))]
+    return built
+
+
 def select(frame: pd.DataFrame, name: str, **labels: str) -> pd.DataFrame:
-    df = frame[frame["name"] == name]
+    df = _index(frame).by_name.get(name)
+    if df is None:
+        return frame.iloc[0:0]
     for k, v in labels.items():
         df = df[df[k] == v]
     return df
 
 
 def for_instances(frame: pd.DataFrame, instances: Sequence[str] | None) -> pd.DataFrame:
-    return frame if not instances else frame[frame["instance"].isin(list(instances))]
+    """The rows of these instances (the frame itself when it holds no other)."""
+    if not instances or set(_index(frame).instance_times) <= set(instances):
+        return frame
+    return frame[frame["instance"].isin(list(instances))]
 
 
 def instances(frame: pd.DataFrame) -> list[str]:
@@ -60,7 +96,7 @@ def _cumulative(df: pd.DataFrame, instance_times: dict[str, np.ndarray]) -> pd.D
 
 
 def _instance_times(frame: pd.DataFrame) -> dict[str, np.ndarray]:
-    return {i: np.sort(g["time"].unique()) for i, g in frame.groupby("instance")}
+    return _index(frame).instance_times
 
 
 def _rates(frame: pd.DataFrame, name: str, window_s: float, **labels: str) -> pd.DataFrame:

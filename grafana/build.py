@@ -26,6 +26,8 @@ from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as model
 from grafana_foundation_sdk.models import prometheus as prom_model
 
+from dashboard import palette
+
 from .panels import (
     FAILED_LOADS_ANNOTATION,
     PANELS,
@@ -103,6 +105,35 @@ def _reshaped(b: Any, p: Panel) -> Any:
     return b
 
 
+# The values a legend template can take whose series have a colour of their own in the palette
+# (instances, tenants and reasons have none here: Grafana's classic palette colours them).
+TEMPLATE_VALUES: dict[str, tuple[str, ...]] = {
+    "tier": tuple(palette.TIERS),
+    "source": tuple(palette.ALIASES),
+    "operation": palette.OPERATIONS,
+}
+
+
+def series_names(legend: str) -> list[str]:
+    """Every series name a legend template gives for the label values of ``TEMPLATE_VALUES``;
+    none for a template on other labels."""
+    names = [legend]
+    for label, values in TEMPLATE_VALUES.items():
+        token = "{{" + label + "}}"
+        if token in legend:
+            names = [n.replace(token, v) for n in names for v in values]
+    return [n for n in names if n and "{{" not in n]
+
+
+def _coloured(b: Any, p: Panel) -> Any:
+    """A per-series override fixing each known series' colour to the app's (``dashboard.palette``)."""
+    names = dict.fromkeys(n for t in p.targets for n in series_names(t.legend))
+    for name in names:
+        fixed = {"mode": "fixed", "fixedColor": palette.colour(name)}
+        b = b.override_by_name(name, [model.DynamicConfigValue(id_val="color", value=fixed)])
+    return b
+
+
 def _panel(p: Panel, panel_id: int) -> cogbuilder.Builder[model.Panel]:
     instant = p.kind in (STAT, TREND, TABLE)
     kinds: dict[str, Any] = {STAT: stat.Panel, TREND: trend.Panel, TABLE: table.Panel}
@@ -133,6 +164,7 @@ def _panel(p: Panel, panel_id: int) -> cogbuilder.Builder[model.Panel]:
         b = b.tooltip(common_b.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI))
         if p.stack:
             b = b.stacking(common_b.StackingConfig().mode(common.StackingMode.NORMAL))
+        b = _coloured(b, p)
     if p.traces:
         link = dash.DashboardLink("Traces: " + p.traces).url(trace_search_url(p.traces)).target_blank(True)
         b = b.links([link])

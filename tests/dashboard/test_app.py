@@ -37,6 +37,12 @@ def page_text(at: AppTest) -> str:
     return "\n".join(parts)
 
 
+def opened(at: AppTest, tab: str) -> AppTest:
+    """The app re-run with ``tab`` open (a person's click on it)."""
+    at.session_state["section"] = tab
+    return at.run()
+
+
 def assert_clean(at: AppTest) -> None:
     assert not at.exception, [e.value for e in at.exception]
     assert not any("could not be shown" in t for t in texts(at.error)), texts(at.error)
@@ -78,7 +84,13 @@ def test_live_endpoint_charts_and_an_unreachable_one(
     # This capture has no engine-measured prefill cost: unknown, not a guess from vLLM's
     # per-request prefill times (test_prefill_cost.py; with the measure: the insights test).
     assert metrics["Prefill time saved (estimated)"] == "–"
-    assert len(charts(app)) >= 8
+    assert len(charts(app)) >= 2
+    # Only the open tab is computed: no other tab's table or chart is sent.
+    assert not [d for d in app.dataframe if "request_id" in d.value.columns]
+    assert "Failed blocks by reason" not in texts(app.subheader)
+    opened(app, "Failures")
+    assert_clean(app)
+    assert "Failed blocks by reason" in texts(app.subheader) and not app.metric
     events_table = [d for d in app.dataframe if "request_id" in d.value.columns][0]
     assert sorted(events_table.value["request_id"]) == ["cmpl-a-0", "cmpl-b-0"]
     app.multiselect(key="ev_tier").select("disk").run()
@@ -93,6 +105,7 @@ def test_an_endpoint_without_kvlens_says_so(app, monkeypatch, text_server):
     app.run()
     assert_clean(app)
     assert any(t.startswith("No KVLens metrics at this endpoint") for t in texts(app.warning))
+    opened(app, "Failures")
     assert any(t.startswith("No events yet") for t in texts(app.info))
 
 
@@ -132,6 +145,7 @@ def test_the_requests_view_finds_a_request_and_lists_misses_by_reason(
     with open(log, "ab") as f:
         f.write(b"garbage\n")
     app.run()
+    opened(app, "Requests")
     assert_clean(app)
     assert any(t.startswith("Skipped 1 unreadable line") for t in texts(app.warning))
     assert request_tables(app) == [["cmpl-a-0"], ["cmpl-c-0", "cmpl-b-0", "cmpl-a-0"]]
@@ -155,11 +169,13 @@ def test_the_requests_view_finds_a_request_and_lists_misses_by_reason(
 def test_the_requests_view_without_a_log_or_with_an_empty_one(app, monkeypatch, closed_port, tmp_path):
     monkeypatch.setenv("KVLENS_DASHBOARD_METRICS", f"127.0.0.1:{closed_port}")
     app.run()
+    opened(app, "Requests")
     assert_clean(app)
     assert any(t.startswith("Request log not enabled: set KVLENS_REQUEST_LOG=") for t in texts(app.info))
     monkeypatch.setenv("KVLENS_REQUEST_LOG", str(tmp_path / "requests.jsonl"))
     fresh = AppTest.from_file(APP, default_timeout=60)
     fresh.run()
+    opened(fresh, "Requests")
     assert_clean(fresh)
     assert any(t.startswith("No requests logged yet") for t in texts(fresh.info))
 
@@ -174,17 +190,20 @@ def test_the_insights_view_shows_sizing_advice_identity_and_time_saved(
     monkeypatch.setitem(sys.modules, "connector.engine.whatif", fake)
     app.run()
     time.sleep(1.1)
-    app.run()
+    metrics = {m.label: m.value for m in app.run().metric}
+    assert metrics["Prefill time saved (estimated)"] == "3.75 s"
+    opened(app, "Insights")
     assert_clean(app)
     markdown = texts(app.markdown)
     assert "**cpu**: advice for cpu at 40%" in markdown and "**disk**: advice for disk at 60%" in markdown
-    assert any("other_namespace" in t and "load_failed" in t for t in markdown)
     (identity,) = [d.value for d in app.dataframe if "key fingerprint" in d.value.columns]
     assert identity.loc[text_server.endpoint, "key fingerprint"] == "3f2a91c04b7e"
     assert bool(identity.loc[text_server.endpoint, "alone"])
     metrics = {m.label: m.value for m in app.metric}
-    assert metrics["Prefill time saved"] == "3.75 s" and metrics["Prefill time saved (estimated)"] == "3.75 s"
+    assert metrics["Prefill time saved"] == "3.75 s"
     assert metrics["Prefill cost per token"] == "0.2 ms"
+    opened(app, "Hits and misses")  # what each miss reason means, the newer ones included
+    assert any("other_namespace" in t and "load_failed" in t for t in texts(app.markdown))
 
 
 def test_the_insights_view_without_the_new_series_or_the_advice_module(
@@ -194,6 +213,7 @@ def test_the_insights_view_without_the_new_series_or_the_advice_module(
     monkeypatch.setenv("KVLENS_DASHBOARD_METRICS", text_server.endpoint)
     monkeypatch.setitem(sys.modules, "connector.engine.whatif", None)
     app.run()
+    opened(app, "Insights")
     assert_clean(app)
     assert any(t.startswith("No what-if estimate yet") for t in texts(app.info))
     assert any(t.startswith("No instance reports vllm:kvlens_info") for t in texts(app.info))
@@ -304,7 +324,7 @@ def test_the_tenants_view_shows_each_tenant_by_its_id(app, monkeypatch, text_ser
     monkeypatch.setenv("KVLENS_DASHBOARD_METRICS", text_server.endpoint)
     app.run()
     time.sleep(1.1)
-    app.run()
+    opened(app, "Tenants")
     assert_clean(app)
     (table,) = [d.value for d in app.dataframe if "hit ratio" in d.value.columns]
     assert set(table.index) == {"default", "other", "salt:a575499155", "salt:bd9603f407", "user:c0147d233c"}
@@ -319,5 +339,29 @@ def test_the_tenants_view_without_tenant_series_says_so(app, monkeypatch, text_s
     text_server.text = metrics_text
     monkeypatch.setenv("KVLENS_DASHBOARD_METRICS", text_server.endpoint)
     app.run()
+    opened(app, "Tenants")
     assert_clean(app)
     assert any(t.startswith("No per-tenant series yet") for t in texts(app.info))
+
+
+def test_an_unknown_ratio_reads_as_a_dash_never_none(app, monkeypatch, text_server, metrics_text):
+    """An instance that looked nothing up has no hit rate: the metric, and every table cell that
+    holds a missing value, read "–" (a table shows its placeholder for missing values)."""
+    import re
+
+    nothing = re.sub(
+        r"^(vllm:kvlens_(lookup|hit)_tokens_total\{.*\}) [0-9.e+]+$", r"\1 0.0", metrics_text, flags=re.M
+    )
+    text_server.text = nothing
+    monkeypatch.setenv("KVLENS_DASHBOARD_METRICS", text_server.endpoint)
+    app.run()
+    assert_clean(app)
+    assert {m.label: m.value for m in app.metric}["Prompt tokens KVLens held"] == "–"
+    (per_instance,) = [d for d in app.dataframe if "KVLens hit rate" in d.value.columns]
+    assert per_instance.value["KVLens hit rate"].isna().all()
+    tables = list(app.dataframe)
+    for tab in ("Tiers and leaks", "Insights", "Failures"):
+        tables += list(opened(app, tab).dataframe)
+        assert_clean(app)
+    assert len(tables) >= 2
+    assert [t.proto.placeholder for t in tables] == ["–"] * len(tables)

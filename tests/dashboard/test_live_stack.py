@@ -3,17 +3,16 @@ enough to evict, and a disk tier), a real Prometheus scraping it every second wi
 rules at 1/60 of their durations, and a short workload with hits from both tiers, misses, a
 skipped store, evictions and a failed load. Then every Grafana panel's query returns data,
 every metric name exists, the alerts fire and resolve, and the Streamlit app works under
-AppTest and in headless Chromium (whose screenshot is kept under .run/artifacts/)."""
+AppTest and in headless Chromium: one colour per source and tier in every chart, and a page
+that stays readable while it refreshes (screenshots, colours and the share of time the page
+was greyed out are kept under .run/artifacts/)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,10 +20,24 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
+from dashboard import palette
 from dashboard.catalog import VLLM_SAMPLE_NAMES, kvlens_sample_names
 from grafana.panels import FAILED_LOADS_ANNOTATION, PANELS, with_selector
 from tests.telemetry.serve import REPO, VllmServer, base_env, build_tiny_model, free_port, kv_transfer_config
 
+from .browser import (
+    assert_no_exception,
+    charts_drawn,
+    chromium,
+    healthy,
+    legend_colours,
+    open_tab,
+    staleness,
+    streamlit_server,
+    tab_names,
+    updated_stamp,
+    wait,
+)
 from .prom import PrometheusServer, finite_values, scale_durations
 from .promql import RULES, concrete, dashboard_exprs, metric_names, rule_exprs
 from .serving import listening_addresses
@@ -190,6 +203,10 @@ def test_streamlit_app_on_the_live_endpoint_and_event_log(app, monkeypatch, live
     metrics = {m.label: m.value for m in app.metric}
     assert metrics["Prompt tokens loaded by KVLens"] not in ("0", "–")
     assert metrics["Requests with failed loads"] == "1"
+    assert app.get("vega_lite_chart")
+    app.session_state["section"] = "Failures"  # only the open tab is computed
+    app.run()
+    assert_clean(app)
     (events,) = [d.value for d in app.dataframe if "request_id" in d.value.columns]
     (row,) = events[events["request_id"].str.startswith(live.failed["id"])].to_dict("records")
     assert (row["tier"], row["reason_kind"], row["blocks"], row["tokens recomputed"]) == (
@@ -198,7 +215,6 @@ def test_streamlit_app_on_the_live_endpoint_and_event_log(app, monkeypatch, live
         4,
         512,
     )
-    assert app.get("vega_lite_chart")
 
 
 def test_streamlit_app_on_prometheus(app, monkeypatch, live):
@@ -206,9 +222,15 @@ def test_streamlit_app_on_prometheus(app, monkeypatch, live):
     app.run()
     assert_clean(app)
     assert live.target in app.selectbox(key="instance").options
-    assert len(app.get("vega_lite_chart")) >= 10  # history from Prometheus: rates at once
     metrics = {m.label: m.value for m in app.metric}
     assert metrics["Prompt tokens KVLens held"].endswith("%")
+    drawn = len(app.get("vega_lite_chart"))
+    for tab in ("Hits and misses", "Latency and throughput", "Tiers and leaks"):  # one at a time
+        app.session_state["section"] = tab
+        app.run()
+        assert_clean(app)
+        drawn += len(app.get("vega_lite_chart"))
+    assert drawn >= 10  # history from Prometheus: rates at once
 
 
 def test_alerts_fire_and_resolve_as_their_tests_say(live):
@@ -229,70 +251,34 @@ def test_alerts_fire_and_resolve_as_their_tests_say(live):
     assert "KVLensStateLeakWhileIdle" not in fired and "KVLensNoMetrics" not in fired
 
 
-def streamlit_server(live, port: int, log: Path) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "streamlit",
-        "run",
-        "dashboard/app.py",
-        "--server.headless=true",
-        f"--server.port={port}",  # no --server.address: the repository's config binds 127.0.0.1
-        "--browser.gatherUsageStats=false",
-        "--",
-        "--metrics",
-        live.target,
-        "--events",
-        str(live.events),
-        "--refresh",
-        "2",
-    ]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-
-
-def chromium(width: int = 1500, height: int = 1250):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        options.add_argument(arg)
-    options.add_argument(f"--window-size={width},{height}")
-    service = Service(shutil.which("chromedriver") or "/usr/bin/chromedriver")
-    return webdriver.Chrome(service=service, options=options)
-
-
-def wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise TimeoutError(f"{what} not seen within {timeout}s")
-
-
 def test_app_in_headless_chromium(live, tmp_path):
+    """The app as a person sees it, with traffic: it refreshes without reloading, stays
+    readable while it does (sampled for 30 s: the share of the page greyed out as stale), gives
+    each source and tier one colour in every chart of every tab, and every tab draws."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    proc = streamlit_server(live, port, tmp_path / "streamlit.log")
+    args = ("--metrics", live.target, "--events", str(live.events), "--refresh", str(REFRESH_S))
+    proc = streamlit_server(port, tmp_path / "streamlit.log", *args)
     driver = None
     try:
-        wait(lambda: _health(port), 60, "streamlit health")
+        wait(lambda: healthy(port), 60, "streamlit health")
         assert listening_addresses(port) == {"127.0.0.1"}
         driver = chromium()
         with Background(Traffic(live.server, seed=9000)) as traffic:
             driver.get(f"http://127.0.0.1:{port}")
 
-            wait(lambda: charts_drawn(driver) >= 3, 90, "the overview charts")
+            wait(lambda: charts_drawn(driver) >= 2, 90, "the overview charts")
             stamp = updated_stamp(driver)
             wait(lambda: updated_stamp(driver) not in ("", stamp), 20, "a refresh without reloading the page")
-            time.sleep(8)  # a few more refreshes with traffic, for the picture
+            stale = staleness(driver, seconds=STALE_SAMPLE_S)
+            (ARTIFACTS / "dashboard-staleness.txt").write_text(f"refresh every {REFRESH_S} s: {stale}\n")
+            print(f"\nstaleness, refresh every {REFRESH_S} s: {stale}")
             assert_no_exception(driver)
             driver.save_screenshot(str(ARTIFACTS / "dashboard.png"))
+            colours = wait(lambda: legend_colours(driver, "Overview"), 20, "the overview's legends")
         assert traffic.error is None, traffic.error
+        # Greyed out, as a person sees it: under a tenth of the page, averaged over the sample.
+        assert stale.faded_share < 0.10, str(stale)
         names = tab_names(driver)
         assert names == [
             "Overview",
@@ -311,64 +297,51 @@ def test_app_in_headless_chromium(live, tmp_path):
                 assert_no_exception(driver)
                 continue
             wait(lambda: charts_drawn(driver) >= 1, 30, f"a chart in {name}")
+            if name == "Failures":  # the event timeline and the table of the failed load
+                wait(lambda: live.failed["id"] in driver.page_source, 20, "the failed request in the table")
+            if name not in ("Failures", "Tenants"):  # one series each: no legend to read
+                colours += wait(lambda n=name: legend_colours(driver, n), 30, f"the legends in {name}")
             time.sleep(1)
             assert_no_exception(driver)
             driver.save_screenshot(str(ARTIFACTS / f"dashboard-{name.lower().replace(' ', '-')}.png"))
-        # Failures: the event timeline and the table of the failed load.
-        wait(lambda: live.failed["id"] in driver.page_source, 20, "the failed request in the events table")
     finally:
         if driver is not None:
             driver.quit()
         proc.terminate()
         proc.wait(timeout=30)
+    assert_one_colour_per_source(colours)
     if os.environ.get("KVLENS_UPDATE_SCREENSHOT") == "1":
         shutil.copy(ARTIFACTS / "dashboard.png", REPO / "dashboard" / "screenshot.png")
 
 
-def charts_drawn(driver) -> int:
-    """Charts drawn in the open tab (only its panel is in the page)."""
-    from selenium.webdriver.common.by import By
-
-    drawn = '[data-testid="stTabPanel"] [data-testid="stVegaLiteChart"] :is(svg, canvas)'
-    return len(driver.find_elements(By.CSS_SELECTOR, drawn))
+REFRESH_S = 2  # a refresh every 2 s: more refreshes, and less time between them, than the default 5
+STALE_SAMPLE_S = 30.0
 
 
-# The app reruns every few seconds and Streamlit replaces elements as it does, so
-# an element found by one WebDriver call can be gone by the next (stale). Text is
-# read and tabs are clicked inside the page, in one script each.
-_TABS = '[data-testid="stTabs"] [role="tab"]'
+def assert_one_colour_per_source(colours: list[tuple[str, str, str]]) -> None:
+    """Each series drawn in the colour the palette gives its name, and each source and tier in
+    one colour across the charts that draw it plainly ("cpu", "KVLens cpu", "saved, cpu")."""
+    (ARTIFACTS / "dashboard-colours.json").write_text(json.dumps(colours, indent=1))
+    wrong = [(chart, name, drawn) for chart, name, drawn in colours if drawn != palette.colour(name)]
+    assert not wrong, f"drawn in another colour than the palette's: {wrong}"
+    plain: dict[str, set[str]] = {}
+    charts_of: dict[str, set[str]] = {}
+    for chart, name, drawn in colours:
+        key = plain_source(name)
+        if key is not None:
+            plain.setdefault(key, set()).add(drawn)
+            charts_of.setdefault(key, set()).add(chart)
+    assert {k: len(v) for k, v in plain.items()} == dict.fromkeys(plain, 1), plain
+    # not vacuous: the CPU and disk tiers and vLLM's prefix cache are each drawn in several charts
+    assert all(len(charts_of.get(k, ())) >= 2 for k in ("cpu", "disk", "vLLM prefix cache")), charts_of
 
 
-def updated_stamp(driver) -> str:
-    return driver.execute_script(
-        "const it = document.evaluate(\"//*[starts-with(normalize-space(text()), 'Updated ')]\","
-        " document, null, XPathResult.FIRST_ORDERED_NODE_TYPE, null).singleNodeValue;"
-        " return it ? it.innerText : '';"
-    )
-
-
-def tab_names(driver) -> list[str]:
-    return driver.execute_script(
-        f"return [...document.querySelectorAll('{_TABS}')].map(t => t.innerText.trim());"
-    )
-
-
-def open_tab(driver, index: int) -> None:
-    driver.execute_script(f"document.querySelectorAll('{_TABS}')[{index}].click();")
-
-
-def _health(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as r:
-            return r.read().strip() == b"ok"
-    except OSError:
-        return False
-
-
-def assert_no_exception(driver) -> None:
-    from selenium.webdriver.common.by import By
-
-    text = driver.execute_script("return document.body.innerText;")
-    assert "Traceback" not in text and "could not be shown" not in text, text[:2000]
-    assert not driver.find_elements(By.CSS_SELECTOR, '[data-testid="stException"]')
-    assert not driver.find_elements(By.CSS_SELECTOR, '[data-testid="stAlertContentError"]'), text[:2000]
+def plain_source(name: str) -> str | None:
+    """The source or tier a series name names plainly ("KVLens cpu", "saved, disk", "vLLM prefix
+    cache, tokens"), or None for a variant ("load cpu", "KVLens, requests") or anything else."""
+    words = name.replace(",", " ").split()
+    tiers = [w for w in words if w in palette.TIERS]
+    if len(tiers) == 1 and set(words) - {tiers[0]} <= {"KVLens", "saved"}:
+        return tiers[0]
+    source = name.removesuffix(", tokens")
+    return source if source in palette.SOURCES else None

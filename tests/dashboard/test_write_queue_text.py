@@ -26,6 +26,8 @@ def test_the_app_names_the_setting_that_bounds_the_queue(app, monkeypatch, text_
     text_server.text = metrics_text
     monkeypatch.setenv("KVLENS_DASHBOARD_METRICS", text_server.endpoint)
     app.run()
+    app.session_state["section"] = "Latency and throughput"  # the tab that shows the queue
+    app.run()
     assert not app.exception
     (caption,) = [c.value for c in app.caption if "queued" in c.value]
     assert_names_the_real_limit(caption)
