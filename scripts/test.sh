@@ -47,11 +47,11 @@ fi
 
 beside_dir="$(mktemp -d "${TMPDIR:-/tmp}/kvlens-tests-beside.XXXXXX")"
 echo "[test] python -m pytest tests -q -m 'not integration' $* (beside, output below)"
-"$PY" -m pytest tests -q -m "not integration" -p no:cacheprovider --basetemp "$beside_dir/tmp" "$@" \
+"$PY" -m pytest tests -q --durations=10 -m "not integration" -p no:cacheprovider --basetemp "$beside_dir/tmp" "$@" \
     >"$beside_dir/output.txt" 2>&1 &
 beside=$!
 echo "[test] python -m pytest tests -q -m integration $*"
-"$PY" -m pytest tests -q -m integration "$@"
+"$PY" -m pytest tests -q --durations=10 -m integration "$@"
 rc_integration=$?
 wait "$beside"
 rc_beside=$?
