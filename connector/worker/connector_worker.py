@@ -16,15 +16,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .async_loads import AsyncLoader
-from .config import ConfigError, KVLensConfig
-from .cuda_copies import CudaCopyStream, TorchCuda
-from .engine import cpu_budget
-from .engine.facts import EngineFacts
-from .engine.health import TierHealth
-from .engine.jobs import CPU, DISK, REMOTE, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
-from .engine.keys import storage_name
-from .engine.outcomes import (
+from ..config.loading import ConfigError, KVLensConfig
+from ..engine import cpu_budget
+from ..engine.facts import EngineFacts
+from ..engine.health import TierHealth
+from ..engine.jobs import CPU, DISK, REMOTE, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
+from ..engine.keys import storage_name
+from ..engine.outcomes import (
     ChunkLoadResult,
     FailureReason,
     KeptChunk,
@@ -36,7 +34,17 @@ from .engine.outcomes import (
     TierTraffic,
     WorkerReport,
 )
-from .engine.snapshots import WorkerSizes
+from ..engine.snapshots import WorkerSizes
+from ..tiers import disk as disk_files
+from ..tiers.background import BackgroundTier, QueueFull
+from ..tiers.base import Tier, classify
+from ..tiers.cpu import CpuTier
+from ..tiers.disk import DiskTier
+from ..tiers.disk_layers import LayeredRecord
+from ..tiers.record_trust import RecordTrust
+from ..tiers.redis_tier import RedisTier
+from .async_loads import AsyncLoader
+from .cuda_copies import CudaCopyStream, TorchCuda
 from .kv_blocks import BlockCopier, CopyPairs
 from .layer_copies import (
     BlockGather,
@@ -60,14 +68,6 @@ from .read_jobs import (
     run_or_defer,
 )
 from .store_dependencies import StepWrites, StoreDependencies
-from .tiers import disk as disk_files
-from .tiers.background import BackgroundTier, QueueFull
-from .tiers.base import Tier, classify
-from .tiers.cpu import CpuTier
-from .tiers.disk import DiskTier
-from .tiers.disk_layers import LayeredRecord
-from .tiers.record_trust import RecordTrust
-from .tiers.redis_tier import RedisTier
 
 logger = logging.getLogger("vllm.kvlens")
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from connector.config import ConfigError, load_config
+from connector.config.loading import ConfigError, load_config
 
 from . import markdown as md
 from .samples import SAMPLE_CHECKS

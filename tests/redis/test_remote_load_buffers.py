@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from connector.config import load_config
+from connector.config.loading import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU, REMOTE
-from connector.kv_blocks import BlockCopier
-from connector.scheduler import ConnectorScheduler
-from connector.worker import ConnectorWorker
+from connector.scheduler.connector_scheduler import ConnectorScheduler
+from connector.worker.connector_worker import ConnectorWorker
+from connector.worker.kv_blocks import BlockCopier
 
 from ..unit.fakes import request
 from .test_remote_tier_connector import BS, FULL_HIT, LAYERS, NUM_BLOCKS, PROMPT, Engine, caches

@@ -12,15 +12,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 PURE = (
     "connector",
-    "connector.config",
-    "connector.scheduler",
-    "connector.scheduler_state",
-    "connector.prefix_lookup",
-    "connector.insight_feed",
-    "connector.responses",
-    "connector.worker_feedback",
-    "connector.step_planner",
-    "connector.disk_sync",
+    "connector.config.loading",
+    "connector.scheduler.connector_scheduler",
+    "connector.scheduler.scheduler_state",
+    "connector.scheduler.prefix_lookup",
+    "connector.scheduler.insight_feed",
+    "connector.scheduler.responses",
+    "connector.scheduler.worker_feedback",
+    "connector.scheduler.step_planner",
+    "connector.scheduler.disk_sync",
     "connector.tiers.cpu",
     "connector.tiers.disk",
     "connector.tiers.disk_scan",
@@ -53,7 +53,7 @@ def test_pure_logic_imports_neither_vllm_nor_torch():
 
 
 # The copy path and the device check (scripts/gpu_check.py) run where vLLM is not installed.
-WITHOUT_VLLM = ("connector.kv_blocks", "connector.layer_copies", "connector.cuda_copies")
+WITHOUT_VLLM = ("connector.worker.kv_blocks", "connector.worker.layer_copies", "connector.worker.cuda_copies")
 
 
 def test_the_copy_path_imports_without_vllm():

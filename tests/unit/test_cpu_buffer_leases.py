@@ -14,13 +14,13 @@ import time
 
 import torch
 
-from connector import worker as worker_module
-from connector.config import load_config
+from connector.config.loading import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
-from connector.kv_blocks import BlockCopier
-from connector.payload_pool import PayloadPool
-from connector.worker import ConnectorWorker
+from connector.worker import connector_worker as worker_module
+from connector.worker.connector_worker import ConnectorWorker
+from connector.worker.kv_blocks import BlockCopier
+from connector.worker.payload_pool import PayloadPool
 
 BS, LAYERS, HEADS, HEAD, NUM_BLOCKS = 16, 3, 2, 8, 32
 

@@ -8,11 +8,11 @@ import time
 
 import torch
 
-from connector.cuda_copies import CudaCopyStream
 from connector.engine.jobs import CPU, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
 from connector.engine.outcomes import FailureReason
-from connector.kv_blocks import BlockCopier
-from connector.layer_copies import BlockGather, BlockLoad, CopyStalled, StepCopies
+from connector.worker.cuda_copies import CudaCopyStream
+from connector.worker.kv_blocks import BlockCopier
+from connector.worker.layer_copies import BlockGather, BlockLoad, CopyStalled, StepCopies
 
 from .fake_cuda import FakeGpu
 from .test_layer_copies import LAYER_NAMES, stored
@@ -278,7 +278,7 @@ def test_without_layerwise_every_load_is_in_before_the_first_layer_on_a_device()
 
 
 def test_a_device_that_never_finishes_fails_the_stores_instead_of_hanging(monkeypatch):
-    import connector.layer_copies as layer_copies
+    import connector.worker.layer_copies as layer_copies
 
     monkeypatch.setattr(layer_copies, "COPY_TIMEOUT_S", 0.3)
     caches = cpu_layout()

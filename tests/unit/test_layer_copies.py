@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from connector import layer_copies
 from connector.engine.jobs import CPU, ChunkLoad, LoadJob, StepPlan, StoreJob
 from connector.engine.outcomes import FailureReason
+from connector.worker import layer_copies
 
 from .test_worker import LAYERS, NAME, cpu_layout, worker
 
@@ -209,7 +209,7 @@ def test_prepared_copy_pairs_exist_only_for_contiguous_cpu_layers_and_copy_what_
 
 @pytest.mark.parametrize("fault", ["dead", "stalled"])
 def test_a_dead_or_stalled_copy_thread_fails_the_loads_instead_of_hanging_the_engine(monkeypatch, fault):
-    import connector.layer_copies as layer_copies
+    import connector.worker.layer_copies as layer_copies
 
     caches = cpu_layout()
     w = worker(caches)

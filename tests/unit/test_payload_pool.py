@@ -5,8 +5,8 @@ import threading
 import torch
 
 from connector.engine.jobs import CPU, DISK, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
-from connector.payload_pool import PayloadPool
 from connector.tiers.disk import DiskTier
+from connector.worker.payload_pool import PayloadPool
 
 from .test_worker import LAYERS, NAME, cpu_layout, worker
 

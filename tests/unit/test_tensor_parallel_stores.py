@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.config import load_config
+from connector.config.loading import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU, Eviction, StepPlan
 from connector.engine.keys import storage_name
-from connector.kv_blocks import BlockCopier
-from connector.scheduler import ConnectorScheduler
-from connector.worker import ConnectorWorker
+from connector.scheduler.connector_scheduler import ConnectorScheduler
+from connector.worker.connector_worker import ConnectorWorker
+from connector.worker.kv_blocks import BlockCopier
 
 from .fakes import request, step
 
