@@ -496,7 +496,7 @@ def check_worker(shape: Shape, device: torch.device) -> tuple[bool, str]:
         w.save(plan)
         synchronize(device)
         right = all(torch.equal(blocks_of(caches[n], list(target), shape), expected[n]) for n in names)
-        runner = type(w._runner).__name__
+        runner = type(w.runner).__name__
         return (
             not outcome.failed and right,
             f"runner {runner}; load failed: {outcome.failed}; bytes right: {right}",

@@ -26,7 +26,7 @@ def test_chunks_kept_in_the_cpu_tier_survive_later_remote_loads(redis_server):
     try:
         a.run(request("x1", PROMPT), list(range(0, 5)))
         a.run(request("x2", OTHER), list(range(5, 10)))
-        assert b.worker.copier is not None and b.worker._runner is not None  # layer-wise copies
+        assert b.worker.copier is not None and b.worker.runner is not None  # layer-wise copies
         _, plan, failed = b.run(request("y1", PROMPT), list(range(10, 15)))
         assert not failed and {c.tier for c in plan.loads[0].chunks} == {REMOTE}
         for _ in range(3):  # same-size loads that would land in PROMPT's buffers if they were free

@@ -138,9 +138,9 @@ def test_the_host_waits_for_gathered_bytes_only_when_asked_and_then_with_a_deadl
 # ---- the worker on a device ---------------------------------------------------------------
 def device_worker(caches, gpu, **extra):
     w = worker(caches, **extra)
-    if w._runner is not None:
-        w._runner.close()
-    w._runner = CudaCopyStream(gpu)
+    if w.runner is not None:
+        w.runner.close()
+    w.runner = CudaCopyStream(gpu)
     return w
 
 
@@ -293,7 +293,7 @@ def test_a_device_that_never_finishes_fails_the_stores_instead_of_hanging(monkey
     (failure,) = w.take_report().store_failures
     assert failure.name == NAME and failure.reason == FailureReason.IO_ERROR
     assert "did not finish" in failure.detail
-    assert isinstance(w._runner, CudaCopyStream)  # copying in the step would wait on the same device
+    assert isinstance(w.runner, CudaCopyStream)  # copying in the step would wait on the same device
 
 
 def test_a_step_run_as_a_full_cuda_graph_has_every_load_in_before_it_starts():

@@ -138,8 +138,8 @@ def test_the_worker_forgets_failures_once_the_scheduler_has_their_report():
     engine = Engine(delay=1)
     failed_load_then_next_step(engine)
     # step N's failure: a store planned before its report may need it
-    assert engine.worker._deps._failed_by_step
+    assert engine.worker.deps._failed_by_step
     for _ in range(3):  # quiet steps: nothing loads, every report has arrived
         engine.step(step())
-    assert engine.worker._deps._failed_by_step == {}
+    assert engine.worker.deps._failed_by_step == {}
     assert engine.sched.state.unreported_loaded_blocks() == set()
