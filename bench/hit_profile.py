@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.lib import models  # noqa: E402
 from bench.lib.offline import CallTimer, kvlens_llm  # noqa: E402
 from bench.lib.runner import Benchmark, Case, Figure, Option, Side, main  # noqa: E402
-from connector.worker.cpu_affinity import run_beside_worker  # noqa: E402
+from connector.cpu_affinity import run_beside_worker  # noqa: E402
 
 WORKER_HOOKS = ("start_load_kv", "wait_for_layer_load", "wait_for_save")
 SCHEDULER_HOOKS = (

@@ -1,5 +1,7 @@
-"""The scheduler half: vLLM's scheduler process asks it what is stored (lookup), it plans each
-step's loads and stores, and it turns the workers' reports into responses and telemetry.
+"""The scheduler half: in vLLM's scheduler process it answers lookups (what is stored for a
+request), plans each step's loads and stores, and turns the workers' reports into responses,
+telemetry and the admin endpoint's answers.
 
-It imports the pure engine, the tiers and the configuration, never the worker half (connector/worker/).
+It imports the pure engine, the configuration, the tiers and, at the top of connector/, the model
+checkpoint's identity and vllm_compat; never the worker half (connector/worker/).
 """

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
+from ..cpu_affinity import run_beside_worker
 from ..engine.health import TierHealth
 from ..engine.outcomes import FailureReason, RemoteCall, Stage, TierTraffic
-from ..worker.cpu_affinity import run_beside_worker
 from .base import Tier, TierSkipped, classify
 from .disk import DiskTier
 from .disk_layers import LayeredReads, Targets

@@ -5,10 +5,10 @@ import threading
 
 import pytest
 
+from connector.cpu_affinity import node_cpus, parse_cpulist
 from connector.engine.health import TierHealth
 from connector.tiers.background import BackgroundTier
 from connector.tiers.cpu import CpuTier
-from connector.worker.cpu_affinity import node_cpus, parse_cpulist
 
 needs_two_cpus = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
