@@ -44,8 +44,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from connector.disk_sync import MERGE_PER_STEP, SharedDiskView  # noqa: E402
 from connector.engine.index import TierIndex  # noqa: E402
+from connector.scheduler.disk_sync import MERGE_PER_STEP, SharedDiskView  # noqa: E402
 from connector.tiers.disk import DiskTier, FileInfo, chunk_path, legacy_path  # noqa: E402
 from connector.tiers.disk_scan import DirectoryScanner, ScanDelta, diff  # noqa: E402
 

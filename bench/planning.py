@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib.fake_requests import request, scheduler_output  # noqa: E402
 from bench.lib.runner import Benchmark, Case, Figure, Side, main  # noqa: E402
-from connector.config import load_config  # noqa: E402
+from connector.config.loading import load_config  # noqa: E402
 from connector.engine.facts import EngineFacts  # noqa: E402
-from connector.scheduler import ConnectorScheduler  # noqa: E402
+from connector.scheduler.connector_scheduler import ConnectorScheduler  # noqa: E402
 
 BLOCK = 16  # GPU block size: the worst case for per-block work
 MAX_TOKENS_RUNNING = 4 * 1024 * 1024  # prompt x running requests in one case

@@ -53,11 +53,11 @@ import torch  # noqa: E402
 from redis.utils import HIREDIS_AVAILABLE  # noqa: E402
 
 from connector.engine.health import TierHealth  # noqa: E402
-from connector.kv_blocks import BlockCopier  # noqa: E402
 from connector.tiers import codec  # noqa: E402
 from connector.tiers.background import BackgroundTier  # noqa: E402
 from connector.tiers.redis_tier import RedisTier  # noqa: E402
 from connector.tiers.remote_url import parse_remote_url  # noqa: E402
+from connector.worker.kv_blocks import BlockCopier  # noqa: E402
 
 MB = 1024 * 1024
 LAYOUT = "bench-layout"

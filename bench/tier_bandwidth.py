@@ -41,12 +41,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib.runner import Benchmark, Figure, Option, Side, Target, each, main, timed  # noqa: E402
-from connector.config import load_config  # noqa: E402
+from connector.config.loading import load_config  # noqa: E402
 from connector.engine.facts import EngineFacts  # noqa: E402
 from connector.engine.jobs import CPU, DISK, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob  # noqa: E402
-from connector.kv_blocks import BlockCopier  # noqa: E402
 from connector.tiers.disk import DiskTier  # noqa: E402
-from connector.worker import ConnectorWorker  # noqa: E402
+from connector.worker.connector_worker import ConnectorWorker  # noqa: E402
+from connector.worker.kv_blocks import BlockCopier  # noqa: E402
 
 TARGET = 0.8
 COMPARED_WITH = {

@@ -19,11 +19,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from telemetry import vllm_stats as telemetry
 
-from .config import load_config
+from .config.loading import load_config
 from .engine.jobs import CPU, DISK, REMOTE, StepPlan
 from .engine.snapshots import KnownLabels
 from .metadata import KVLensMetadata, KVLensWorkerMetadata
-from .scheduler import ConnectorScheduler
+from .scheduler.connector_scheduler import ConnectorScheduler
 from .vllm_compat import (
     attention_in_full_graph,
     block_ids_of,
@@ -32,7 +32,7 @@ from .vllm_compat import (
     model_identity,
     worker_rank,
 )
-from .worker import ConnectorWorker
+from .worker.connector_worker import ConnectorWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import checkpoint_identity
-from .config import ConfigError
+from .config.loading import ConfigError
 from .engine.facts import EngineFacts, ModelIdentity
 from .kv_settings import SET_BY_MODEL, kv_settings
 from .weights_digests import DigestCache, default_cache_path

@@ -38,8 +38,8 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-from connector.kv_blocks import BlockCopier  # noqa: E402
-from connector.layer_copies import BlockGather, BlockLoad, CopyThread, StepCopies  # noqa: E402
+from connector.worker.kv_blocks import BlockCopier  # noqa: E402
+from connector.worker.layer_copies import BlockGather, BlockLoad, CopyThread, StepCopies  # noqa: E402
 
 # stride order of logical [L, B, H, N, C] (vllm/v1/kv_cache_layout.py)
 LAYOUTS = {
@@ -153,7 +153,7 @@ def in_memory_order(kv: torch.Tensor, ids: list[int]) -> torch.Tensor:
 
 def runner_for(device: torch.device):
     if device.type == "cuda":
-        from connector.cuda_copies import CudaCopyStream, TorchCuda
+        from connector.worker.cuda_copies import CudaCopyStream, TorchCuda
 
         return CudaCopyStream(TorchCuda(device))
     return CopyThread()
@@ -457,10 +457,10 @@ def check_overlap(shape: Shape, chunk_blocks: int, device: torch.device) -> tupl
 def check_worker(shape: Shape, device: torch.device) -> tuple[bool, str]:
     """A store then a load through ``ConnectorWorker`` with the CPU tier, as the connector runs them."""
     try:
-        from connector.config import load_config
+        from connector.config.loading import load_config
         from connector.engine.facts import EngineFacts
         from connector.engine.jobs import CPU, ChunkLoad, LoadJob, StepPlan, StoreJob
-        from connector.worker import ConnectorWorker
+        from connector.worker.connector_worker import ConnectorWorker
     except ImportError as e:
         raise Skip(f"the worker's packages are not installed here ({e})") from e
     caches = kv_caches(shape, "LBNHC", device, 9)
@@ -496,7 +496,7 @@ def check_worker(shape: Shape, device: torch.device) -> tuple[bool, str]:
         w.save(plan)
         synchronize(device)
         right = all(torch.equal(blocks_of(caches[n], list(target), shape), expected[n]) for n in names)
-        runner = type(w._runner).__name__
+        runner = type(w.runner).__name__
         return (
             not outcome.failed and right,
             f"runner {runner}; load failed: {outcome.failed}; bytes right: {right}",

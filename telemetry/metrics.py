@@ -371,7 +371,7 @@ _DEFINITIONS = (
         domains=("indexed_tiers",),
     ),
 )
-# the disk tier's scrub (connector/disk_scrub.py): records verified in the background
+# the disk tier's scrub (connector/scheduler/disk_scrub.py): records verified in the background
 _DEFINITIONS += (
     Metric(
         "disk_scrubbed_records",

@@ -66,7 +66,7 @@ class SchedulerSizes:
     pending_writes: int = 0
     tiers: tuple[TierGauge, ...] = ()
     retention: tuple[TierRetention, ...] = ()
-    # The disk scrub's totals since start-up (counters; connector/disk_scrub.py): rank records
+    # The disk scrub's totals since start-up (counters; connector/scheduler/disk_scrub.py): rank records
     # read and checked, and chunks found damaged (removed).
     disk_scrubbed_records: int = 0
     disk_scrub_damaged: int = 0

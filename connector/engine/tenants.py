@@ -5,7 +5,7 @@ key tags (``lmcache.tag.<name>``, ``tag_keys``) of the request's namespace. Requ
 neither belong to ``default``. A tenant is shown by an id that never carries a salt or a tag
 value: each is replaced by 64 bits of a BLAKE2b keyed with the deployment's secret
 (``salt:3fa1c2d90b7e4f01``, ``user:9e2a41c07d5b3a88``); tag names, which the operator chooses,
-are kept. The key (``connector/tenant_id_key.py``: configured, or generated once and kept with
+are kept. The key (``connector/scheduler/tenant_id_key.py``: configured, or generated once and kept with
 the cache) is what makes an id on an unauthenticated ``/metrics`` reveal nothing: without it,
 a guessed salt cannot be confirmed by hashing it. Instances that share a cache share the key,
 so they count a tenant under one id.

@@ -10,7 +10,7 @@ password may come from ``$KVLENS_REDIS_PASSWORD``) is worked on directly; a runn
 cleared through its admin endpoint (``http://127.0.0.1:<extra_config.admin_port>``), which
 applies the clear between steps. The endpoint's token comes from ``--token-file``,
 ``$KVLENS_ADMIN_TOKEN``, or the file the engine wrote for that port on this host
-(``connector/admin_token.py``). ``--json`` prints machine-readable output.
+(``connector/scheduler/admin_token.py``). ``--json`` prints machine-readable output.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from ..admin_token import TOKEN_ENV, client_token, default_path
 from ..engine.namespace_records import Selector
-from ..store_records import DiskRecords, RedisRecords, Store, clear
+from ..scheduler.admin_token import TOKEN_ENV, client_token, default_path
+from ..tiers.store_records import DiskRecords, RedisRecords, Store, clear
 from . import doctor, inspect_report
 
 HTTP_TIMEOUT_S = 180.0  # a clear through an engine waits for loads in flight (at most 60 s)

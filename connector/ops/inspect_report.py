@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.namespace_records import NamespaceRecord
-from ..store_records import ChunkRecord
+from ..tiers.store_records import ChunkRecord
 
 AGE_BUCKETS = (
     (60.0, "< 1 min"),

@@ -11,7 +11,7 @@ A record is written to a temporary file in its subdirectory and renamed into pla
 reader sees either no file or a whole one; a crash mid-write leaves only a temp file that
 scans ignore and remove once old.
 
-Several engines may share one directory (see ``connector/disk_sync.py``). A file's access
+Several engines may share one directory (see ``connector/scheduler/disk_sync.py``). A file's access
 time records when an engine last used it for a load: a write sets it just past the
 modification time (so that reads on ``relatime`` mounts leave it alone), and a lookup that
 pins the chunk sets it to the present and replaces the chunk's use mark (``.used-<digest>``)

@@ -235,7 +235,7 @@ class RedisTier:
         self._nodes.close()
         self._batches.close()
 
-    # --- for tools over this prefix (connector/store_records.py) ---------------------------------
+    # --- for tools over this prefix (connector/tiers/store_records.py) ---------------------------------
 
     def node_clients(self) -> list[Redis]:
         """A client per master (the server itself when not a cluster), to SCAN this prefix's keys

@@ -3,7 +3,7 @@ background tier (disk and remote), set by extra_config.max_pending_write_bytes."
 
 from __future__ import annotations
 
-from connector.config import ExtraConfig
+from connector.config.loading import ExtraConfig
 
 from .promql import dashboard_panels
 

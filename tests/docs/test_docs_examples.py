@@ -4,23 +4,25 @@ Info strings say what a block is: ``bash`` (commands: their scripts, modules and
 their KVLens configurations load), ``python`` (compiles; the offline ``LLM`` snippet also runs,
 in test_offline_snippet.py), ``yaml`` (a KVLens config file that loads; ``yaml invalid`` must be
 refused), ``json sample=<what>`` (an output sample, checked against the code that writes it),
-``promql`` (metric names exist, promtool parses it) and ``text`` (output shown, not checked).
+``promql`` (metric names exist, promtool parses it), ``mermaid`` (a diagram: the files it names
+exist) and ``text`` (output shown, not checked).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from connector.config import ConfigError, load_config
+from connector.config.loading import ConfigError, load_config
 
 from . import markdown as md
 from .samples import SAMPLE_CHECKS
 
-KNOWN_LANGS = {"bash", "python", "yaml", "json", "promql", "text"}
+KNOWN_LANGS = {"bash", "python", "yaml", "json", "promql", "text", "mermaid"}
 # Commands that are not ours and need no check beyond their --kv-transfer-config (vllm) or -d body.
 EXTERNAL = {"curl", "export", "vllm"}
 # python -m targets whose --help would import vLLM's CLI (12 s on the 2-core machine); the serve
@@ -45,6 +47,15 @@ def shell_commands() -> list[tuple[md.Block, list[str]]]:
 def test_every_block_says_what_it_is():
     unknown = [(b.where, b.lang) for b in BLOCKS if b.lang not in KNOWN_LANGS]
     assert not unknown, "fenced blocks need an info string the docs tests know"
+
+
+def test_diagrams_name_files_that_exist():
+    blocks = of("mermaid")
+    assert blocks, "docs/how-it-works.md opens with a diagram"
+    for b in blocks:
+        names = re.findall(r"[\w/]+\.py", b.text)
+        missing = [n for n in names if not any((md.REPO / "connector").glob(f"**/{n}"))]
+        assert names and not missing, (b.where, missing)
 
 
 def test_json_blocks_are_output_samples_the_tests_know():

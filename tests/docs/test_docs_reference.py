@@ -10,7 +10,7 @@ import re
 import pytest
 import yaml
 
-from connector.config import ExtraConfig, KVLensConfig
+from connector.config.loading import ExtraConfig, KVLensConfig
 from connector.engine.outcomes import FailureReason, MissReason, SaveSkipReason
 from telemetry.metrics import COUNTER, GAUGE, HISTOGRAM, METRICS
 

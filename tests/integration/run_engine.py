@@ -65,7 +65,7 @@ def count_layer_hooks(worker) -> dict[str, int]:
 
     def counting_wait(name):
         calls["wait_layer"] += 1
-        calls["wait_layer_with_loads"] += bool(worker._step is not None and worker._step.loads)
+        calls["wait_layer_with_loads"] += bool(worker.step_copies is not None and worker.step_copies.loads)
         return wait_layer(name)
 
     def counting_save(plan, name):

@@ -40,7 +40,7 @@ def test_disk_tier_supplies_prefixes_with_identical_outputs(disk_run, baseline):
 
 
 def test_chunk_files_are_whole_records(disk_run, disk_dir):
-    from connector.store_records import NAMESPACE_DIR
+    from connector.tiers.store_records import NAMESPACE_DIR
 
     files = [f for folder, _, names in os.walk(disk_dir) if NAMESPACE_DIR not in folder for f in names]
     # chunk records and the marks of loads (no temp files left)
@@ -51,7 +51,7 @@ def test_chunk_files_are_whole_records(disk_run, disk_dir):
 
 
 def _stored_namespaces(disk_dir):
-    from connector.store_records import DiskRecords
+    from connector.tiers.store_records import DiskRecords
 
     return sorted({r.namespace for r in DiskRecords(disk_dir).chunks()})
 

@@ -10,7 +10,7 @@ import redis
 from connector.engine.keys import Namespace, key_fingerprint
 from connector.engine.namespace_records import NamespaceRecord
 from connector.ops.cli import main
-from connector.store_records import RedisRecords
+from connector.tiers.store_records import RedisRecords
 
 from .helpers import name, payload
 

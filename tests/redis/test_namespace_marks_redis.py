@@ -48,9 +48,9 @@ def test_an_engine_sharing_only_redis_explains_a_miss_by_what_differs(redis_serv
 def test_engines_sharing_a_redis_prefix_agree_on_tenant_ids(redis_server, tmp_path):
     """The deployment's tenant-id key is created once in the shared prefix (SET NX): engines
     with their own disk directories but one Redis prefix count a tenant under one id."""
-    from connector.config import load_config
+    from connector.config.loading import load_config
     from connector.engine.tenants import TenantIds
-    from connector.tenant_id_key import deployment_key
+    from connector.scheduler.tenant_id_key import deployment_key
 
     keys = []
     for host in ("a", "b"):

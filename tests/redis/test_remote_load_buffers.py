@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from connector.config import load_config
+from connector.config.loading import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU, REMOTE
-from connector.kv_blocks import BlockCopier
-from connector.scheduler import ConnectorScheduler
-from connector.worker import ConnectorWorker
+from connector.scheduler.connector_scheduler import ConnectorScheduler
+from connector.worker.connector_worker import ConnectorWorker
+from connector.worker.kv_blocks import BlockCopier
 
 from ..unit.fakes import request
 from .test_remote_tier_connector import BS, FULL_HIT, LAYERS, NUM_BLOCKS, PROMPT, Engine, caches
@@ -26,7 +26,7 @@ def test_chunks_kept_in_the_cpu_tier_survive_later_remote_loads(redis_server):
     try:
         a.run(request("x1", PROMPT), list(range(0, 5)))
         a.run(request("x2", OTHER), list(range(5, 10)))
-        assert b.worker.copier is not None and b.worker._runner is not None  # layer-wise copies
+        assert b.worker.copier is not None and b.worker.runner is not None  # layer-wise copies
         _, plan, failed = b.run(request("y1", PROMPT), list(range(10, 15)))
         assert not failed and {c.tier for c in plan.loads[0].chunks} == {REMOTE}
         for _ in range(3):  # same-size loads that would land in PROMPT's buffers if they were free

@@ -9,15 +9,15 @@ import time
 
 import torch
 
-from connector.config import load_config
+from connector.config.loading import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU, REMOTE
 from connector.engine.keys import storage_name
 from connector.engine.outcomes import MissReason, TierState
-from connector.kv_blocks import BlockCopier
-from connector.scheduler import ConnectorScheduler
+from connector.scheduler.connector_scheduler import ConnectorScheduler
 from connector.tiers import codec
-from connector.worker import ConnectorWorker
+from connector.worker.connector_worker import ConnectorWorker
+from connector.worker.kv_blocks import BlockCopier
 
 from ..unit.fakes import request, step
 

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 SETTINGS = TelemetrySettings.from_env(None, {"KVLENS_TRACING": "0", "KVLENS_METRICS": "1"})
 # Fields of the kv_transfer_params response object that share a metric's short name.
 RESPONSE_FIELDS = {
-    ("connector/responses.py", "hit_tokens"),
+    ("connector/scheduler/responses.py", "hit_tokens"),
     ("connector/engine/tracker.py", "hit_tokens"),
     ("connector/engine/tracker.py", "failed_blocks"),
     ("connector/engine/tracker.py", "recomputed_tokens"),

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from connector.config import load_config
+from connector.config.loading import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU
 from connector.engine.outcomes import ChunkLoadResult, FailureReason, LoadOutcome, StoreFailure, WorkerReport
 from connector.engine.snapshots import KnownLabels
-from connector.scheduler import ConnectorScheduler
+from connector.scheduler.connector_scheduler import ConnectorScheduler
 from telemetry import tracing
 from telemetry.metrics import PromRecorder
 from telemetry.scheduler_recorder import SchedulerRecorder

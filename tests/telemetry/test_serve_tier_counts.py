@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 from connector.engine.outcomes import REMOTE_ERROR_KINDS, FailureReason, MissReason, SaveSkipReason
-from connector.shared_marks import MARK_KEY
-from connector.store_records import NAMESPACE_KEY
+from connector.scheduler.shared_marks import MARK_KEY
+from connector.tiers.store_records import NAMESPACE_KEY
 from tests.redis.servers import REDIS_SERVER, RedisServer
 
 from .serve import VllmServer, base_env, kv_transfer_config, prompt_tokens, sample, sum_samples, wait_until

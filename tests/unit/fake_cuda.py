@@ -1,4 +1,4 @@
-"""A simulated device for ``connector.cuda_copies.StreamApi``: streams of queued work, events,
+"""A simulated device for ``connector.worker.cuda_copies.StreamApi``: streams of queued work, events,
 and cross-stream waits, run only when a test lets the device run.
 
 It shows what a device run would do with the order KVLens gives its work: which copy each

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from connector.config import load_config
+from connector.config.loading import load_config
 from connector.engine.facts import EngineFacts, ModelIdentity
-from connector.scheduler import ConnectorScheduler
+from connector.scheduler.connector_scheduler import ConnectorScheduler
 
 BLOCK = 128
 BLOCK_BYTES = 1000  # per layer

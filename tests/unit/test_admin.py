@@ -7,16 +7,16 @@ import time
 
 import pytest
 
-from connector.admin import ClearTicket
-from connector.config import load_config
+from connector.config.loading import load_config
 from connector.engine.block_events import BlocksCleared, BlocksRemoved
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU, DISK, Eviction
 from connector.engine.keys import key_fingerprint, storage_name
 from connector.engine.namespace_records import Selector
-from connector.scheduler import ConnectorScheduler
-from connector.store_records import DiskRecords
+from connector.scheduler.admin import ClearTicket
+from connector.scheduler.connector_scheduler import ConnectorScheduler
 from connector.tiers.disk import DiskTier
+from connector.tiers.store_records import DiskRecords
 
 from .fakes import BLOCK, BLOCK_BYTES, IDENTITY, LAYERS, admit_fully, blocks, request, step
 
@@ -150,7 +150,7 @@ def test_chunks_pinned_for_a_pending_load_are_deleted_only_after_the_load_is_rep
 
 
 def test_a_stalled_load_holds_a_deletion_at_most_the_limit(tmp_path, monkeypatch):
-    from connector import admin
+    from connector.scheduler import admin
 
     monkeypatch.setattr(admin, "DEFER_LIMIT_S", 0.3)
     s = _scheduler(tmp_path)

@@ -11,10 +11,10 @@ import urllib.request
 
 import pytest
 
-from connector import admin_http
-from connector.admin_http import MAX_BODY_BYTES, AdminServer, host_allowed
-from connector.admin_token import client_token, default_path, engine_token
-from connector.config import ConfigError, load_config
+from connector.config.loading import ConfigError, load_config
+from connector.scheduler import admin_http
+from connector.scheduler.admin_http import MAX_BODY_BYTES, AdminServer, host_allowed
+from connector.scheduler.admin_token import client_token, default_path, engine_token
 
 TOKEN = "t0ken-for-the-admin-endpoint-tests"
 

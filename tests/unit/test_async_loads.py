@@ -11,14 +11,14 @@ import time
 
 import torch
 
-from connector.config import load_config
+from connector.config.loading import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU, DISK
 from connector.engine.outcomes import FailureReason
-from connector.kv_blocks import BlockCopier
-from connector.scheduler import ConnectorScheduler
+from connector.scheduler.connector_scheduler import ConnectorScheduler
 from connector.tiers.disk import chunk_files
-from connector.worker import ConnectorWorker
+from connector.worker.connector_worker import ConnectorWorker
+from connector.worker.kv_blocks import BlockCopier
 
 from .fakes import request, step
 

@@ -12,15 +12,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 PURE = (
     "connector",
-    "connector.config",
-    "connector.scheduler",
-    "connector.scheduler_state",
-    "connector.prefix_lookup",
-    "connector.insight_feed",
-    "connector.responses",
-    "connector.worker_feedback",
-    "connector.step_planner",
-    "connector.disk_sync",
+    "connector.config.loading",
+    "connector.scheduler.connector_scheduler",
+    "connector.scheduler.scheduler_state",
+    "connector.scheduler.prefix_lookup",
+    "connector.scheduler.insight_feed",
+    "connector.scheduler.responses",
+    "connector.scheduler.worker_feedback",
+    "connector.scheduler.step_planner",
+    "connector.scheduler.disk_sync",
     "connector.tiers.cpu",
     "connector.tiers.disk",
     "connector.tiers.disk_scan",
@@ -52,8 +52,28 @@ def test_pure_logic_imports_neither_vllm_nor_torch():
     assert out.stdout.strip() == ""
 
 
+def _package_modules(*packages: str) -> list[str]:
+    return sorted(
+        ".".join(path.relative_to(REPO).with_suffix("").parts)
+        for package in packages
+        for path in (REPO / package.replace(".", "/")).glob("*.py")
+        if path.name != "__init__.py"
+    )
+
+
+def test_the_engine_and_the_configuration_import_neither_vllm_nor_torch():
+    modules = _package_modules("connector.engine", "connector.config")
+    assert len(modules) > 20
+    code = (
+        f"import sys, {', '.join(modules)}\n"
+        "print(','.join(sorted(m for m in ('vllm', 'torch') if m in sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
 # The copy path and the device check (scripts/gpu_check.py) run where vLLM is not installed.
-WITHOUT_VLLM = ("connector.kv_blocks", "connector.layer_copies", "connector.cuda_copies")
+WITHOUT_VLLM = ("connector.worker.kv_blocks", "connector.worker.layer_copies", "connector.worker.cuda_copies")
 
 
 def test_the_copy_path_imports_without_vllm():
@@ -136,3 +156,56 @@ def test_ruff_is_clean(args):
     ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
     out = subprocess.run([ruff, *args], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# What each package of connector/ may import from the rest of it (its own modules always): the
+# pure engine nothing, the configuration and the tiers nothing of either half, and the two halves
+# never each other; only the vLLM-facing modules at the top bring the halves together.
+MAY_IMPORT = {
+    "connector.engine": set(),
+    "connector.config": {"connector.engine", "connector.tiers"},
+    "connector.tiers": {"connector.engine", "connector.cpu_affinity"},
+    "connector.scheduler": {
+        "connector.engine",
+        "connector.config",
+        "connector.tiers",
+        "connector.checkpoint_identity",
+        "connector.vllm_compat",
+    },
+    "connector.worker": {"connector.engine", "connector.config", "connector.tiers", "connector.cpu_affinity"},
+    "connector.ops": {"connector.engine", "connector.config", "connector.tiers", "connector.scheduler"},
+}
+
+
+def _package_of(module: str) -> str:
+    """``connector.scheduler`` for ``connector.scheduler.admin``; a top-level module itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_each_package_imports_only_what_its_init_allows():
+    wrong = []
+    for path in (REPO / "connector").rglob("*.py"):
+        own = _package_of(".".join(path.relative_to(REPO).with_suffix("").parts))
+        if own not in MAY_IMPORT:
+            continue
+        for module in _connector_imports(path):
+            theirs = _package_of(module)
+            if theirs != own and theirs not in MAY_IMPORT[own]:
+                wrong.append(f"{path.relative_to(REPO)} imports {module}")
+    assert not wrong, wrong
+
+
+def test_the_halves_never_import_each_other():
+    for half, other in (("scheduler", "worker"), ("worker", "scheduler")):
+        for path in (REPO / "connector" / half).rglob("*.py"):
+            bad = {m for m in _connector_imports(path) if m.startswith(f"connector.{other}")}
+            assert not bad, f"{path.relative_to(REPO)} imports {bad}"
+
+
+def test_no_file_in_connector_is_over_500_lines():
+    long = {
+        str(p.relative_to(REPO)): n
+        for p in (REPO / "connector").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not long, long

@@ -1,6 +1,6 @@
 import pytest
 
-from connector.config import ConfigError, load_config
+from connector.config.loading import ConfigError, load_config
 
 
 def test_defaults_match_lmcache():

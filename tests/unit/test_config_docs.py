@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.config import load_config
+from connector.config.loading import load_config
 
 from .test_config_lmcache_corpus import EXPECTED
 

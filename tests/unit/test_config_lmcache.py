@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
-from connector.config import ConfigError, KVLensConfig, load_config
-from connector.config_keys import ALIASES, EXTRA_FEATURES, EXTRA_LMCACHE, FEATURES, UNUSED
-from connector.config_model import ExtraConfig
+from connector.config.keys import ALIASES, EXTRA_FEATURES, EXTRA_LMCACHE, FEATURES, UNUSED
+from connector.config.loading import ConfigError, KVLensConfig, load_config
+from connector.config.model import ExtraConfig
 
 SECRET = "Sup3r-s3cret-pw"
 PYDANTIC_WORDS = ("Input should", "Extra inputs", "pydantic", "errors.pydantic.dev", "validation error")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.config import ConfigError, load_config
+from connector.config.loading import ConfigError, load_config
 
 DATA = Path(__file__).parent / "data" / "lmcache_configs"
 

@@ -68,7 +68,7 @@ def test_background_tier_threads_leave_the_core_of_the_thread_that_made_them():
 
 @needs_two_cpus
 def test_the_copy_thread_leaves_the_core_of_the_thread_that_made_it():
-    from connector.layer_copies import CopyThread
+    from connector.worker.layer_copies import CopyThread
 
     threads = []
 
@@ -90,8 +90,8 @@ def _nice(native_id: int) -> int:
 
 @linux_nice
 def test_slow_tier_readers_and_outside_step_loads_yield_to_the_forward_pass_and_copies_and_writes_do_not():
-    from connector.async_loads import AsyncLoader
-    from connector.layer_copies import CopyThread
+    from connector.worker.async_loads import AsyncLoader
+    from connector.worker.layer_copies import CopyThread
 
     own = _nice(threading.get_native_id())
     tier = BackgroundTier(CpuTier(), TierHealth("disk"))

@@ -14,13 +14,13 @@ import time
 
 import torch
 
-from connector import worker as worker_module
-from connector.config import load_config
+from connector.config.loading import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
-from connector.kv_blocks import BlockCopier
-from connector.payload_pool import PayloadPool
-from connector.worker import ConnectorWorker
+from connector.worker import loads_outside_step
+from connector.worker.connector_worker import ConnectorWorker
+from connector.worker.kv_blocks import BlockCopier
+from connector.worker.payload_pool import PayloadPool
 
 BS, LAYERS, HEADS, HEAD, NUM_BLOCKS = 16, 3, 2, 8, 32
 
@@ -52,7 +52,7 @@ def test_a_buffer_an_asynchronous_load_reads_is_not_reused_before_it_is_done(mon
     run_step(worker, StepPlan(writes=[StoreJob("a", "x" * 32, (0, 1), (CPU,), 2 * BS)], step=1))
 
     paused, resume = threading.Event(), threading.Event()
-    copy_layer = worker_module.copy_load_layer
+    copy_layer = loads_outside_step.copy_load_layer
 
     def pausing(copier, load, layer, cancelled):
         if layer == 1:  # layer 0 is in; the rest waits while the step thread goes on
@@ -60,7 +60,7 @@ def test_a_buffer_an_asynchronous_load_reads_is_not_reused_before_it_is_done(mon
             assert resume.wait(10)
         return copy_layer(copier, load, layer, cancelled)
 
-    monkeypatch.setattr(worker_module, "copy_load_layer", pausing)
+    monkeypatch.setattr(loads_outside_step, "copy_load_layer", pausing)
     job = LoadJob("r", (ChunkLoad("x" * 32, CPU, (10, 11), 0, 2 * BS),))
     worker.start_load(StepPlan(async_loads=[job], step=2))
     worker.finish_load()

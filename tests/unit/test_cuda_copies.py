@@ -8,11 +8,11 @@ import time
 
 import torch
 
-from connector.cuda_copies import CudaCopyStream
 from connector.engine.jobs import CPU, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
 from connector.engine.outcomes import FailureReason
-from connector.kv_blocks import BlockCopier
-from connector.layer_copies import BlockGather, BlockLoad, CopyStalled, StepCopies
+from connector.worker.cuda_copies import CudaCopyStream
+from connector.worker.kv_blocks import BlockCopier
+from connector.worker.layer_copies import BlockGather, BlockLoad, CopyStalled, StepCopies
 
 from .fake_cuda import FakeGpu
 from .test_layer_copies import LAYER_NAMES, stored
@@ -138,9 +138,9 @@ def test_the_host_waits_for_gathered_bytes_only_when_asked_and_then_with_a_deadl
 # ---- the worker on a device ---------------------------------------------------------------
 def device_worker(caches, gpu, **extra):
     w = worker(caches, **extra)
-    if w._runner is not None:
-        w._runner.close()
-    w._runner = CudaCopyStream(gpu)
+    if w.runner is not None:
+        w.runner.close()
+    w.runner = CudaCopyStream(gpu)
     return w
 
 
@@ -278,7 +278,7 @@ def test_without_layerwise_every_load_is_in_before_the_first_layer_on_a_device()
 
 
 def test_a_device_that_never_finishes_fails_the_stores_instead_of_hanging(monkeypatch):
-    import connector.layer_copies as layer_copies
+    import connector.worker.layer_copies as layer_copies
 
     monkeypatch.setattr(layer_copies, "COPY_TIMEOUT_S", 0.3)
     caches = cpu_layout()
@@ -293,7 +293,7 @@ def test_a_device_that_never_finishes_fails_the_stores_instead_of_hanging(monkey
     (failure,) = w.take_report().store_failures
     assert failure.name == NAME and failure.reason == FailureReason.IO_ERROR
     assert "did not finish" in failure.detail
-    assert isinstance(w._runner, CudaCopyStream)  # copying in the step would wait on the same device
+    assert isinstance(w.runner, CudaCopyStream)  # copying in the step would wait on the same device
 
 
 def test_a_step_run_as_a_full_cuda_graph_has_every_load_in_before_it_starts():

@@ -432,14 +432,14 @@ def test_a_load_whose_reading_raises_closes_its_reads_and_fails_whole(tmp_path, 
         return started[-1]
 
     monkeypatch.setattr(disk, "get_layered", recording)
-    read_chunk = w._read_chunk
+    read_chunk = w.reads._read_chunk
 
     def raising(chunk, *args, **kwargs):
         if chunk.name == second:
             raise RuntimeError("a bug while reading")
         return read_chunk(chunk, *args, **kwargs)
 
-    monkeypatch.setattr(w, "_read_chunk", raising)
+    monkeypatch.setattr(w.reads, "_read_chunk", raising)
     job = LoadJob("b", (ChunkLoad(NAME, DISK, (8, 9), 0, 32), ChunkLoad(second, DISK, (10, 11), 0, 32)))
     if outside_step:
         _load_outside_step(w, job)

@@ -5,8 +5,8 @@ rest by a walk bounded in bytes per second (issue 26, item 10)."""
 import os
 import time
 
-from connector.disk_scrub import DiskScrubber
 from connector.engine.keys import storage_name
+from connector.scheduler.disk_scrub import DiskScrubber
 from connector.tiers.disk import DiskTier
 from connector.tiers.disk_scan import DirectoryScanner
 
@@ -126,10 +126,10 @@ def test_a_damaged_load_makes_the_scheduler_forget_other_damaged_chunks_written_
     """Another prompt's chunks, stored with the damaged one and damaged in the same way, leave
     the index before any load of them fails (on the old code, its lookup offered them and its
     load failed the next round)."""
-    from connector.config import load_config
+    from connector.config.loading import load_config
     from connector.engine.jobs import DISK
     from connector.engine.outcomes import WorkerReport
-    from connector.scheduler import ConnectorScheduler
+    from connector.scheduler.connector_scheduler import ConnectorScheduler
 
     from .fakes import admit_fully, blocks, facts, request
     from .test_scheduler import PROMPT, loaded

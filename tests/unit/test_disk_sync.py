@@ -1,8 +1,8 @@
 import os
 import time
 
-from connector.disk_sync import DiskWatcher, ScanDelta, SharedDiskView, diff
 from connector.engine.index import TierIndex
+from connector.scheduler.disk_sync import DiskWatcher, ScanDelta, SharedDiskView, diff
 from connector.tiers.disk import NEVER_USED_NS, DiskTier, FileInfo
 
 
@@ -97,7 +97,7 @@ def test_the_directory_budget_evicts_the_least_recently_used_first():
 
 
 def test_indexing_a_big_directory_is_spread_over_steps_and_keeps_the_lru_order(monkeypatch):
-    import connector.disk_sync as disk_sync
+    import connector.scheduler.disk_sync as disk_sync
 
     monkeypatch.setattr(disk_sync, "MERGE_PER_STEP", 8)
     index, feed = TierIndex("disk", 10**6), DeltaFeed()
@@ -210,7 +210,7 @@ def test_disk_evictions_count_deletes_that_removed_the_file_not_decisions(tmp_pa
 
 
 def test_disk_gauges_name_the_shared_directory_so_engines_sharing_it_count_once(tmp_path):
-    from connector.instance_info import disk_identity
+    from connector.scheduler.instance_info import disk_identity
 
     from .fakes import scheduler
 

@@ -317,9 +317,9 @@ def test_loaded_tokens_are_priced_at_the_measured_cost_per_tier():
 
 # ---- KV-aware routing: block events ------------------------------------------------------
 def _events_scheduler(**extra):
-    from connector.config import load_config
+    from connector.config.loading import load_config
     from connector.engine.facts import EngineFacts
-    from connector.scheduler import ConnectorScheduler
+    from connector.scheduler.connector_scheduler import ConnectorScheduler
 
     from .fakes import BLOCK
 
@@ -387,8 +387,8 @@ def test_without_kv_events_nothing_is_collected():
 def test_chunks_another_engine_deletes_from_a_shared_disk_are_reported_removed_and_forgotten(tmp_path):
     import time
 
-    from connector.disk_sync import ScanDelta
     from connector.engine.block_events import BlocksRemoved
+    from connector.scheduler.disk_sync import ScanDelta
 
     s = _events_scheduler(local_cpu=False, local_disk=str(tmp_path), max_local_disk_size=1)
     a = _hashed("a", PROMPT)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from connector.engine.jobs import CPU, ChunkLoad, LoadJob, StepPlan, StoreJob
-from connector.kv_blocks import BlockCopier
+from connector.worker.kv_blocks import BlockCopier
 
 from .test_worker import BS, HEAD, HEADS, LAYERS, NAME, NUM_BLOCKS, worker
 
@@ -80,7 +80,7 @@ def test_the_worker_stores_and_loads_every_layout(name, layerwise):
 def test_the_device_copy_branches_move_the_same_bytes_as_the_host_ones(name, monkeypatch):
     """On CUDA, fragmented blocks go through an index and payloads through staging buffers;
     forced on here (CPU tensors, no page-locked memory), they must move what the host path does."""
-    import connector.kv_blocks as kv_blocks
+    import connector.worker.kv_blocks as kv_blocks
 
     monkeypatch.setattr(kv_blocks, "_pinning_failed", False)  # this build cannot pin: it falls back
     if name == "KV-first":

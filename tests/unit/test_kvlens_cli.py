@@ -10,9 +10,9 @@ import pytest
 from connector.engine.keys import Namespace, key_fingerprint, storage_name
 from connector.engine.namespace_records import NamespaceRecord
 from connector.ops.cli import main
-from connector.store_records import DiskRecords
 from connector.tiers import codec
 from connector.tiers.disk import DiskTier, chunk_path
+from connector.tiers.store_records import DiskRecords
 
 from .fakes import IDENTITY
 
@@ -138,7 +138,7 @@ def test_a_missing_directory_is_a_clear_error(tmp_path, capsys):
 
 def test_records_written_after_the_cutoff_are_left_alone(store):
     from connector.engine.namespace_records import Selector
-    from connector.store_records import clear
+    from connector.tiers.store_records import clear
 
     cutoff = time.time() - 3600
     assert clear(DiskRecords(str(store)), Selector(), before_s=cutoff).chunks == 0

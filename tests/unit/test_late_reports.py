@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.config import load_config
+from connector.config.loading import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU, StepPlan
 from connector.engine.keys import storage_name
-from connector.kv_blocks import BlockCopier
-from connector.scheduler import ConnectorScheduler
-from connector.worker import ConnectorWorker
+from connector.scheduler.connector_scheduler import ConnectorScheduler
+from connector.worker.connector_worker import ConnectorWorker
+from connector.worker.kv_blocks import BlockCopier
 
 from .fakes import request, step
 
@@ -138,8 +138,8 @@ def test_the_worker_forgets_failures_once_the_scheduler_has_their_report():
     engine = Engine(delay=1)
     failed_load_then_next_step(engine)
     # step N's failure: a store planned before its report may need it
-    assert engine.worker._deps._failed_by_step
+    assert engine.worker.deps._failed_by_step
     for _ in range(3):  # quiet steps: nothing loads, every report has arrived
         engine.step(step())
-    assert engine.worker._deps._failed_by_step == {}
+    assert engine.worker.deps._failed_by_step == {}
     assert engine.sched.state.unreported_loaded_blocks() == set()

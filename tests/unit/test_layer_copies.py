@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from connector import layer_copies
 from connector.engine.jobs import CPU, ChunkLoad, LoadJob, StepPlan, StoreJob
 from connector.engine.outcomes import FailureReason
+from connector.worker import layer_copies
 
 from .test_worker import LAYERS, NAME, cpu_layout, worker
 
@@ -33,8 +33,8 @@ def load_plan(*extra_writes):
 
 
 def test_the_default_worker_copies_on_a_thread_and_sync_when_layerwise_is_off():
-    assert worker(cpu_layout())._runner is not None
-    assert worker(cpu_layout(), use_layerwise=False)._runner is None
+    assert worker(cpu_layout()).runner is not None
+    assert worker(cpu_layout(), use_layerwise=False).runner is None
 
 
 @pytest.mark.parametrize("layerwise", [True, False])
@@ -104,7 +104,7 @@ def test_a_store_takes_a_layer_when_that_layer_is_saved_and_the_rest_at_the_end(
     plan = StepPlan(writes=[StoreJob("a", NAME, (2, 5), (CPU,), 32)])
     at_save = {n: caches[n][[2, 5]].clone() for n in caches}
     w.save_layer(plan, LAYER_NAMES[0])
-    w._step.wait_all()
+    w.step_copies.wait_all()
     caches[LAYER_NAMES[0]][[2, 5]] = 7  # after its save_kv_layer a layer's KV no longer changes in
     caches[LAYER_NAMES[1]][[2, 5]] = 7  # a step; layers never saved are gathered in save()
     w.save(plan)
@@ -179,7 +179,7 @@ def test_a_step_vllm_abandoned_midway_finishes_its_copies_before_the_next(monkey
 
 def test_shutdown_stops_the_copy_thread():
     w = worker(cpu_layout())
-    thread = w._runner._thread
+    thread = w.runner._thread
     w.shutdown()
     assert not thread.is_alive()
 
@@ -209,14 +209,14 @@ def test_prepared_copy_pairs_exist_only_for_contiguous_cpu_layers_and_copy_what_
 
 @pytest.mark.parametrize("fault", ["dead", "stalled"])
 def test_a_dead_or_stalled_copy_thread_fails_the_loads_instead_of_hanging_the_engine(monkeypatch, fault):
-    import connector.layer_copies as layer_copies
+    import connector.worker.layer_copies as layer_copies
 
     caches = cpu_layout()
     w = worker(caches)
     store_two_chunks(w)
     release = threading.Event()
     if fault == "dead":
-        w._runner.close()  # the thread is gone; tasks queue up and never run
+        w.runner.close()  # the thread is gone; tasks queue up and never run
     else:
         monkeypatch.setattr(layer_copies, "COPY_TIMEOUT_S", 0.5)
         copy = layer_copies._copy_layer
@@ -236,7 +236,7 @@ def test_a_dead_or_stalled_copy_thread_fails_the_loads_instead_of_hanging_the_en
     assert time.monotonic() - started < 3
     assert w.take_failed_blocks() == {8, 9, 10, 11}  # recomputed by vLLM
     assert [f.reason for f in failures] == [FailureReason.DEPENDENCY_FAILED]
-    assert w._runner is None  # later steps copy in the step
+    assert w.runner is None  # later steps copy in the step
     w.load(load_plan())
     assert w.take_failed_blocks() == set()
     for t in caches.values():

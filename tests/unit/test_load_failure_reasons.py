@@ -8,10 +8,10 @@ immediate second look-up after a failed asynchronous load does not load it again
 
 import pytest
 
-from connector.config import load_config
+from connector.config.loading import load_config
 from connector.engine.jobs import CPU
 from connector.engine.outcomes import FailureReason, WorkerReport
-from connector.scheduler import ConnectorScheduler
+from connector.scheduler.connector_scheduler import ConnectorScheduler
 
 from .fakes import admit_fully, blocks, facts, request
 from .test_insight import Clock

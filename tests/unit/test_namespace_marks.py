@@ -16,7 +16,7 @@ from connector.engine.namespace_marks import (
 )
 from connector.engine.namespace_records import NamespaceRecord
 from connector.engine.outcomes import MissReason
-from connector.store_records import DiskRecords
+from connector.tiers.store_records import DiskRecords
 
 from .test_admin import PROMPT, Worker, _hashed, _scheduler, _store
 
@@ -99,7 +99,7 @@ def test_an_instance_sharing_the_disk_explains_a_miss_of_a_prompt_another_stored
 
 
 def test_a_mark_explains_only_while_its_namespace_record_is_there(tmp_path, monkeypatch):
-    import connector.shared_marks as shared
+    import connector.scheduler.shared_marks as shared
     from connector.engine.namespace_marks import bucket_of, mark_of
 
     monkeypatch.setattr(shared, "READ_S", 0.05)

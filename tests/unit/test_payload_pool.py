@@ -5,8 +5,8 @@ import threading
 import torch
 
 from connector.engine.jobs import CPU, DISK, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
-from connector.payload_pool import PayloadPool
 from connector.tiers.disk import DiskTier
+from connector.worker.payload_pool import PayloadPool
 
 from .test_worker import LAYERS, NAME, cpu_layout, worker
 
@@ -98,9 +98,9 @@ def test_stores_to_the_cpu_tier_alone_take_pool_buffers_of_the_same_shape_only()
     w = worker(caches)
     w.save(StepPlan(writes=[StoreJob("a", NAME, (2, 5, 6), (CPU,), 48)]))
     w.save(StepPlan(writes=[Eviction(CPU, NAME)]))
-    assert w._pool.bytes == 3 * LAYERS * w.copier.block_bytes
+    assert w.pool.bytes == 3 * LAYERS * w.copier.block_bytes
     w.save(StepPlan(writes=[StoreJob("b", OTHER, (7, 9), (CPU,), 32)]))  # 2 blocks: a new buffer
-    assert w._pool.bytes == 3 * LAYERS * w.copier.block_bytes
+    assert w.pool.bytes == 3 * LAYERS * w.copier.block_bytes
 
 
 def test_putting_a_chunk_the_cpu_tier_already_holds_never_hands_its_buffer_to_reuse():

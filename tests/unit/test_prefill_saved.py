@@ -8,10 +8,10 @@ prefill time (their step, alone) prices the loaded tokens meanwhile.
 
 import pytest
 
-from connector.config import load_config
+from connector.config.loading import load_config
 from connector.engine.outcomes import WorkerReport
 from connector.engine.prefill_cost import PrefillCostMeter
-from connector.scheduler import ConnectorScheduler
+from connector.scheduler.connector_scheduler import ConnectorScheduler
 
 from .fakes import blocks, facts, request, step
 from .test_insight import Clock

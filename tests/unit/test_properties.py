@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connector.config import LMCACHE_KEYS_NOT_USED, ConfigError, KVLensConfig, load_config
+from connector.config.loading import LMCACHE_KEYS_NOT_USED, ConfigError, KVLensConfig, load_config
 from connector.engine.keys import Namespace
 from connector.engine.outcomes import MissReason
 from connector.engine.policy import RequestPolicy, decide_policy

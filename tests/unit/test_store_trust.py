@@ -12,7 +12,7 @@ import tracemalloc
 import pytest
 import torch
 
-from connector.config import ConfigError, load_config
+from connector.config.loading import ConfigError, load_config
 from connector.tiers import codec, disk_layers
 from connector.tiers import disk as disk_files
 from connector.tiers.base import ChunkCorrupt

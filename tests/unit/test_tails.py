@@ -6,12 +6,12 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connector.config import load_config
+from connector.config.loading import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU
 from connector.engine.keys import block_prefixes
 from connector.engine.tails import TailDirectory
-from connector.scheduler import ConnectorScheduler
+from connector.scheduler.connector_scheduler import ConnectorScheduler
 
 from .fakes import admit_fully, request, scheduler
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import time
 
-from connector.config import load_config
+from connector.config.loading import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.keys import Namespace, first_chunk_fingerprint, key_fingerprint
 from connector.engine.namespace_marks import MarkView, mark_of
 from connector.engine.namespace_records import NamespaceRecord
 from connector.engine.namespaces import FirstChunkNamespaces
 from connector.engine.outcomes import MissReason
-from connector.responses import for_client
-from connector.scheduler import ConnectorScheduler
+from connector.scheduler.connector_scheduler import ConnectorScheduler
+from connector.scheduler.responses import for_client
 
 from .fakes import BLOCK, BLOCK_BYTES, LAYERS, admit_fully, blocks, request
 from .test_admin import PROMPT, Worker, _hashed
@@ -151,7 +151,7 @@ def _config(**settings):
 
 def test_a_tenant_id_cannot_be_recomputed_from_the_salt_without_the_deployments_key(tmp_path):
     from connector.engine.tenants import TenantIds
-    from connector.tenant_id_key import deployment_key
+    from connector.scheduler.tenant_id_key import deployment_key
 
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
@@ -171,7 +171,7 @@ def test_instances_sharing_a_disk_directory_compute_the_same_ids(tmp_path):
     import stat
 
     from connector.engine import tenants
-    from connector.tenant_id_key import deployment_key
+    from connector.scheduler.tenant_id_key import deployment_key
 
     (tmp_path / "disk").mkdir()
     config = _config(local_disk=str(tmp_path / "disk"))
@@ -189,7 +189,7 @@ def test_instances_sharing_a_disk_directory_compute_the_same_ids(tmp_path):
 
 def test_a_configured_key_gives_the_same_ids_wherever_the_cache_is(tmp_path):
     from connector.engine.tenants import TenantIds
-    from connector.tenant_id_key import deployment_key
+    from connector.scheduler.tenant_id_key import deployment_key
 
     secret = "a-long-operator-secret-0123456789"
     (tmp_path / "a").mkdir()

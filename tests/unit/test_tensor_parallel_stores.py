@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.config import load_config
+from connector.config.loading import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU, Eviction, StepPlan
 from connector.engine.keys import storage_name
-from connector.kv_blocks import BlockCopier
-from connector.scheduler import ConnectorScheduler
-from connector.worker import ConnectorWorker
+from connector.scheduler.connector_scheduler import ConnectorScheduler
+from connector.worker.connector_worker import ConnectorWorker
+from connector.worker.kv_blocks import BlockCopier
 
 from .fakes import request, step
 
@@ -150,7 +150,7 @@ def test_stores_over_loads_every_rank_made_are_written_once_reported(delay):
     assert set(p + q) <= index
     assert engine.held(0) == engine.held(1) == index
     assert engine.stored_counted == 4
-    assert all(len(w._deps) == 0 for w in engine.workers)
+    assert all(len(w.deps) == 0 for w in engine.workers)
 
 
 def test_an_eviction_after_a_held_store_drops_it():
@@ -159,6 +159,6 @@ def test_an_eviction_after_a_held_store_drops_it():
     plan = load_p_compute_q(engine)
     name = plan.stores[0].name
     for worker in engine.workers:
-        worker._evict(Eviction(CPU, name))
+        worker.writes.evict(Eviction(CPU, name))
     engine.settle()
     assert all(name not in engine.held(rank) for rank in range(TP))

@@ -174,7 +174,7 @@ def test_a_chunk_another_engine_wrote_recently_is_not_deleted_but_our_own_is(tmp
 
 
 def test_a_lookup_that_times_out_once_costs_a_miss_not_the_whole_remote_tier():
-    from connector.remote_lookup import RemoteLookup
+    from connector.scheduler.remote_lookup import RemoteLookup
     from connector.tiers.redis_tier import RemoteUnavailable
 
     class BusyRedis:

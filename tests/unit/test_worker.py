@@ -5,13 +5,13 @@ import os
 import pytest
 import torch
 
-from connector.config import load_config
+from connector.config.loading import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU, DISK, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
 from connector.engine.outcomes import FailureReason, Stage, TierState
-from connector.kv_blocks import BlockCopier
 from connector.tiers import disk as disk_files
-from connector.worker import ConnectorWorker
+from connector.worker.connector_worker import ConnectorWorker
+from connector.worker.kv_blocks import BlockCopier
 
 NUM_BLOCKS, LAYERS, HEADS, BS, HEAD = 16, 3, 2, 16, 8
 
@@ -167,7 +167,7 @@ def test_register_rejects_a_layout_the_scheduler_did_not_plan_for():
 
 
 def test_unusable_disk_directory_is_a_config_error_naming_the_key(tmp_path):
-    from connector.config import ConfigError
+    from connector.config.loading import ConfigError
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 import torch
 
+from ..engine.jobs import ChunkLoad, LoadJob
+from ..engine.outcomes import ChunkLoadResult, LoadOutcome
+from ..tiers.disk_layers import LayeredReads, LayeredRecord
 from .async_loads import failed_whole
-from .engine.jobs import ChunkLoad, LoadJob
-from .engine.outcomes import ChunkLoadResult, LoadOutcome
 from .layer_copies import BlockLoad
 from .payload_pool import ViewLease
-from .tiers.disk_layers import LayeredReads, LayeredRecord
 
 logger = logging.getLogger("vllm.kvlens")
 

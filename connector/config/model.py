@@ -18,8 +18,8 @@ from pydantic import (
     model_validator,
 )
 
-from .engine.eviction import POLICIES
-from .tiers.remote_url import RemoteURL
+from ..engine.eviction import POLICIES
+from ..tiers.remote_url import RemoteURL
 
 GB = 1024**3
 MB = 1024**2
@@ -70,11 +70,11 @@ class ExtraConfig(BaseModel):
     # nobody waits for it, and the request saves an asynchronous load's step round trip.
     # Remote loads are always asynchronous. 0: disk loads are too.
     async_load_in_step_max_ms: float = Field(50.0, ge=0)
-    # The admin endpoint (connector/admin.py; `kvlens clear` of a running server): off unless a
+    # The admin endpoint (connector/scheduler/admin.py; `kvlens clear` of a running server): off unless a
     # port is set; data-parallel engine i listens on admin_port + i.
     admin_port: int | None = Field(None, ge=1, le=65535)
     admin_host: str = "127.0.0.1"  # keep it on loopback unless fenced off
-    # Its bearer token (connector/admin_token.py): this literal, or the file named here (written
+    # Its bearer token (connector/scheduler/admin_token.py): this literal, or the file named here (written
     # with a random token, 0600, if missing). Neither: a random token per start, written 0600 to
     # ~/.cache/kvlens/admin-<port>.token, where `kvlens` on the same host reads it.
     admin_token: SecretStr | None = Field(None, min_length=16)

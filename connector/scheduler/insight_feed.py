@@ -15,11 +15,11 @@ import logging
 import time
 from typing import Any
 
-from .engine.keys import ChunkKey, PrefixHasher, block_prefixes
-from .engine.prefill_cost import PrefillCostMeter
-from .engine.snapshots import InsightSnapshot, WhatIfPoint
-from .engine.tracker import LookupResult
-from .engine.whatif import WhatIfTracker
+from ..engine.keys import ChunkKey, PrefixHasher, block_prefixes
+from ..engine.prefill_cost import PrefillCostMeter
+from ..engine.snapshots import InsightSnapshot, WhatIfPoint
+from ..engine.tracker import LookupResult
+from ..engine.whatif import WhatIfTracker
 from .instance_info import instance_info
 from .prefix_lookup import prompt_tokens
 from .scheduler_state import SchedulerState

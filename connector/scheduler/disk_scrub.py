@@ -27,9 +27,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from .engine.keys import storage_name
-from .tiers.base import ChunkCorrupt, ChunkMissing
-from .tiers.disk import DiskTier, FileInfo
+from ..engine.keys import storage_name
+from ..tiers.base import ChunkCorrupt, ChunkMissing
+from ..tiers.disk import DiskTier, FileInfo
 
 logger = logging.getLogger("vllm.kvlens")
 

@@ -37,7 +37,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .cpu_affinity import run_beside_worker
+from ..cpu_affinity import run_beside_worker
 from .kv_blocks import BlockCopier, CopyPairs
 
 logger = logging.getLogger("vllm.kvlens")

@@ -1,4 +1,4 @@
-"""A small JSON-over-HTTP server for the admin endpoint (``connector/admin.py``).
+"""A small JSON-over-HTTP server for the admin endpoint (``connector/scheduler/admin.py``).
 
 Plain standard library: a request is one JSON body in, one JSON body out. It runs inside the
 engine-core process, so every request is bounded before anything is read: a bearer token

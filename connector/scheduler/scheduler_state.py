@@ -14,29 +14,29 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from .config import ConfigError, KVLensConfig
+from ..config.loading import ConfigError, KVLensConfig
+from ..engine.block_events import BlockEvents
+from ..engine.facts import EngineFacts
+from ..engine.held_stores import HeldStores
+from ..engine.index import PinTable, TierIndex
+from ..engine.jobs import CPU, DISK, REMOTE, Eviction, LoadJob
+from ..engine.keys import PrefixHasher
+from ..engine.load_speed import TierSpeeds
+from ..engine.namespaces import FirstChunkNamespaces
+from ..engine.outcomes import FailureReason, LoadOutcome, TierState
+from ..engine.policy import RecentlyEvicted, RequestPolicy
+from ..engine.retention_rules import RetentionRules
+from ..engine.suspects import SuspectBlocks, downstream
+from ..engine.tails import TailDirectory
+from ..engine.tenants import TenantBook, TenantLimits
+from ..engine.tracker import LookupResult, RequestTracker
+from ..engine.unreadable import UnreadableChunks
+from ..tiers.disk import DiskTier
+from ..tiers.redis_tier import RedisTier
 from .disk_scrub import DiskScrubber
 from .disk_sync import DiskWatcher, SharedDiskView
-from .engine.block_events import BlockEvents
-from .engine.facts import EngineFacts
-from .engine.held_stores import HeldStores
-from .engine.index import PinTable, TierIndex
-from .engine.jobs import CPU, DISK, REMOTE, Eviction, LoadJob
-from .engine.keys import PrefixHasher
-from .engine.load_speed import TierSpeeds
-from .engine.namespaces import FirstChunkNamespaces
-from .engine.outcomes import FailureReason, LoadOutcome, TierState
-from .engine.policy import RecentlyEvicted, RequestPolicy
-from .engine.retention_rules import RetentionRules
-from .engine.suspects import SuspectBlocks, downstream
-from .engine.tails import TailDirectory
-from .engine.tenants import TenantBook, TenantLimits
-from .engine.tracker import LookupResult, RequestTracker
-from .engine.unreadable import UnreadableChunks
 from .instance_info import disk_identity
 from .remote_lookup import RemoteLookup
-from .tiers.disk import DiskTier
-from .tiers.redis_tier import RedisTier
 
 if TYPE_CHECKING:
     from .shared_marks import SharedMarks

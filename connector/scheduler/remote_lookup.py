@@ -14,10 +14,10 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from .engine.health import TierHealth
-from .engine.keys import storage_name
-from .engine.outcomes import FailureReason, RemoteCall
-from .tiers.base import classify
+from ..engine.health import TierHealth
+from ..engine.keys import storage_name
+from ..engine.outcomes import FailureReason, RemoteCall
+from ..tiers.base import classify
 
 logger = logging.getLogger("vllm.kvlens")
 

@@ -8,8 +8,8 @@ an eviction counts when a delete removed the file (on a shared disk, only one en
 
 from __future__ import annotations
 
-from .engine.jobs import CPU, DISK
-from .engine.outcomes import FailureReason, LoadOutcome, WorkerReport
+from ..engine.jobs import CPU, DISK
+from ..engine.outcomes import FailureReason, LoadOutcome, WorkerReport
 from .insight_feed import InsightFeed
 from .responses import Responses
 from .scheduler_state import SchedulerState

@@ -14,11 +14,11 @@ import os
 import socket
 from importlib import metadata
 
-from .config import KVLensConfig
-from .engine.facts import EngineFacts
-from .engine.jobs import DISK, REMOTE
-from .engine.keys import key_fingerprint
-from .engine.snapshots import InstanceInfo
+from ..config.loading import KVLensConfig
+from ..engine.facts import EngineFacts
+from ..engine.jobs import DISK, REMOTE
+from ..engine.keys import key_fingerprint
+from ..engine.snapshots import InstanceInfo
 
 
 def _version() -> str:

@@ -19,7 +19,8 @@ from typing import Any
 import yaml
 from pydantic import SecretStr, ValidationError
 
-from .config_keys import (
+from ..tiers.remote_url import parse_remote_url, with_credentials, with_database
+from .keys import (
     ALIASES,
     EXTRA_FEATURES,
     FEATURES,
@@ -31,9 +32,8 @@ from .config_keys import (
     lmcache_knows,
     nearest,
 )
-from .config_model import ConfigError, ExtraConfig, KVLensConfig
-from .config_sentences import describe, short
-from .tiers.remote_url import parse_remote_url, with_credentials, with_database
+from .model import ConfigError, ExtraConfig, KVLensConfig
+from .sentences import describe, short
 
 logger = logging.getLogger("vllm.kvlens")
 

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .engine.jobs import StepPlan, StoreJob
-from .engine.outcomes import FailureReason, StoreFailure
+from ..engine.jobs import StepPlan, StoreJob
+from ..engine.outcomes import FailureReason, StoreFailure
 
 if TYPE_CHECKING:
     from .layer_copies import StepCopies

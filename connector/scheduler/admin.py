@@ -37,10 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import store_records
-from .engine.jobs import CPU, DISK, REMOTE, StepPlan, StoreJob
-from .engine.keys import key_fingerprint
-from .engine.namespace_records import NamespaceRecord, Selector, select
+from ..engine.jobs import CPU, DISK, REMOTE, StepPlan, StoreJob
+from ..engine.keys import key_fingerprint
+from ..engine.namespace_records import NamespaceRecord, Selector, select
+from ..tiers import store_records
 from .scheduler_state import SchedulerState
 from .shared_marks import SharedMarks
 
@@ -96,9 +96,9 @@ class CacheAdmin:
             self._start_server(extra.admin_host, extra.admin_port + int(state.facts.engine_id or 0))
 
     def _start_server(self, host: str, port: int) -> None:
+        from ..vllm_compat import engine_wakeup
         from .admin_http import AdminServer
         from .admin_token import engine_token
-        from .vllm_compat import engine_wakeup
 
         extra = self._s.config.extra_config
         secret = extra.admin_token.get_secret_value() if extra.admin_token is not None else None
@@ -333,7 +333,7 @@ class _Stores:
                 if config.local_disk:
                     self._made[DISK] = store_records.DiskRecords(config.local_disk)
                 if config.remote is not None:
-                    from .tiers.redis_tier import RedisTier
+                    from ..tiers.redis_tier import RedisTier
 
                     timeout = extra.remote_timeout_s
                     tier = RedisTier(

@@ -20,12 +20,12 @@ import dataclasses
 import logging
 from typing import Any
 
-from .engine.index import TierIndex
-from .engine.jobs import CPU, DISK, REMOTE, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
-from .engine.keys import ChunkKey, key_fingerprint
-from .engine.policy import RequestPolicy, trace_headers
-from .engine.suspects import rewritten_blocks
-from .engine.tracker import LookupResult, RequestTracker, StorePolicy, cdiv, plan_chunk_loads
+from ..engine.index import TierIndex
+from ..engine.jobs import CPU, DISK, REMOTE, ChunkLoad, Eviction, LoadJob, StepPlan, StoreJob
+from ..engine.keys import ChunkKey, key_fingerprint
+from ..engine.policy import RequestPolicy, trace_headers
+from ..engine.suspects import rewritten_blocks
+from ..engine.tracker import LookupResult, RequestTracker, StorePolicy, cdiv, plan_chunk_loads
 from .scheduler_state import SchedulerState
 
 logger = logging.getLogger("vllm.kvlens")

@@ -18,15 +18,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..config.loading import KVLensConfig
+from ..engine.facts import EngineFacts
+from ..engine.jobs import DISK, REMOTE, StepPlan
+from ..engine.outcomes import LookupOutcome, RequestSummary, TierState, WorkerReport
+from ..engine.policy import trace_headers
+from ..engine.snapshots import InsightSnapshot, SchedulerSizes, TierGauge, TierRetention
+from ..engine.tenants import DEFAULT, TenantUsage, tenant_id, use_deployment_key
+from ..engine.tracker import StorePolicy
 from .admin import CacheAdmin
-from .config import KVLensConfig
-from .engine.facts import EngineFacts
-from .engine.jobs import DISK, REMOTE, StepPlan
-from .engine.outcomes import LookupOutcome, RequestSummary, TierState, WorkerReport
-from .engine.policy import trace_headers
-from .engine.snapshots import InsightSnapshot, SchedulerSizes, TierGauge, TierRetention
-from .engine.tenants import DEFAULT, TenantUsage, tenant_id, use_deployment_key
-from .engine.tracker import StorePolicy
 from .insight_feed import InsightFeed
 from .prefix_lookup import PrefixLookup
 from .responses import FinishResult, Responses

@@ -22,8 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import store_records
-from .engine.namespace_marks import (
+from ..engine.namespace_marks import (
     BUCKETS,
     MAX_BUCKET_BYTES,
     Entry,
@@ -35,7 +34,8 @@ from .engine.namespace_marks import (
     merge,
     valid_fingerprint,
 )
-from .engine.namespace_records import MAX_RECORD_BYTES, NamespaceRecord
+from ..engine.namespace_records import MAX_RECORD_BYTES, NamespaceRecord
+from ..tiers import store_records
 
 logger = logging.getLogger("vllm.kvlens")
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .engine.namespaces import client_miss_reason
-from .engine.outcomes import LookupOutcome, MissReason, RequestSummary
-from .engine.tracker import LookupResult, RequestTracker
+from ..engine.namespaces import client_miss_reason
+from ..engine.outcomes import LookupOutcome, MissReason, RequestSummary
+from ..engine.tracker import LookupResult, RequestTracker
 from .prefix_lookup import PrefixLookup
 from .scheduler_state import SchedulerState
 

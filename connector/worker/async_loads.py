@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .cpu_affinity import run_beside_worker
-from .engine.jobs import LoadJob
-from .engine.outcomes import ChunkLoadResult, FailureReason, LoadOutcome
+from ..cpu_affinity import run_beside_worker
+from ..engine.jobs import LoadJob
+from ..engine.outcomes import ChunkLoadResult, FailureReason, LoadOutcome
 
 logger = logging.getLogger("vllm.kvlens")
 

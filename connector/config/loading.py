@@ -15,9 +15,9 @@ from typing import Any
 
 import yaml
 
-from .config_keys import FEATURES, UNUSED
-from .config_model import GB, MB, ConfigError, ExtraConfig, KVLensConfig
-from .config_rules import (
+from .keys import FEATURES, UNUSED
+from .model import GB, MB, ConfigError, ExtraConfig, KVLensConfig
+from .rules import (
     ENV_PREFIX,
     EXTRA_PREFIX,
     FILE_ENV,

@@ -30,11 +30,11 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..engine.index import TierIndex
+from ..engine.keys import storage_name
+from ..tiers.disk import DiskTier, FileInfo
+from ..tiers.disk_scan import DirectoryScanner, ScanDelta, diff
 from .disk_scrub import NEAR_WRITE_S, SUSPECTS_PER_FIND, DiskScrubber
-from .engine.index import TierIndex
-from .engine.keys import storage_name
-from .tiers.disk import DiskTier, FileInfo
-from .tiers.disk_scan import DirectoryScanner, ScanDelta, diff
 
 __all__ = ["DiskWatcher", "MergeResult", "ScanDelta", "SharedDiskView", "diff"]
 

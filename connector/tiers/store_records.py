@@ -1,6 +1,6 @@
 """Chunk and namespace records in a disk directory or under a Redis key prefix, as tools see
 them: ``kvlens inspect`` and ``kvlens clear`` offline, and the admin endpoint of a running
-engine (``connector/admin.py``).
+engine (``connector/scheduler/admin.py``).
 
 Only headers are read (the first bytes of each record), in batches: one pipelined round trip
 per node for a batch of Redis keys. Nothing here touches what is not a KVLens record of this
@@ -23,12 +23,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine.namespace_records import NamespaceRecord, Selector, select
-from .tiers import codec
-from .tiers import disk as disk_files
-from .tiers.base import ChunkCorrupt
-from .tiers.disk import DiskTier
-from .tiers.redis_tier import RedisTier, RemoteUnavailable
+from ..engine.namespace_records import NamespaceRecord, Selector, select
+from . import codec
+from . import disk as disk_files
+from .base import ChunkCorrupt
+from .disk import DiskTier
+from .redis_tier import RedisTier, RemoteUnavailable
 
 NAMESPACE_DIR = ".kvlens-namespaces"
 NAMESPACE_KEY = "ns:"

@@ -20,7 +20,7 @@ import logging
 import os
 import tempfile
 
-from .config_model import KVLensConfig
+from ..config.model import KVLensConfig
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -84,7 +84,7 @@ def _in_file(folder: str) -> bytes:
 
 
 def _in_redis(config: KVLensConfig) -> bytes:
-    from .tiers.redis_tier import RedisTier
+    from ..tiers.redis_tier import RedisTier
 
     assert config.remote is not None
     extra = config.extra_config
