@@ -42,6 +42,12 @@ class UnreadableChunks:
         if (tier, name) in self._until:
             self._drop((tier, name))
 
+    def tier_recovered(self, tier: str) -> None:
+        """The tier works again after it was skipped: what failed there while it was broken is
+        offered again at once (a load then finds each chunk as it really is)."""
+        for key in [k for k in self._until if k[0] == tier]:
+            self._drop(key)
+
     def unreadable(self, tier: str, name: str) -> bool:
         if name not in self._names:
             return False

@@ -9,7 +9,7 @@ an eviction counts when a delete removed the file (on a shared disk, only one en
 from __future__ import annotations
 
 from ..engine.jobs import CPU, DISK
-from ..engine.outcomes import FailureReason, LoadOutcome, WorkerReport
+from ..engine.outcomes import FailureReason, LoadOutcome, TierState, WorkerReport
 from .insight_feed import InsightFeed
 from .responses import Responses
 from .scheduler_state import SchedulerState
@@ -31,6 +31,8 @@ class WorkerFeedback:
         """Apply one report; returns, per failed load, the tokens vLLM recomputes."""
         s = self._s
         for tier, state in report.tier_states.items():
+            if s.tier_states.get(tier) is TierState.SKIPPED and state is TierState.HEALTHY:
+                s.unreadable.tier_recovered(tier)
             s.tier_states[tier] = state
         recomputed: dict[str, int] = {}
         failed: set[int] = set()

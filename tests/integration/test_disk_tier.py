@@ -40,14 +40,15 @@ def test_disk_tier_supplies_prefixes_with_identical_outputs(disk_run, baseline):
 
 
 def test_chunk_files_are_whole_records(disk_run, disk_dir):
+    from connector.scheduler.tenant_id_key import KEY_NAME as TENANT_ID_KEY
     from connector.tiers.store_records import NAMESPACE_DIR
 
     files = [f for folder, _, names in os.walk(disk_dir) if NAMESPACE_DIR not in folder for f in names]
     # chunk records and the marks of loads (no temp files left)
     assert files and all(f.endswith(".kvlens") or f.startswith(USE_MARK_PREFIX) for f in files)
-    assert sorted(set(os.listdir(os.path.join(disk_dir, NAMESPACE_DIR))) - {"marks"}) == [
-        f"{s}.json" for s in _stored_namespaces(disk_dir)
-    ]
+    kept = os.listdir(os.path.join(disk_dir, NAMESPACE_DIR))
+    assert TENANT_ID_KEY in kept  # the deployment's key for tenant ids, kept with the cache
+    assert sorted(set(kept) - {"marks", TENANT_ID_KEY}) == [f"{s}.json" for s in _stored_namespaces(disk_dir)]
 
 
 def _stored_namespaces(disk_dir):

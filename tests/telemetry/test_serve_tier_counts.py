@@ -17,6 +17,7 @@ import pytest
 
 from connector.engine.outcomes import REMOTE_ERROR_KINDS, FailureReason, MissReason, SaveSkipReason
 from connector.scheduler.shared_marks import MARK_KEY
+from connector.scheduler.tenant_id_key import KEY_NAME as TENANT_ID_KEY
 from connector.tiers.store_records import NAMESPACE_KEY
 from tests.redis.servers import REDIS_SERVER, RedisServer
 
@@ -77,9 +78,14 @@ def disk_records(stack) -> list[bytes]:
 
 
 def redis_records(stack) -> list[bytes]:
-    # chunk records only: not the namespace descriptors nor the first-chunk marks
+    # chunk records only: not the namespace descriptors, the first-chunk marks nor the tenant-id key
     others = tuple(f"{PREFIX}:{kind}".encode() for kind in (NAMESPACE_KEY, MARK_KEY))
-    return [stack.redis.get(k) for k in stack.redis.keys(f"{PREFIX}:*") if not k.startswith(others)]
+    tenant_key = f"{PREFIX}:{TENANT_ID_KEY}".encode()
+    return [
+        stack.redis.get(k)
+        for k in stack.redis.keys(f"{PREFIX}:*")
+        if not k.startswith(others) and k != tenant_key
+    ]
 
 
 def oom_rejections(stack) -> int:

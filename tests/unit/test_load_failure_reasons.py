@@ -10,7 +10,7 @@ import pytest
 
 from connector.config.loading import load_config
 from connector.engine.jobs import CPU
-from connector.engine.outcomes import FailureReason, WorkerReport
+from connector.engine.outcomes import FailureReason, TierState, WorkerReport
 from connector.scheduler.connector_scheduler import ConnectorScheduler
 
 from .fakes import admit_fully, blocks, facts, request
@@ -65,3 +65,15 @@ def test_a_damaged_or_missing_chunk_is_forgotten_with_the_rest_of_its_prefix(rea
     names = _failed_load(s, reason)
     assert all(name not in s.tiers[CPU] for name in names)
     assert sorted(_evictions(s)) == sorted(names)
+
+
+def test_a_tier_back_from_being_skipped_offers_its_kept_chunks_at_once():
+    """A read that failed on a broken tier kept its chunk; once a probe finds the tier working
+    again, that chunk is offered again at once (a load then finds what is really there), not
+    passed over for the rest of the pass-over."""
+    clock = Clock()
+    s = _scheduler(clock)
+    _failed_load(s, FailureReason.IO_ERROR)
+    s.on_worker_report(WorkerReport(tier_states={CPU: TierState.SKIPPED}))
+    s.on_worker_report(WorkerReport(tier_states={CPU: TierState.HEALTHY}))
+    assert s.lookup(request("c", PROMPT), 0) == 512
