@@ -74,17 +74,25 @@ def package(ref: str | None, into: Path) -> ModuleType:
 
 def scheduler(pkg: ModuleType, others: int) -> Any:
     """Default config; a small KV layout so 100k chunks fit the default 5 GB CPU budget."""
-    config = importlib.import_module(f"{pkg.__name__}.config")
+    config = _module(pkg, "config.loading", "config")
     facts = importlib.import_module(f"{pkg.__name__}.engine.facts").EngineFacts(
         "m", "bf16", BLOCK, 1, 1024, "layout", 1, "kv_both"
     )
-    sched = importlib.import_module(f"{pkg.__name__}.scheduler").ConnectorScheduler(
-        config.load_config({}, env={}), facts
-    )
+    scheduler_module = _module(pkg, "scheduler.connector_scheduler", "scheduler")
+    sched = scheduler_module.ConnectorScheduler(config.load_config({}, env={}), facts)
     nbytes = facts.chunk_nbytes(sched.config.chunk_size)
     for i in range(others):
         sched.tiers["cpu"].admit(i.to_bytes(16, "little").hex(), nbytes)
     return sched
+
+
+def _module(pkg: ModuleType, name: str, before: str) -> ModuleType:
+    """Module ``name`` of the package, or ``before`` in a revision from before the halves and
+    the configuration had folders of their own (``scheduler.py``, ``config.py``)."""
+    try:
+        return importlib.import_module(f"{pkg.__name__}.{name}")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"{pkg.__name__}.{before}")
 
 
 def store(sched: Any, tokens: list[int]) -> None:
