@@ -61,16 +61,6 @@ def chromium(width: int = 1500, height: int = 1250):
     return webdriver.Chrome(service=service, options=options)
 
 
-def wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise TimeoutError(f"{what} not seen within {timeout}s")
-
-
 def charts_drawn(driver) -> int:
     """Charts drawn in the open tab (only its panel is in the page)."""
     from selenium.webdriver.common.by import By

@@ -23,7 +23,15 @@ from streamlit.testing.v1 import AppTest
 from dashboard import palette
 from dashboard.catalog import VLLM_SAMPLE_NAMES, kvlens_sample_names
 from grafana.panels import FAILED_LOADS_ANNOTATION, PANELS, with_selector
-from tests.telemetry.serve import REPO, VllmServer, base_env, build_tiny_model, free_port, kv_transfer_config
+from tests.telemetry.serve import (
+    REPO,
+    VllmServer,
+    base_env,
+    build_tiny_model,
+    free_port,
+    kv_transfer_config,
+    wait_until,
+)
 
 from .browser import (
     assert_no_exception,
@@ -36,7 +44,6 @@ from .browser import (
     streamlit_server,
     tab_names,
     updated_stamp,
-    wait,
 )
 from .prom import PrometheusServer, finite_values, scale_durations
 from .promql import RULES, concrete, dashboard_exprs, metric_names, rule_exprs
@@ -261,21 +268,28 @@ def test_app_in_headless_chromium(live, tmp_path):
     proc = streamlit_server(port, tmp_path / "streamlit.log", *args)
     driver = None
     try:
-        wait(lambda: healthy(port), 60, "streamlit health")
+        wait_until(lambda: healthy(port), 60, what="streamlit health")
         assert listening_addresses(port) == {"127.0.0.1"}
         driver = chromium()
         with Background(Traffic(live.server, seed=9000)) as traffic:
             driver.get(f"http://127.0.0.1:{port}")
 
-            wait(lambda: charts_drawn(driver) >= 2, 90, "the overview charts")
+            wait_until(lambda: charts_drawn(driver) >= 2, 90, what="the overview charts")
             stamp = updated_stamp(driver)
-            wait(lambda: updated_stamp(driver) not in ("", stamp), 20, "a refresh without reloading the page")
+            wait_until(
+                lambda: updated_stamp(driver) not in ("", stamp),
+                20,
+                0.5,
+                "a refresh without reloading the page",
+            )
             stale = staleness(driver, seconds=STALE_SAMPLE_S)
             (ARTIFACTS / "dashboard-staleness.txt").write_text(f"refresh every {REFRESH_S} s: {stale}\n")
             print(f"\nstaleness, refresh every {REFRESH_S} s: {stale}")
             assert_no_exception(driver)
             driver.save_screenshot(str(ARTIFACTS / "dashboard.png"))
-            colours = wait(lambda: legend_colours(driver, "Overview"), 20, "the overview's legends")
+            colours = wait_until(
+                lambda: legend_colours(driver, "Overview"), 20, 0.5, "the overview's legends"
+            )
         assert traffic.error is None, traffic.error
         # Greyed out, as a person sees it: under a tenth of the page, averaged over the sample.
         assert stale.faded_share < 0.10, str(stale)
@@ -296,11 +310,18 @@ def test_app_in_headless_chromium(live, tmp_path):
                 time.sleep(1)
                 assert_no_exception(driver)
                 continue
-            wait(lambda: charts_drawn(driver) >= 1, 30, f"a chart in {name}")
+            wait_until(lambda: charts_drawn(driver) >= 1, 30, what=f"a chart in {name}")
             if name == "Failures":  # the event timeline and the table of the failed load
-                wait(lambda: live.failed["id"] in driver.page_source, 20, "the failed request in the table")
+                wait_until(
+                    lambda: live.failed["id"] in driver.page_source,
+                    20,
+                    0.5,
+                    "the failed request in the table",
+                )
             if name not in ("Failures", "Tenants"):  # one series each: no legend to read
-                colours += wait(lambda n=name: legend_colours(driver, n), 30, f"the legends in {name}")
+                colours += wait_until(
+                    lambda n=name: legend_colours(driver, n), 30, 0.5, f"the legends in {name}"
+                )
             time.sleep(1)
             assert_no_exception(driver)
             driver.save_screenshot(str(ARTIFACTS / f"dashboard-{name.lower().replace(' ', '-')}.png"))

@@ -101,16 +101,24 @@ def test_missing_chunk_falls_back_to_another_tier(tmp_path):
     assert (fell_back.planned_tier, fell_back.tier, fell_back.reason) == (CPU, DISK, FailureReason.MISSING)
 
 
-def test_corrupt_chunk_fails_its_blocks_and_every_later_chunk(tmp_path):
-    caches = cpu_layout()
+SECOND = "cd" * 16  # the chunk after NAME in the prefix
+
+
+def two_chunks_on_disk(caches, tmp_path) -> tuple:
+    """A disk-only worker that stored request a's two chunks (NAME, then SECOND), written."""
     w = worker(caches, tmp_path, local_cpu=False)
-    second = "cd" * 16
     w.save(
         StepPlan(
-            writes=[StoreJob("a", NAME, (0, 1), (DISK,), 32), StoreJob("a", second, (2, 3), (DISK,), 32)]
+            writes=[StoreJob("a", NAME, (0, 1), (DISK,), 32), StoreJob("a", SECOND, (2, 3), (DISK,), 32)]
         )
     )
     w.flush()
+    return w, SECOND
+
+
+def test_corrupt_chunk_fails_its_blocks_and_every_later_chunk(tmp_path):
+    caches = cpu_layout()
+    w, second = two_chunks_on_disk(caches, tmp_path)
     path = disk_files.chunk_path(str(tmp_path), f"{NAME}.r0")
     with open(path, "r+b") as f:
         f.seek(-1, os.SEEK_END)
@@ -372,14 +380,7 @@ def test_writes_queued_when_their_tier_is_skipped_stay_pending_until_their_outco
 
 def test_a_disk_read_that_times_out_is_a_counted_miss_and_deletes_nothing(tmp_path):
     caches = cpu_layout()
-    w = worker(caches, tmp_path, local_cpu=False)
-    second = "cd" * 16
-    w.save(
-        StepPlan(
-            writes=[StoreJob("a", NAME, (0, 1), (DISK,), 32), StoreJob("a", second, (2, 3), (DISK,), 32)]
-        )
-    )
-    w.flush()
+    w, second = two_chunks_on_disk(caches, tmp_path)
     w.take_report()
     paths = [disk_files.chunk_path(str(tmp_path), f"{n}.r0") for n in (NAME, second)]
     w.tiers[DISK].timeout_s = 0.0  # every read misses its deadline (a backlog on the readers)
