@@ -21,6 +21,8 @@ import socket
 import urllib.parse
 from pathlib import Path
 
+from .secret_file import write_once
+
 logger = logging.getLogger("vllm.kvlens")
 
 TOKEN_ENV = "KVLENS_ADMIN_TOKEN"
@@ -51,29 +53,12 @@ def engine_token(literal: str | None, token_file: str | None, port: int) -> tupl
 
 
 def _write_new(path: Path, replace: bool) -> str:
-    """A new random token written to ``path`` (0600; its directory 0700 when made here). With
+    """A new random token written to ``path`` (see ``secret_file.write_once``). With
     ``replace=False`` an existing file wins (another engine of the deployment wrote it first)."""
     token = secrets.token_urlsafe(32)
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if path.parent.stat().st_uid != os.getuid():
-            raise OSError(f"{path.parent} belongs to another user")
-        scratch = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-        fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
-        try:
-            if replace:
-                os.replace(scratch, path)
-            else:
-                try:
-                    os.link(scratch, path)  # fails if it exists: take the other engine's
-                except FileExistsError:
-                    token = path.read_text().strip() or token
-        finally:
-            if not replace:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(scratch)
+        kept = write_once(path, (token + "\n").encode(), replace=replace)
+        token = kept.decode(errors="replace").strip() or token
     except OSError as e:
         logger.warning(
             "KVLens: the admin endpoint's token could not be written to %s (%s); it answers nobody. "

@@ -5,8 +5,8 @@ In order: ``extra_config.tenant_id_key`` (a secret of 16 or more characters), th
 ``extra_config.tenant_id_key_file``, else a random key generated once and kept with the cache,
 so that instances sharing the cache compute the same ids and ids survive restarts: in the Redis
 prefix (``<prefix>:tenant-id-key``, created with ``SET NX``, never expiring), else in the disk
-directory (``.kvlens-namespaces/tenant-id-key``, created with a hard link so that a reader
-never sees half a key, mode 0600), else in the user's state directory (as the event log). A
+directory (``.kvlens-namespaces/tenant-id-key``, see ``secret_file.py``: mode 0600, never seen
+half-written, in a folder that must be this user's), else in the user's state directory (as the event log). A
 store that cannot be reached falls through to the next; when none can be written, this
 process's ids are its own. Whoever can read the key's store can compute ids from guesses: the
 same people who can read the cache itself.
@@ -14,13 +14,13 @@ same people who can read the cache itself.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
-import tempfile
+from pathlib import Path
 
 from ..config.model import KVLensConfig
+from .secret_file import write_once
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -62,25 +62,11 @@ def _derived(secret: bytes) -> bytes:
 
 
 def _in_file(folder: str) -> bytes:
-    path = os.path.join(folder, KEY_NAME)
-    if not os.path.exists(path):
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)  # created 0600
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(os.urandom(KEY_BYTES))
-                f.flush()
-                os.fsync(f.fileno())
-            with contextlib.suppress(FileExistsError):  # another instance made it first: use theirs
-                os.link(tmp, path)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-    with open(path, "rb") as f:
-        key = f.read(KEY_BYTES + 1)
+    path = Path(folder) / KEY_NAME
+    key = write_once(path, os.urandom(KEY_BYTES), replace=False)
     if len(key) < _MIN_STORED:
         raise ValueError(f"{path} holds no key (remove it to have one made)")
-    return key
+    return key[: KEY_BYTES + 1]
 
 
 def _in_redis(config: KVLensConfig) -> bytes:

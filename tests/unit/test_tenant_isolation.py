@@ -274,3 +274,32 @@ def test_every_refusal_reason_has_a_series():
 
     assert METRICS["tenant_refusals"].labels == ("reason",)
     assert _OWN_DOMAINS["tenant_refusal_reasons"] == REFUSAL_REASONS
+
+
+def test_a_tenant_id_key_in_a_folder_another_user_controls_is_not_taken(tmp_path, monkeypatch):
+    """A key planted in a folder this user does not own would let its owner recompute every id."""
+    import os
+
+    from connector.scheduler.tenant_id_key import deployment_key
+
+    planted = b"planted-by-someone-else-0123456"
+    folder = tmp_path / "disk" / ".kvlens-namespaces"
+    folder.mkdir(parents=True)
+    (folder / "tenant-id-key").write_bytes(planted)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    (tmp_path / "state").mkdir()
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(tmp_path).st_uid + 4242)  # both folders: not ours
+    key = deployment_key(_config(local_disk=str(tmp_path / "disk")))
+    assert key != planted and len(key) >= 16
+    assert not list((tmp_path / "state").rglob("tenant-id-key"))  # nothing kept where another user rules
+
+
+def test_the_admin_token_is_not_written_to_a_folder_another_user_controls(tmp_path, monkeypatch):
+    import os
+
+    from connector.scheduler import admin_token
+
+    monkeypatch.setenv(admin_token.DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(tmp_path).st_uid + 4242)
+    token, _ = admin_token.engine_token(None, None, 8123)
+    assert token and not (tmp_path / "admin-8123.token").exists()
