@@ -108,6 +108,9 @@ def tenant_differences(
     return (["cache_salt"] if salted else []) + (["tags"] if tag_names else [])  # values differ
 
 
+_MAX_REMEMBERED_NAMESPACES = 1024  # namespaces whose verdicts a view keeps between replaces
+
+
 class MarkView:
     """The marks of the shared stores, as last read: mark -> namespace fingerprints (most recent
     last), with the records that describe them. Bounded by what the stores can hold."""
@@ -115,6 +118,9 @@ class MarkView:
     def __init__(self) -> None:
         self._by_mark: dict[bytes, tuple[str, ...]] = {}
         self._records: dict[str, NamespaceRecord] = {}
+        # namespace fingerprint -> {record fingerprint: same tenant?}, until the next replace:
+        # a lookup's miss then costs a dictionary probe per namespace on its mark, not a hash
+        self._same_tenant: dict[str, dict[str, bool]] = {}
 
     def __len__(self) -> int:
         return len(self._by_mark)
@@ -129,6 +135,7 @@ class MarkView:
                 spaces.append(fp)
         self._by_mark = {m: tuple(fps) for m, fps in by_mark.items()}
         self._records = dict(records)
+        self._same_tenant = {}
 
     def others_than(self, fingerprint: str) -> bool:
         """Whether any namespace but this one left marks (else a lookup need not ask)."""
@@ -141,10 +148,18 @@ class MarkView:
         mine = key_fingerprint(namespace)
         found = None
         keyed: dict[tuple[object, ...], str] = {}
+        verdicts = self._same_tenant.get(mine)
+        if verdicts is None:
+            if len(self._same_tenant) >= _MAX_REMEMBERED_NAMESPACES:
+                self._same_tenant.clear()
+            verdicts = self._same_tenant[mine] = {}
         for fp in reversed(self._by_mark.get(mark_of(first_chunk), ())):
             if fp != mine:
                 record = self._records[fp]
-                if not tenant_differences(namespace, record, keyed):
+                same = verdicts.get(fp)
+                if same is None:
+                    same = verdicts[fp] = not tenant_differences(namespace, record, keyed)
+                if same:
                     return record
                 found = found or record
         return found
