@@ -6,6 +6,7 @@ request_records`` compute.
     streamlit run dashboard/app.py -- --metrics HOST:PORT [--metrics HOST2:PORT] [--events LOG]
                                       [--requests REQUEST_LOG] [--allow-source-edits]
     streamlit run dashboard/app.py -- --prometheus http://127.0.0.1:9090
+    streamlit run dashboard/app.py -- --metrics P:8100 --metrics D:8200 --pd-proxy PROXY:9000
 
 Run from the repository root: its ``.streamlit/config.toml`` binds the app to 127.0.0.1.
 What the app reads is fixed when it starts; flags and environment variables: see
@@ -36,6 +37,7 @@ from dashboard import (  # noqa: E402
     failures,
     insights_page,
     logfiles,
+    pd_page,
     request_records,
     settings,
     sidebar,
@@ -58,6 +60,7 @@ ROWS = (
     "Requests",
     "Insights",
     "Tenants",
+    "PD",
 )
 
 
@@ -409,6 +412,7 @@ def _live(cfg: settings.Settings) -> None:
             "Requests": lambda: requests_view(cfg.requests),
             "Insights": lambda: insights_page.show(frame, fleet, window),
             "Tenants": lambda: tenants_page.show(frame, window),
+            "PD": lambda: pd_page.show(frame, window, cfg),
         }
         # Only the open tab is computed and sent, at each refresh and when another is opened
         # (the refresh re-runs this fragment: the less it does, the less of the page is stale).

@@ -36,6 +36,12 @@ LABELS = (
     "stage",
     "tenant",
     "retention",
+    # PD (prefill/decode disaggregation): the engines' side and outcome, the proxy's phase and pair
+    "side",
+    "outcome",
+    "phase",
+    "prefiller",
+    "decoder",
     *INFO_LABELS,
 )
 
@@ -131,9 +137,78 @@ VLLM_SAMPLE_NAMES = frozenset(
     }
 )
 
+# ---- PD (prefill/decode disaggregation), the names fixed in the PD design ----------------------
+# The engines' PD series (on vLLM's /metrics), as Prometheus sample names.
+PD_SENT_BYTES = "vllm:kvlens_pd_sent_bytes_total"
+PD_RECEIVED_BYTES = "vllm:kvlens_pd_received_bytes_total"
+PD_SEND_SECONDS = "vllm:kvlens_pd_send_seconds"  # histogram
+PD_RECEIVE_SECONDS = "vllm:kvlens_pd_receive_seconds"  # histogram
+PD_NOTIFY_WAIT_SECONDS = "vllm:kvlens_pd_notify_wait_seconds"  # histogram
+PD_TRANSFERS = "vllm:kvlens_pd_transfers_total"  # {side="send"|"receive", outcome}
+PD_FAILED_TRANSFERS = "vllm:kvlens_pd_failed_transfers_total"  # {side, reason}
+PD_IN_FLIGHT = "vllm:kvlens_pd_transfers_in_flight"  # {side}
+PD_BUFFER_USED = "vllm:kvlens_pd_buffer_used_bytes"
+PD_BUFFER_CAPACITY = "vllm:kvlens_pd_buffer_capacity_bytes"
+PD_BUFFER_ENTRIES = "vllm:kvlens_pd_buffer_entries"  # a leak gauge: back to 0 when idle
+_PD_HISTOGRAMS = (PD_SEND_SECONDS, PD_RECEIVE_SECONDS, PD_NOTIFY_WAIT_SECONDS)
+PD_SAMPLE_NAMES = frozenset(
+    {
+        PD_SENT_BYTES,
+        PD_RECEIVED_BYTES,
+        PD_TRANSFERS,
+        PD_FAILED_TRANSFERS,
+        PD_IN_FLIGHT,
+        PD_BUFFER_USED,
+        PD_BUFFER_CAPACITY,
+        PD_BUFFER_ENTRIES,
+        *(h + s for h in _PD_HISTOGRAMS for s in ("_sum", "_count")),
+    }
+)
+PD_HISTOGRAM_BUCKETS = frozenset(h + "_bucket" for h in _PD_HISTOGRAMS)
+
+# The PD proxy's own /metrics (``kvlens pd-proxy``).
+PROXY_PREFIX = "kvlens_pd_proxy_"
+PROXY_REQUESTS = "kvlens_pd_proxy_requests_total"  # {outcome}
+PROXY_PHASE = "kvlens_pd_proxy_phase_seconds"  # histogram {phase, prefiller, decoder}
+PROXY_WAIT_TIMEOUTS = "kvlens_pd_proxy_wait_timeouts_total"  # {prefiller, decoder}
+PROXY_IN_FLIGHT = "kvlens_pd_proxy_in_flight"
+PROXY_SAMPLE_NAMES = frozenset(
+    {
+        PROXY_REQUESTS,
+        PROXY_PHASE + "_sum",
+        PROXY_PHASE + "_count",
+        PROXY_WAIT_TIMEOUTS,
+        PROXY_IN_FLIGHT,
+    }
+)
+# The proxy's phases of a request's time to first token (label values of ``phase``), in order;
+# ttft is their whole.
+PD_PHASES = ("prefill", "transfer_wait", "decode_first_token")
+PD_TTFT = "ttft"
+# Why a PD transfer was refused or failed (vllm:kvlens_pd_failed_transfers_total{reason}); a
+# handshake mismatch is "mismatch:<fields>", shown as "mismatch"; "expired": unclaimed entries.
+PD_REASONS = (
+    "buffer_full",
+    "too_large",
+    "mismatch",
+    "unreachable",
+    "timeout",
+    "peer_closed",
+    "checksum",
+    "shutdown",
+    "expired",
+)
+
+
+def pd_known() -> frozenset[str]:
+    """The PD sample names telemetry.metrics defines (none before PD's metrics land)."""
+    return frozenset(n for n in kvlens_sample_names() if n.startswith("vllm:kvlens_pd_"))
+
+
 # What the Streamlit app keeps from each /metrics scrape (histograms other than the
 # operation latencies are not drawn, so their buckets are not kept).
 APP_SAMPLE_NAMES = frozenset(
-    (kvlens_sample_names() - {kvlens("request_hit_ratio", "_bucket")})
+    (kvlens_sample_names() - {kvlens("request_hit_ratio", "_bucket")} - PD_HISTOGRAM_BUCKETS)
     | (VLLM_SAMPLE_NAMES - {VLLM_TTFT_BUCKET})
+    | PD_SAMPLE_NAMES
 )

@@ -167,3 +167,29 @@ def whatif(curves: pd.DataFrame) -> alt.Chart:
         x="factor:Q", y=alt.value(8), text="label:N"
     )
     return (lines + rule + label).properties(height=HEIGHT)
+
+
+def phase_bars(phases: pd.DataFrame, unit: Unit = MS) -> alt.Chart:
+    """One horizontal bar per row of ``phases`` (a pair, a prefiller, a request), split into its
+    PD phases (one column each, in seconds), each phase in its palette colour."""
+    order = [c for c in phases.columns]
+    data = (
+        phases.rename_axis("what")
+        .reset_index()
+        .melt(id_vars="what", value_vars=order, var_name="phase", value_name="value")
+        .dropna(subset=["value"])
+    )
+    data["value"] = data["value"].astype(float) * unit.factor
+    data["order"] = data["phase"].map({p: i for i, p in enumerate(order)})
+    return (
+        alt.Chart(data)
+        .mark_bar()
+        .encode(
+            x=alt.X("value:Q", title=unit.title, stack="zero", axis=alt.Axis(format=unit.fmt)),
+            y=alt.Y("what:N", title=None, sort=list(phases.index.astype(str)), axis=alt.Axis(labelLimit=360)),
+            color=colours("phase", order, BOTTOM, "phase"),
+            order=alt.Order("order:Q"),
+            tooltip=["what:N", "phase:N", alt.Tooltip("value:Q", format=unit.fmt, title=unit.title)],
+        )
+        .properties(height=alt.Step(32))
+    )

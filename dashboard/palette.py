@@ -17,7 +17,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable
 
-from .catalog import LEAK_GAUGES, MISS_REASONS
+from .catalog import LEAK_GAUGES, MISS_REASONS, PD_REASONS
 
 KVLENS = "KVLens"
 VLLM_PREFIX_CACHE = "vLLM prefix cache"
@@ -35,6 +35,21 @@ SOURCES: dict[str, str] = {
     COMPUTED: "#8C8C8C",  # grey: prefill that nothing saved
     "vLLM external hits": "#72B7B2",  # teal: vLLM's count of what it asked KVLens for
     "failed": "#E45756",  # red: loads that failed, tokens recomputed after one
+}
+
+# The three parts of a PD request's time to first token (the proxy's phases), each its own colour
+# in every chart and panel that shows them: hues no source, tier or quantile has.
+PREFILL, TRANSFER_WAIT, DECODE_FIRST_TOKEN = "prefill", "transfer wait", "decode first token"
+PHASES: dict[str, str] = {
+    PREFILL: "#6A3D9A",  # dark violet: the prefiller computing the prompt
+    TRANSFER_WAIT: "#E7298A",  # deep pink: waiting for the prefiller's notifications
+    DECODE_FIRST_TOKEN: "#1B9E77",  # dark green-teal: the decoder's first token
+}
+# The proxy's label values of its phases (kvlens_pd_proxy_phase_seconds{phase}) -> their names.
+PHASE_LABELS: dict[str, str] = {
+    "prefill": PREFILL,
+    "transfer_wait": TRANSFER_WAIT,
+    "decode_first_token": DECODE_FIRST_TOKEN,
 }
 
 # Names vLLM gives the same sources (vllm:prompt_tokens_cached_by_source_total{source}).
@@ -99,7 +114,7 @@ FAILURE_REASONS = (
     "prefix_failed",
     "not_loadable",
 )
-REASONS = (*MISS_REASONS, *SKIP_REASONS, *FAILURE_REASONS)
+REASONS = (*MISS_REASONS, *SKIP_REASONS, *FAILURE_REASONS, *PD_REASONS)
 VOCABULARIES: tuple[tuple[str, ...], ...] = (OPERATIONS, LEAK_GAUGES)
 
 
@@ -123,6 +138,7 @@ REASON_COLOURS = _distinct_within(
         MISS_REASONS,
         (*SKIP_REASONS, "unsupported_input", "invalid_params"),
         (*FAILURE_REASONS, "tier_unhealthy"),
+        PD_REASONS,  # refused or failed PD transfers
     )
 )
 
@@ -192,6 +208,8 @@ def colour(series: str) -> str:
 _FIXED.update(
     {
         **QUANTILES,
+        **PHASES,
+        **{label: PHASES[name] for label, name in PHASE_LABELS.items()},
         "looked up": shade(SOURCES[KVLENS], 3),
         "held at lookup": shade(SOURCES[KVLENS], 1),
         "loaded": SOURCES[KVLENS],

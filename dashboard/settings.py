@@ -14,7 +14,9 @@ Environment: ``KVLENS_DASHBOARD_METRICS`` (comma-separated endpoints),
 ``KVLENS_EVENT_LOG``, else the server's default), ``KVLENS_DASHBOARD_REQUESTS`` (comma-separated
 request logs, else ``KVLENS_REQUEST_LOG``, else none: the request log is off by default),
 ``KVLENS_DASHBOARD_REFRESH_S``,
-``KVLENS_DASHBOARD_MINUTES``. Flags win over the environment.
+``KVLENS_DASHBOARD_MINUTES``, ``KVLENS_DASHBOARD_PD_PROXY`` (a ``kvlens pd-proxy``, host:port: the
+PD tab reads its /metrics, or Prometheus's copy of them, and its request records). Flags win over
+the environment.
 
 Streamlit listens on every interface unless told otherwise; the repository's
 ``.streamlit/config.toml`` binds it to 127.0.0.1 when started from the repository root, and the
@@ -45,6 +47,7 @@ class Settings:
     minutes: float  # time range shown (the history kept for direct reads)
     requests: tuple[str, ...] = ()  # per-request logs; none = the request log is not enabled
     allow_source_edits: bool = False  # the page may edit endpoint and Prometheus URLs (http(s))
+    pd_proxy: str = ""  # a `kvlens pd-proxy` (host:port or URL): its /metrics and request records
 
 
 def split_list(raw: str | None) -> tuple[str, ...]:
@@ -94,6 +97,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> Settings:
     p.add_argument("--requests", action="append", default=[], help="a per-request log (repeatable)")
     p.add_argument("--refresh", type=float, default=None, help="seconds between refreshes")
     p.add_argument("--minutes", type=float, default=None, help="time range shown, in minutes")
+    p.add_argument("--pd-proxy", default=None, help="a kvlens pd-proxy (host:port): PD phases and requests")
     p.add_argument(
         "--allow-source-edits",
         action="store_true",
@@ -110,6 +114,11 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> Settings:
     if not prometheus:
         prometheus = env.get("KVLENS_DASHBOARD_PROMETHEUS", "").strip()
         _checked([prometheus] if prometheus else [], "KVLENS_DASHBOARD_PROMETHEUS")
+    pd_proxy = (args.pd_proxy or "").strip()
+    _checked([pd_proxy] if pd_proxy else [], "--pd-proxy")
+    if not pd_proxy:
+        pd_proxy = env.get("KVLENS_DASHBOARD_PD_PROXY", "").strip()
+        _checked([pd_proxy] if pd_proxy else [], "KVLENS_DASHBOARD_PD_PROXY")
     events = tuple(e for raw in args.events for e in split_list(raw)) or split_list(
         env.get("KVLENS_DASHBOARD_EVENTS") or env.get("KVLENS_EVENT_LOG")
     )
@@ -129,4 +138,5 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> Settings:
         ),
         requests=requests,
         allow_source_edits=args.allow_source_edits,
+        pd_proxy=pd_proxy,
     )

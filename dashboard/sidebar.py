@@ -22,6 +22,7 @@ def sidebar(defaults: settings.Settings) -> settings.Settings:
     else:
         endpoints, prom = defaults.endpoints, defaults.prometheus
         _shown(("vLLM endpoints", endpoints), ("Prometheus URL", (prom,) if prom else ()))
+    _shown(("PD proxy", (defaults.pd_proxy,) if defaults.pd_proxy else ()))
     _shown(("Failed-load event logs", defaults.events), ("Request logs", defaults.requests))
     sb.caption(
         "Set when the app starts (flags or environment). Start it with --allow-source-edits to "
@@ -40,6 +41,7 @@ def sidebar(defaults: settings.Settings) -> settings.Settings:
         minutes=float(minutes),
         requests=defaults.requests,
         allow_source_edits=defaults.allow_source_edits,
+        pd_proxy=defaults.pd_proxy,
     )
 
 

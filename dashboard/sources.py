@@ -92,23 +92,31 @@ def parse_samples(text: str, keep: frozenset[str] = APP_SAMPLE_NAMES) -> list[Sa
     return out
 
 
-def has_kvlens(samples: Iterable[Sample]) -> bool:
-    return any(name.startswith("vllm:kvlens_") for name, _, _ in samples)
+KVLENS_PREFIX = "vllm:kvlens_"
 
 
-def scrape(url: str, fetch: Callable[[str], str] = fetch_text) -> tuple[list[Sample], Status]:
-    """One read of an endpoint, never raising: the samples and what went wrong, if anything
-    (never a quote of what the endpoint sent)."""
+def has_kvlens(samples: Iterable[Sample], prefix: str = KVLENS_PREFIX) -> bool:
+    return any(name.startswith(prefix) for name, _, _ in samples)
+
+
+def scrape(
+    url: str,
+    fetch: Callable[[str], str] = fetch_text,
+    keep: frozenset[str] = APP_SAMPLE_NAMES,
+    expect: str = KVLENS_PREFIX,
+) -> tuple[list[Sample], Status]:
+    """One read of an endpoint, never raising: the samples named in ``keep`` and what went wrong,
+    if anything (never a quote of what the endpoint sent). No series named ``expect...``: NO_KVLENS."""
     try:
         text = fetch(url)
     except Exception as e:  # noqa: BLE001 - any failure to read is "unreachable"
         return [], Status(url, UNREACHABLE, failure(e))
     try:
-        samples = parse_samples(text)
+        samples = parse_samples(text, keep)
     except Exception as e:  # noqa: BLE001 - the parser's messages quote the offending line
         return [], Status(url, BAD_RESPONSE, f"not Prometheus text exposition ({type(e).__name__})")
-    if not has_kvlens(samples):
-        return samples, Status(url, NO_KVLENS, "no vllm:kvlens_* series")
+    if not has_kvlens(samples, expect):
+        return samples, Status(url, NO_KVLENS, f"no {expect}* series")
     return samples, Status(url, OK)
 
 
@@ -126,8 +134,11 @@ class MetricsHistory:
         min_interval_s: float = 1.0,
         fetch: Callable[[str], str] = fetch_text,
         clock: Callable[[], float] = time.time,
+        keep: frozenset[str] = APP_SAMPLE_NAMES,
+        expect: str = KVLENS_PREFIX,
     ) -> None:
         self.url = http_url(url)
+        self._keep, self._expect = keep, expect
         self.instance = instance_of(self.url)
         # The rows of each scrape kept (a count per scrape) and their frame, extended by each
         # scrape: a refresh re-reads the history, it does not rebuild it.
@@ -147,7 +158,7 @@ class MetricsHistory:
             if now - self._last_try < self._min_interval_s:
                 return self.status
             self._last_try = now
-            samples, self.status = scrape(self.url, self._fetch)
+            samples, self.status = scrape(self.url, self._fetch, self._keep, self._expect)
             if samples:
                 self._append(self._point(now, samples))
             return self.status
@@ -206,11 +217,17 @@ class PrometheusSource:
         )
         self.status = Status(self.url, NO_DATA, "not queried yet")
 
-    def frame(self, minutes: float = 30.0, now: float | None = None) -> pd.DataFrame:
+    def frame(
+        self,
+        minutes: float = 30.0,
+        now: float | None = None,
+        names: frozenset[str] = APP_SAMPLE_NAMES,
+        expect: str = KVLENS_PREFIX,
+    ) -> pd.DataFrame:
         """Never raises: a failed query gives an empty frame and ``status`` says why."""
         end = dt.datetime.fromtimestamp(now if now is not None else time.time(), dt.timezone.utc)
         start = end - dt.timedelta(minutes=minutes)
-        query = names_selector(APP_SAMPLE_NAMES)
+        query = names_selector(names)
         try:
             # A number of seconds: Prometheus parses "7.5" but not "7.5s" as a step.
             result = self._client.custom_query_range(query, start, end, f"{range_step(minutes):g}")
@@ -219,9 +236,10 @@ class PrometheusSource:
             return empty_frame()
         frame = frame_from_matrix(result)
         if frame.empty:
-            self.status = Status(self.url, NO_DATA, "no KVLens or vLLM series in the time range")
-        elif not frame["name"].str.startswith("vllm:kvlens_").any():
-            self.status = Status(self.url, NO_KVLENS, "vLLM series but no vllm:kvlens_* series")
+            what = "KVLens or vLLM" if expect == KVLENS_PREFIX else expect + "*"
+            self.status = Status(self.url, NO_DATA, f"no {what} series in the time range")
+        elif not frame["name"].str.startswith(expect).any():
+            self.status = Status(self.url, NO_KVLENS, f"other series but no {expect}* series")
         else:
             self.status = Status(self.url, OK)
         return frame

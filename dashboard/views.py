@@ -197,13 +197,13 @@ def scalar(series: pd.Series) -> float:
 
 
 def gauge(
-    frame: pd.DataFrame, name: str, by: Sequence[str] = (), legend: str = "", **labels: str
+    frame: pd.DataFrame, name: str, by: Sequence[str] = (), legend: str = "", prefix: str = "", **labels: str
 ) -> pd.DataFrame:
     df = select(frame, name, **labels)
     if df.empty:
         return pd.DataFrame()
     long = df.assign(sid=df.groupby(list(SERIES)).ngroup(), v=df["value"])
-    return _sum_aligned(long, by, _label("", legend or name))
+    return _sum_aligned(long, by, _label(prefix, legend or name))
 
 
 def ratio(num: pd.DataFrame, den: pd.DataFrame) -> pd.DataFrame:

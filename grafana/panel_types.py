@@ -38,6 +38,7 @@ class Panel:
     log2_x: bool = False  # trend: a log2 x axis
     overrides: tuple[tuple[str, dict[str, Any]], ...] = field(default=())  # (field name regex, properties)
     needs_remote: bool = False  # data only where a remote tier (Redis) is configured
+    needs_pd: bool = False  # data only where PD engines (and kvlens pd-proxy) run
 
 
 def rate_sum(name: str, by: str = "", matchers: str = "", window: str = "$__rate_interval") -> str:

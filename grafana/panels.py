@@ -31,6 +31,7 @@ from .panel_types import (
     rate_sum,
     ratio,
 )
+from .pd_panels import PD_PANELS
 from .tenant_panels import TENANT_PANELS
 
 ROWS = (
@@ -41,6 +42,7 @@ ROWS = (
     "Failures",
     "Insights",
     "Tenants",
+    "PD",
 )
 
 __all__ = ["PANELS", "ROWS", "STAT", "TABLE", "TIMESERIES", "TREND", "Panel", "Target", "with_selector"]
@@ -551,6 +553,7 @@ PANELS: tuple[Panel, ...] = (
     ),
     *INSIGHT_PANELS,
     *TENANT_PANELS,
+    *PD_PANELS,
 )
 
 # Failed loads as annotations on every time series. The counter without a reason label is

@@ -103,6 +103,17 @@ class InstanceInfo:
     model_identity: str
     quantization: str
     kv_cache_dtype: str
+    # PD (prefill/decode disaggregation): whether a prefiller and a decoder can pair. The key
+    # space is key_fingerprint; "" and 0: not known, or PD off (pd_role "").
+    pd_role: str = ""  # "sender" (prefiller), "receiver" (decoder), "" (PD off)
+    tp_size: int = 0  # tensor-parallel size: rank r sends to rank r
+    block_size: int = 0  # tokens per vLLM block
+    record_layout: str = ""  # what one rank's record bytes hold: dtype, layers, bytes per block, layout
+    pd_host: str = ""  # receiver: the host its PD ports are bound on
+    pd_init_ports: str = ""  # receiver: one port per rank, comma-separated
+    pd_alloc_ports: str = ""
+    pd_buffer_size: int = 0  # receiver: receive buffer bytes per rank
+    pd_proxy: str = ""  # sender: host:port of the proxy it notifies
 
 
 @dataclass(frozen=True, slots=True)

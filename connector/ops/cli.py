@@ -3,7 +3,8 @@
     kvlens inspect DISK_DIR | REDIS_URL | ADMIN_URL      what is stored, by namespace and age
     kvlens clear   DISK_DIR | REDIS_URL | ADMIN_URL  (--all | --namespace FP | --model M |
                    --salt S | --tag NAME=VALUE ...)     remove it, all or one namespace
-    kvlens doctor  URL [URL ...]                        who can share KV, tier health, sizing
+    kvlens doctor  URL [URL ...]                        who can share KV, tier health, sizing,
+                                                        whether PD prefillers and decoders pair
 
 A disk directory or a Redis URL (``redis://``, ``rediss://``, ``redis-cluster://``, ...; the
 password may come from ``$KVLENS_REDIS_PASSWORD``) is worked on directly; a running engine is
@@ -195,9 +196,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         if not engines:
             unreachable[url] = "no vllm:kvlens_info series: KVLens is not loaded there"
         found += engines
-    result = doctor.diagnose(found, unreachable)
+    result = doctor.diagnose(found, unreachable, probe=doctor.tcp_probe)
     print(json.dumps(result.to_json(), indent=2) if args.json else doctor.text(result))
-    return 2 if unreachable else 0
+    return 2 if unreachable else 1 if any(not p.can_pair for p in result.pd) else 0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -228,7 +229,11 @@ def parser() -> argparse.ArgumentParser:
     clr.add_argument("--json", action="store_true")
     clr.set_defaults(run=cmd_clear)
 
-    doc = sub.add_parser("doctor", help="which instances can share KV, tier health, what-if advice")
+    doc = sub.add_parser(
+        "doctor",
+        help="which instances can share KV, tier health, what-if advice, whether PD prefillers and "
+        "decoders can pair (exit 1 when one cannot)",
+    )
     doc.add_argument("urls", nargs="+", metavar="URL", help="vLLM server URLs (their /metrics is read)")
     doc.add_argument("--json", action="store_true")
     doc.set_defaults(run=cmd_doctor)

@@ -6,13 +6,22 @@ Two engines exchange KV only when their chunk keys agree (``key_fingerprint``: m
 dtype, KV layout, parallel size, key version), they cut prompts into the same chunks
 (``chunk_size``) and they reach a common store (``storage``: the same disk directory on the
 same host, or the same Redis under the same key prefix). ``vllm:kvlens_info`` carries each.
+
+PD (prefill/decode disaggregation): a prefiller (``pd_role`` sender) and a decoder (receiver)
+pair when their keys agree (key space), their TP sizes, block sizes, chunk sizes and record
+layouts are equal (rank r sends rank r its records as they are), each is in its role, the decoder
+has one init and one alloc port per rank reachable from here, and the prefiller's proxy
+(``pd_proxy_host:pd_proxy_port``) is reachable from here. Reachability is a TCP connect made by
+the caller's ``probe`` (``tcp_probe``); without one it is not checked.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import socket
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 INFO = "vllm:kvlens_info"
 TIER_HEALTH = "vllm:kvlens_tier_health"
@@ -41,6 +50,10 @@ class Instance:
     @property
     def stores(self) -> set[str]:
         return {s for s in self.info.get("storage", "").split(",") if s}
+
+    @property
+    def pd_role(self) -> str:
+        return self.info.get("pd_role", "")
 
 
 def instances(url: str, samples: Iterable[Sample]) -> list[Instance]:
@@ -144,12 +157,158 @@ def whatif_advice(inst: Instance) -> list[str]:
     return out
 
 
+# ---- PD pairing --------------------------------------------------------------------------------
+Probe = Callable[[str, int], str | None]  # (host, port) -> None when it accepts a connection, else why
+SENDER, RECEIVER = "sender", "receiver"
+_ANY_HOST = ("", "0.0.0.0", "::", "[::]")
+# (label, words) of the identity fields a prefiller and a decoder must have equal
+_PD_EQUAL = (
+    ("tp_size", "TP size"),
+    ("block_size", "block size"),
+    ("chunk_size", "chunk size"),
+    ("record_layout", "record layout"),
+)
+
+
+def tcp_probe(host: str, port: int, timeout_s: float = 2.0) -> str | None:
+    """None when ``host:port`` accepts a TCP connection (closed at once), else the OS's reason."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as e:
+        return e.strerror or type(e).__name__
+
+
+@dataclass(slots=True)
+class PDPair:
+    sender: Instance
+    receiver: Instance
+    differences: list[str]  # why they cannot pair (identity, roles, ports)
+    unreachable: list[str]  # what cannot be reached from here (None probe: not checked)
+    checked: bool  # whether reachability was probed
+
+    @property
+    def can_pair(self) -> bool:
+        return not self.differences and not self.unreachable
+
+    def verdict(self) -> str:
+        head = f"PD {self.sender.name} -> {self.receiver.name}:"
+        if self.differences:
+            return f"{head} CANNOT pair: " + "; ".join(self.differences)
+        if self.unreachable:
+            return f"{head} identities match, but not reachable from here: " + "; ".join(self.unreachable)
+        return f"{head} can pair" + ("" if self.checked else " (ports not probed)")
+
+
+def _split_ports(value: str) -> list[int]:
+    out = []
+    for part in value.split(","):
+        try:
+            out.append(int(part))
+        except ValueError:
+            continue
+    return out
+
+
+def pd_differences(sender: Instance, receiver: Instance) -> list[str]:
+    """Why ``sender`` cannot hand its prompts' KV to ``receiver``; empty when it can."""
+    s, r = sender.info, receiver.info
+    why = []
+    if sender.pd_role != SENDER:
+        why.append(f"{sender.name} is not a PD sender (pd_role {sender.pd_role or 'unset: PD off'})")
+    if receiver.pd_role != RECEIVER:
+        why.append(f"{receiver.name} is not a PD receiver (pd_role {receiver.pd_role or 'unset: PD off'})")
+    if s.get("key_fingerprint") != r.get("key_fingerprint"):
+        parts = [
+            f"{words} ({s.get(label) or '?'} vs {r.get(label) or '?'})"
+            for label, words in (
+                ("model_identity", "model weights differ"),
+                ("quantization", "quantization differs"),
+                ("kv_cache_dtype", "KV cache dtype differs"),
+            )
+            if s.get(label) != r.get(label)
+        ]
+        key = f"key space differs ({s.get('key_fingerprint') or '?'} vs {r.get('key_fingerprint') or '?'})"
+        why.append(key + (": " + ", ".join(parts) if parts else ""))
+    for label, words in _PD_EQUAL:
+        if s.get(label) != r.get(label):
+            why.append(f"{words} differs ({s.get(label) or '?'} vs {r.get(label) or '?'})")
+    if receiver.pd_role == RECEIVER:
+        ranks = _tp(r)
+        for label in ("pd_init_ports", "pd_alloc_ports"):
+            ports = _split_ports(r.get(label, ""))
+            if ranks and len(ports) != ranks:
+                why.append(
+                    f"{receiver.name} has {len(ports)} {label[3:-1].replace('_', ' ')}s for {ranks} ranks"
+                )
+    if sender.pd_role == SENDER and not s.get("pd_proxy"):
+        why.append(f"{sender.name} names no proxy (pd_proxy_host, pd_proxy_port)")
+    return why
+
+
+def _tp(info: Mapping[str, str]) -> int:
+    try:
+        return int(info.get("tp_size", "") or 0)
+    except ValueError:
+        return 0
+
+
+def _host_port(value: str) -> tuple[str, int] | None:
+    host, _, port = value.rpartition(":")
+    try:
+        return (host.strip("[]"), int(port)) if host else None
+    except ValueError:
+        return None
+
+
+def pd_reachability(sender: Instance, receiver: Instance, probe: Probe) -> list[str]:
+    """The decoder's init and alloc ports and the prefiller's proxy that refuse a connection from
+    here (a decoder bound on every interface is tried at its URL's host)."""
+    r = receiver.info
+    host = r.get("pd_host", "")
+    if host in _ANY_HOST:
+        host = urlsplit(receiver.url).hostname or ""
+    out = []
+    for label in ("pd_init_ports", "pd_alloc_ports"):
+        for port in _split_ports(r.get(label, "")):
+            if (why := probe(host, port)) is not None:
+                out.append(f"decoder {label[3:-1].replace('_', ' ')} {host}:{port} ({why})")
+    proxy = _host_port(sender.info.get("pd_proxy", ""))
+    if proxy is not None and (why := probe(*proxy)) is not None:
+        out.append(f"proxy {proxy[0]}:{proxy[1]} ({why})")
+    return out
+
+
+def pd_pairs(found: list[Instance], probe: Probe | None = None) -> list[PDPair]:
+    """Every PD sender with every PD receiver among ``found``, in order found."""
+    senders = [i for i in found if i.pd_role == SENDER]
+    receivers = [i for i in found if i.pd_role == RECEIVER]
+    out = []
+    for s in senders:
+        for r in receivers:
+            why = pd_differences(s, r)
+            unreachable = pd_reachability(s, r, probe) if probe is not None and not why else []
+            out.append(PDPair(s, r, why, unreachable, probe is not None and not why))
+    return out
+
+
+def pd_missing_partner(found: list[Instance]) -> str | None:
+    """A sentence when PD instances were given without a partner of the other role."""
+    roles = {i.pd_role for i in found}
+    if SENDER in roles and RECEIVER not in roles:
+        return "PD: a prefiller (pd_role sender) but no decoder (pd_role receiver) among the URLs"
+    if RECEIVER in roles and SENDER not in roles:
+        return "PD: a decoder (pd_role receiver) but no prefiller (pd_role sender) among the URLs"
+    return None
+
+
 @dataclass(slots=True)
 class Diagnosis:
     instances: list[Instance]
     unreachable: dict[str, str]  # url -> why
     groups: list[list[Instance]]
     apart: list[tuple[Instance, Instance, list[str]]]  # pairs in different groups, and why
+    pd: list[PDPair] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -166,17 +325,32 @@ class Diagnosis:
             "unreachable": self.unreachable,
             "share_groups": [[i.name for i in g] for g in self.groups],
             "cannot_share": [{"a": a.name, "b": b.name, "why": why} for a, b, why in self.apart],
+            "pd_pairs": [
+                {
+                    "prefiller": p.sender.name,
+                    "decoder": p.receiver.name,
+                    "can_pair": p.can_pair,
+                    "differences": p.differences,
+                    "unreachable": p.unreachable,
+                    "reachability_checked": p.checked,
+                    "verdict": p.verdict(),
+                }
+                for p in self.pd
+            ],
+            "pd_missing_partner": pd_missing_partner(self.instances),
         }
 
 
-def diagnose(found: list[Instance], unreachable: Mapping[str, str] | None = None) -> Diagnosis:
+def diagnose(
+    found: list[Instance], unreachable: Mapping[str, str] | None = None, probe: Probe | None = None
+) -> Diagnosis:
     groups = sharing_groups(found)
     apart = []
     heads = [g[0] for g in groups]
     for i, a in enumerate(heads):
         for b in heads[i + 1 :]:
             apart.append((a, b, differences(a, b)))
-    return Diagnosis(found, dict(unreachable or {}), groups, apart)
+    return Diagnosis(found, dict(unreachable or {}), groups, apart, pd_pairs(found, probe))
 
 
 def text(d: Diagnosis) -> str:
@@ -195,6 +369,9 @@ def text(d: Diagnosis) -> str:
         lines.append("cannot share:")
         for a, b, why in d.apart:
             lines.append(f"  {a.name} / {b.name}: " + "; ".join(why))
+    lines += [p.verdict() for p in d.pd]
+    if missing := pd_missing_partner(d.instances):
+        lines.append(missing)
     for inst in d.instances:
         findings = tier_findings(inst) + whatif_advice(inst)
         lines.append(f"{inst.name}: tiers {inst.info.get('tiers', '?')}, role {inst.info.get('role', '?')}")

@@ -5,6 +5,13 @@ dtype, KV layout, parallel size, key version; and same chunk size) and they reac
 store (a shared disk directory on the same host, or the same Redis under the same key prefix).
 The labels say exactly that, so a dashboard table groups instances that can share and flags
 those that cannot, and why. No secrets: the remote URL is redacted, and the disk path is hashed.
+
+PD (prefill/decode disaggregation) adds what decides whether a prefiller (``pd_role`` sender)
+and a decoder (receiver) can pair, for ``kvlens doctor``: the key space (``key_fingerprint``),
+TP size, block and chunk size, the record layout, the decoder's host, ports and buffer size, the
+prefiller's proxy. The PD settings are read by their LMCache names (``enable_pd``, ``pd_role``,
+``pd_peer_host``, ``pd_peer_init_port``, ``pd_peer_alloc_port``, ``pd_buffer_size``,
+``pd_proxy_host``, ``pd_proxy_port``); a configuration without them has PD off.
 """
 
 from __future__ import annotations
@@ -44,6 +51,38 @@ def storage_identity(config: KVLensConfig) -> str:
     return ",".join(parts)
 
 
+def record_layout(facts: EngineFacts) -> str:
+    """What one rank's record bytes hold, short and equal for engines whose records are
+    interchangeable: KV dtype, layers, bytes per block and layer, a digest of the KV layout."""
+    layout = hashlib.blake2b(facts.kv_layout.encode(), digest_size=4).hexdigest()
+    return f"{facts.dtype}/{facts.num_layers}x{facts.block_bytes}/{layout}"
+
+
+def _ports(value: object) -> str:
+    """A port or a list of ports (one per rank) -> "p0,p1"; nothing -> ""."""
+    if value is None or value == "":
+        return ""
+    values = value if isinstance(value, list | tuple) else [value]
+    return ",".join(str(int(v)) for v in values)
+
+
+def pd_labels(config: KVLensConfig, facts: EngineFacts) -> dict[str, object]:
+    """The PD fields of the info gauge ("" where PD is off or the role has no such thing)."""
+    out: dict[str, object] = {"tp_size": facts.world_size, "block_size": facts.block_size}
+    out["record_layout"] = record_layout(facts)
+    role = str(getattr(config, "pd_role", "") or "") if getattr(config, "enable_pd", False) else ""
+    out["pd_role"] = role
+    if role == "receiver":
+        out["pd_host"] = str(getattr(config, "pd_peer_host", "") or "")
+        out["pd_init_ports"] = _ports(getattr(config, "pd_peer_init_port", None))
+        out["pd_alloc_ports"] = _ports(getattr(config, "pd_peer_alloc_port", None))
+        out["pd_buffer_size"] = int(getattr(config, "pd_buffer_size", 0) or 0)
+    if role == "sender":
+        host, port = getattr(config, "pd_proxy_host", None), getattr(config, "pd_proxy_port", None)
+        out["pd_proxy"] = f"{host}:{int(port)}" if host and port else ""
+    return out
+
+
 def instance_info(config: KVLensConfig, facts: EngineFacts) -> InstanceInfo:
     """The labels of the info gauge."""
     identity = facts.identity
@@ -57,4 +96,5 @@ def instance_info(config: KVLensConfig, facts: EngineFacts) -> InstanceInfo:
         model_identity=identity.weights if identity is not None else "",
         quantization=identity.quantization if identity is not None else "",
         kv_cache_dtype=identity.kv_cache_dtype if identity is not None else "",
+        **pd_labels(config, facts),  # type: ignore[arg-type]
     )

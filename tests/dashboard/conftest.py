@@ -20,17 +20,21 @@ APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
 
 class TextServer:
     """Serves ``self.text`` at every path on 127.0.0.1 (status ``self.status`` with reason
-    phrase ``self.reason``, extra ``self.headers``)."""
+    phrase ``self.reason``, extra ``self.headers``), or ``self.paths[path]`` at a path listed
+    there (the query string ignored); ``self.asked`` lists the paths asked for, query included."""
 
     def __init__(self, text: str = "") -> None:
         self.text, self.status = text, 200
         self.headers: dict[str, str] = {}
         self.reason: str | None = None
+        self.paths: dict[str, str] = {}
+        self.asked: list[str] = []
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
-                body = outer.text.encode()
+                outer.asked.append(self.path)
+                body = outer.paths.get(self.path.split("?", 1)[0], outer.text).encode()
                 self.send_response(outer.status, outer.reason)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(body)))

@@ -36,6 +36,14 @@ def metric_names(expr: str) -> set[str]:
     return set(_NAME.findall(expr))
 
 
+_PROXY_NAME = re.compile(r"\b(kvlens_pd_proxy_[A-Za-z0-9_]+)")
+
+
+def proxy_names(expr: str) -> set[str]:
+    """The PD proxy's metric names (``kvlens_pd_proxy_*``: not vLLM series) an expression uses."""
+    return set(_PROXY_NAME.findall(expr))
+
+
 def windows(expr: str) -> list[str]:
     return _WINDOW.findall(expr)
 

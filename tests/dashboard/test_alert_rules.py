@@ -8,9 +8,9 @@ import subprocess
 
 import yaml
 
-from dashboard.catalog import LEAK_GAUGES, VLLM_SAMPLE_NAMES, kvlens_sample_names
+from dashboard.catalog import LEAK_GAUGES, PD_SAMPLE_NAMES, VLLM_SAMPLE_NAMES, kvlens_sample_names
 
-from .promql import REPO, RULES, metric_names
+from .promql import REPO, RULES, metric_names, proxy_names
 
 PROM_DIR = REPO / "grafana" / "prometheus"
 
@@ -47,8 +47,12 @@ def test_scrape_config_is_valid_and_loads_the_rules():
     assert out.returncode == 0, out.stdout + out.stderr
     config = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
     assert config["rule_files"] == ["rules/kvlens-alerts.yml"]
-    (job,) = config["scrape_configs"]
+    job, proxy = config["scrape_configs"]
     assert job["job_name"] == "vllm" and job.get("metrics_path", "/metrics") == "/metrics"
+    # the PD proxy's own /metrics, from files of its own (targets/ lists vLLM instances only)
+    assert proxy["job_name"] == "kvlens-pd-proxy"
+    assert proxy["file_sd_configs"] == [{"files": ["pd-proxy-targets/*.json"]}]
+    assert (PROM_DIR / "pd-proxy-targets" / "pd-proxy.json").read_text().strip() == "[]"
 
 
 def test_the_alerts_the_issue_asks_for_exist_with_severity_and_summary():
@@ -63,6 +67,10 @@ def test_the_alerts_the_issue_asks_for_exist_with_severity_and_summary():
         "VLLMTargetDown",
         "KVLensLoadedTokensDrift",
         "KVLensCacheCostsMoreThanItSaves",
+        "KVLensPDTransfersRefused",
+        "KVLensPDProxyWaitTimeouts",
+        "KVLensPDBufferNearCapacity",
+        "KVLensPDBufferLeak",
     }
     for r in by_name.values():
         assert r["labels"]["severity"] in ("warning", "critical")
@@ -77,8 +85,12 @@ def test_the_leak_alert_watches_every_leak_gauge():
 
 
 def test_rules_use_only_metrics_kvlens_or_vllm_export():
+    """KVLens's and vLLM's, and the PD names the PD design fixes (engines' and proxy's)."""
+    known = kvlens_sample_names() | VLLM_SAMPLE_NAMES | PD_SAMPLE_NAMES
     used = {n for r in rules() for n in metric_names(r["expr"])}
-    assert used <= kvlens_sample_names() | VLLM_SAMPLE_NAMES, used - kvlens_sample_names() - VLLM_SAMPLE_NAMES
+    assert used <= known, used - known
+    proxy = {n for r in rules() for n in proxy_names(r["expr"])}
+    assert proxy == {"kvlens_pd_proxy_wait_timeouts_total"}
 
 
 def test_scaled_rules_for_live_tests_still_parse(tmp_path):

@@ -75,6 +75,7 @@ def test_live_endpoint_charts_and_an_unreachable_one(
         "Requests",
         "Insights",
         "Tenants",
+        "PD",
     ]
     metrics = {m.label: m.value for m in app.metric}
     assert (

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from dashboard.catalog import kvlens_sample_names
+from dashboard import palette
+from dashboard.catalog import PD_HISTOGRAM_BUCKETS, PD_SAMPLE_NAMES, PROXY_SAMPLE_NAMES, kvlens_sample_names
 from grafana import build
 from grafana.panels import PANELS, ROWS, with_selector
 
@@ -19,6 +20,7 @@ from .promql import (
     metric_names,
     outside_rate,
     promtool_parse,
+    proxy_names,
     unguarded_divisions,
     windows,
 )
@@ -58,6 +60,7 @@ def test_rows_in_order_and_every_panel_under_one():
             "Failures",
             "Insights",
             "Tenants",
+            "PD",
         ]
     )
     assert d["panels"][0]["type"] == "row"
@@ -117,9 +120,31 @@ def test_ratios_are_guarded_against_division_by_zero():
 
 
 def test_every_kvlens_metric_the_dashboard_uses_exists():
-    known = kvlens_sample_names()
+    """KVLens's own names, and the PD names the PD design fixes (the engines' and the proxy's;
+    test_pd_view.py checks them against telemetry.metrics once it defines them)."""
+    known = kvlens_sample_names() | PD_SAMPLE_NAMES | PD_HISTOGRAM_BUCKETS
     used = {n for e in dashboard_exprs() for n in metric_names(e) if n.startswith("vllm:kvlens_")}
     assert used and used <= known, used - known
+    proxy = {n for e in dashboard_exprs() for n in proxy_names(e)}
+    assert proxy and proxy <= PROXY_SAMPLE_NAMES, proxy - PROXY_SAMPLE_NAMES
+
+
+def test_the_pd_row_colours_each_phase_as_the_app_does():
+    (split,) = [p for p in dashboard_panels() if p["title"] == "PD time to first token, split per pair"]
+    columns = {
+        o["matcher"]["options"]: o["properties"]
+        for o in split["fieldConfig"]["overrides"]
+        if o["matcher"]["id"] == "byRegexp"
+    }
+    for name, colour in palette.PHASES.items():
+        (prop,) = [p for p in columns[f"^{name}$"] if p["id"] == "color"]
+        assert prop["value"]["fixedColor"] == colour
+    (over_time,) = [p for p in dashboard_panels() if p["title"] == "PD time to first token, split over time"]
+    fixed = {
+        o["matcher"]["options"]: o["properties"][0]["value"]["fixedColor"]
+        for o in over_time["fieldConfig"]["overrides"]
+    }
+    assert fixed == {label: palette.PHASES[name] for label, name in palette.PHASE_LABELS.items()}
 
 
 def test_failed_loads_are_annotations_and_link_to_trace_search():
@@ -217,5 +242,48 @@ def test_the_sharing_column_counts_other_instances_on_a_common_storage(tmp_path)
     (tmp_path / "share.test.yml").write_text(json.dumps(test))
     out = subprocess.run(
         ["promtool", "test", "rules", "share.test.yml"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_pd_split_per_pair_is_each_phase_mean_over_the_range(tmp_path):
+    """The PD row's per-pair split, evaluated by promtool on the proxy's phase histogram: 5
+    requests on one pair over the range, 2.5 s of prefill in all (a mean of 0.5)."""
+    import json
+    import subprocess
+
+    from grafana.pd_panels import PHASE, _mean_over_range
+
+    def phase(name: str, sums: str, counts: str) -> list[dict]:
+        labels = f'prefiller="p:1", decoder="d:1", phase="{name}"'
+        return [
+            {"series": f"{PHASE}_sum{{{labels}}}", "values": sums},
+            {"series": f"{PHASE}_count{{{labels}}}", "values": counts},
+        ]
+
+    test = {
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": phase("prefill", "1+0.25x10", "10+0.5x10")
+                + phase("transfer_wait", "0+0x10", "0+0x10"),
+                "promql_expr_test": [
+                    {
+                        "expr": concrete(with_selector(_mean_over_range("prefill")), range_="10m"),
+                        "eval_time": "10m",
+                        "exp_samples": [{"labels": '{prefiller="p:1", decoder="d:1"}', "value": 0.5}],
+                    },
+                    {  # no request reached the phase: no value ("No data"), not 0
+                        "expr": concrete(with_selector(_mean_over_range("transfer_wait")), range_="10m"),
+                        "eval_time": "10m",
+                        "exp_samples": [],
+                    },
+                ],
+            }
+        ]
+    }
+    (tmp_path / "pd.test.yml").write_text(json.dumps(test))
+    out = subprocess.run(
+        ["promtool", "test", "rules", "pd.test.yml"], cwd=tmp_path, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stdout + out.stderr

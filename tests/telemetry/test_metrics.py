@@ -45,6 +45,15 @@ INFO_LABELS = {
     "model_identity",
     "quantization",
     "kv_cache_dtype",
+    "pd_role",
+    "tp_size",
+    "block_size",
+    "record_layout",
+    "pd_host",
+    "pd_init_ports",
+    "pd_alloc_ports",
+    "pd_buffer_size",
+    "pd_proxy",
 }
 
 

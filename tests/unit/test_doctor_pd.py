@@ -1,0 +1,207 @@
+"""``kvlens doctor`` on PD: whether a prefiller and a decoder can pair, and what differs when
+not, from their vllm:kvlens_info labels; the decoder's ports and the proxy probed from here."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from connector.ops import doctor
+from connector.ops.cli import main
+
+IDENTITY = {
+    "version": "0.1.0",
+    "chunk_size": "256",
+    "key_fingerprint": "aaaaaaaaaaaa",
+    "tiers": "cpu",
+    "storage": "",
+    "model_identity": "ckpt:1111",
+    "quantization": "none",
+    "kv_cache_dtype": "auto",
+    "tp_size": "2",
+    "block_size": "16",
+    "record_layout": "bfloat16/24x65536/0a1b2c3d",
+}
+PREFILLER = {**IDENTITY, "role": "kv_producer", "pd_role": "sender", "pd_proxy": "10.0.0.9:7500"}
+DECODER = {
+    **IDENTITY,
+    "role": "kv_consumer",
+    "pd_role": "receiver",
+    "pd_host": "10.0.0.2",
+    "pd_init_ports": "7300,7301",
+    "pd_alloc_ports": "7400,7401",
+    "pd_buffer_size": "1073741824",
+}
+
+
+def _instance(url: str, labels: dict[str, str]) -> doctor.Instance:
+    (inst,) = doctor.instances(url, [(doctor.INFO, {**labels, "engine": "0", "model_name": "m"}, 1.0)])
+    return inst
+
+
+def _pair(prefiller=None, decoder=None, probe=None) -> doctor.PDPair:
+    p = _instance("http://p:8100", {**PREFILLER, **(prefiller or {})})
+    d = _instance("http://d:8200", {**DECODER, **(decoder or {})})
+    (pair,) = doctor.pd_pairs([p, d], probe)
+    return pair
+
+
+def _all_open(host: str, port: int) -> None:
+    return None
+
+
+def test_a_matching_prefiller_and_decoder_can_pair_and_every_port_is_probed():
+    probed = []
+
+    def probe(host, port):
+        probed.append((host, port))
+
+    pair = _pair(probe=probe)
+    assert pair.can_pair and pair.verdict() == "PD http://p:8100 -> http://d:8200: can pair"
+    assert probed == [
+        ("10.0.0.2", 7300),
+        ("10.0.0.2", 7301),
+        ("10.0.0.2", 7400),
+        ("10.0.0.2", 7401),
+        ("10.0.0.9", 7500),
+    ]
+    assert _pair().verdict().endswith("can pair (ports not probed)")
+
+
+@pytest.mark.parametrize(
+    ("prefiller", "decoder", "words"),
+    [
+        ({"tp_size": "1"}, {}, "TP size differs (1 vs 2)"),
+        ({}, {"block_size": "32"}, "block size differs (16 vs 32)"),
+        ({"chunk_size": "512"}, {}, "chunk size differs (512 vs 256)"),
+        (
+            {},
+            {"record_layout": "float16/24x65536/0a1b2c3d"},
+            "record layout differs (bfloat16/24x65536/0a1b2c3d vs float16",
+        ),
+        (
+            {"key_fingerprint": "bbbbbbbbbbbb", "model_identity": "ckpt:2222"},
+            {},
+            "key space differs (bbbbbbbbbbbb vs aaaaaaaaaaaa): model weights differ (ckpt:2222 vs ckpt:1111)",
+        ),
+        ({"key_fingerprint": "bbbbbbbbbbbb"}, {}, "key space differs (bbbbbbbbbbbb vs aaaaaaaaaaaa)"),
+        ({"pd_role": "receiver"}, {}, "http://p:8100 is not a PD sender (pd_role receiver)"),
+        ({}, {"pd_role": ""}, "http://d:8200 is not a PD receiver (pd_role unset: PD off)"),
+        ({}, {"pd_init_ports": "7300"}, "http://d:8200 has 1 init ports for 2 ranks"),
+        ({}, {"pd_alloc_ports": ""}, "http://d:8200 has 0 alloc ports for 2 ranks"),
+        ({"pd_proxy": ""}, {}, "http://p:8100 names no proxy"),
+    ],
+)
+def test_each_field_that_differs_is_named_in_the_verdict(prefiller, decoder, words):
+    p = _instance("http://p:8100", {**PREFILLER, **prefiller})
+    d = _instance("http://d:8200", {**DECODER, **decoder})
+    why = doctor.pd_differences(p, d)
+    assert len(why) == 1 and why[0].startswith(words), why
+    if p.pd_role == "sender" and d.pd_role == "receiver":
+        (pair,) = doctor.pd_pairs([p, d], _all_open)
+        assert not pair.can_pair and pair.verdict().startswith(
+            "PD http://p:8100 -> http://d:8200: CANNOT pair: "
+        )
+        assert words in pair.verdict() and not pair.unreachable  # no probe for a pair that cannot pair
+
+
+def test_ports_refused_from_here_are_named_and_a_wildcard_host_is_tried_at_the_url():
+    refused = {("d", 7301): "Connection refused", ("10.0.0.9", 7500): "No route to host"}
+    pair = _pair(decoder={"pd_host": "0.0.0.0"}, probe=lambda h, p: refused.get((h, p)))
+    assert pair.unreachable == [
+        "decoder init port d:7301 (Connection refused)",
+        "proxy 10.0.0.9:7500 (No route to host)",
+    ]
+    assert not pair.can_pair
+    assert pair.verdict() == (
+        "PD http://p:8100 -> http://d:8200: identities match, but not reachable from here: "
+        "decoder init port d:7301 (Connection refused); proxy 10.0.0.9:7500 (No route to host)"
+    )
+
+
+def test_every_sender_meets_every_receiver_and_a_missing_partner_is_said():
+    p1, p2 = _instance("http://p1", PREFILLER), _instance("http://p2", {**PREFILLER, "tp_size": "4"})
+    d = _instance("http://d", DECODER)
+    plain = _instance("http://x", {**IDENTITY, "role": "kv_both"})
+    pairs = doctor.pd_pairs([p1, plain, p2, d])
+    assert [(p.sender.url, p.receiver.url, p.can_pair) for p in pairs] == [
+        ("http://p1", "http://d", True),
+        ("http://p2", "http://d", False),
+    ]
+    assert doctor.pd_missing_partner([p1, plain]).startswith(
+        "PD: a prefiller (pd_role sender) but no decoder"
+    )
+    assert doctor.pd_missing_partner([d]).startswith("PD: a decoder (pd_role receiver) but no prefiller")
+    assert doctor.pd_missing_partner([plain]) is None and doctor.pd_pairs([plain]) == []
+    text = doctor.text(doctor.diagnose([p1, d]))
+    assert "PD http://p1 -> http://d: can pair (ports not probed)" in text
+
+
+def test_tcp_probe_says_whether_a_port_accepts():
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        port = listening.getsockname()[1]
+        assert doctor.tcp_probe("127.0.0.1", port) is None
+    assert doctor.tcp_probe("127.0.0.1", port) == "Connection refused"
+
+
+# ---- the command, against fake instances serving /metrics ---------------------------------------
+class _Metrics(BaseHTTPRequestHandler):
+    body = b""
+
+    def do_GET(self):  # noqa: N802
+        self.send_response(200 if self.path == "/metrics" else 404)
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):
+        pass
+
+
+def _serve(labels: dict[str, str]) -> ThreadingHTTPServer:
+    text = ",".join(f'{k}="{v}"' for k, v in {**labels, "engine": "0", "model_name": "m"}.items())
+    body = f"# TYPE vllm:kvlens_info gauge\nvllm:kvlens_info{{{text}}} 1.0\n".encode()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("H", (_Metrics,), {"body": body}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture
+def listeners():
+    """Five listening ports on 127.0.0.1: the decoder's init and alloc ports (TP 2), the proxy's."""
+    socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(5)]
+    yield [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+
+
+def test_the_doctor_command_gives_a_verdict_and_exits_1_when_a_pair_cannot_pair(capsys, listeners):
+    i0, i1, a0, a1, proxy = listeners
+    decoder = {
+        **DECODER,
+        "pd_host": "127.0.0.1",
+        "pd_init_ports": f"{i0},{i1}",
+        "pd_alloc_ports": f"{a0},{a1}",
+    }
+    good = _serve({**PREFILLER, "pd_proxy": f"127.0.0.1:{proxy}"})
+    bad = _serve({**PREFILLER, "pd_proxy": f"127.0.0.1:{proxy}", "block_size": "32"})
+    d = _serve(decoder)
+    url = {s: f"http://127.0.0.1:{s.server_address[1]}" for s in (good, bad, d)}
+    try:
+        assert main(["doctor", url[good], url[d]]) == 0
+        out = capsys.readouterr().out
+        assert f"PD {url[good]} -> {url[d]}: can pair" in out and "not probed" not in out
+        assert main(["doctor", url[good], url[bad], url[d], "--json"]) == 1
+        pairs = json.loads(capsys.readouterr().out)["pd_pairs"]
+    finally:
+        for s in (good, bad, d):
+            s.shutdown()
+    assert [(p["prefiller"], p["can_pair"], p["reachability_checked"]) for p in pairs] == [
+        (url[good], True, True),
+        (url[bad], False, False),
+    ]
+    assert pairs[1]["differences"] == ["block size differs (32 vs 16)"]
+    assert pairs[1]["verdict"] == f"PD {url[bad]} -> {url[d]}: CANNOT pair: block size differs (32 vs 16)"
