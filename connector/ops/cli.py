@@ -4,6 +4,8 @@
     kvlens clear   DISK_DIR | REDIS_URL | ADMIN_URL  (--all | --namespace FP | --model M |
                    --salt S | --tag NAME=VALUE ...)     remove it, all or one namespace
     kvlens doctor  URL [URL ...]                        who can share KV, tier health, sizing
+    kvlens pd-proxy [LMCache proxy flags] [--notify-timeout S] ...
+                                                        prefill/decode proxy (docs/pd-proxy.md)
 
 A disk directory or a Redis URL (``redis://``, ``rediss://``, ``redis-cluster://``, ...; the
 password may come from ``$KVLENS_REDIS_PASSWORD``) is worked on directly; a running engine is
@@ -200,6 +202,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 2 if unreachable else 0
 
 
+def cmd_pd_proxy(args: argparse.Namespace) -> int:
+    from .pd_proxy import run
+    from .pd_proxy_backends import settings_from_args
+
+    settings = settings_from_args(args)
+    problems = settings.problems()
+    if problems:
+        raise UsageError("; ".join(problems))
+    return run(settings)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvlens", description="Inspect and clear KVLens stores; diagnose running instances."
@@ -232,6 +245,15 @@ def parser() -> argparse.ArgumentParser:
     doc.add_argument("urls", nargs="+", metavar="URL", help="vLLM server URLs (their /metrics is read)")
     doc.add_argument("--json", action="store_true")
     doc.set_defaults(run=cmd_doctor)
+
+    from .pd_proxy_backends import add_arguments
+
+    pdp = sub.add_parser(
+        "pd-proxy",
+        help="prefill/decode proxy: LMCache's example proxy's protocol and flags, a bounded wait, metrics",
+    )
+    add_arguments(pdp)
+    pdp.set_defaults(run=cmd_pd_proxy)
     return p
 
 
