@@ -414,3 +414,46 @@ def test_a_first_token_that_ends_the_answer_needs_no_decoder(setup):
     assert [e["choices"][0]["text"] for e in events[:-1]] == [" t777"]
     assert events[0]["choices"][0]["finish_reason"] == "stop" and events[-1] == "[DONE]"
     assert s.decoders[0].seen == [] and s.records()[0]["outcome"] == "prefill_only"
+
+
+def test_the_command_serves_and_exports_spans_as_the_otel_variables_say(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    zport, port = free_port(), free_port()
+    prefiller = FakeEngine("p", f"tcp://127.0.0.1:{zport}").start()
+    decoder = FakeEngine("d").start()
+    cmd = [sys.executable, "-m", "connector.ops.cli", "pd-proxy", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--prefiller-host", "127.0.0.1", "--prefiller-port", str(prefiller.port)]
+    cmd += ["--decoder-host", "127.0.0.1", "--decoder-port", str(decoder.port)]
+    cmd += ["--decoder-init-port", "7301", "--decoder-alloc-port", "7401"]
+    cmd += ["--proxy-host", "127.0.0.1", "--proxy-port", str(zport)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env |= {"OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "pd-proxy-test"}
+    out = tmp_path / "proxy.out"
+    with open(out, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, trust_env=False)
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, out.read_text()[-3000:]
+            try:
+                if http.get("/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.1)
+        answer = http.post("/v1/completions", json=completion(False, 3)).json()
+        assert answer["choices"][0]["text"] == " t777 d0 d1"
+        http.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        prefiller.stop()
+        decoder.stop()
+    text = out.read_text()
+    assert '"name": "kvlens.pd.proxy"' in text and '"name": "kvlens.pd.transfer_wait"' in text
+    assert '"service.name": "pd-proxy-test"' in text
