@@ -150,7 +150,8 @@ class PDProxy:
             decode = reqs.decode_body(kind, data, tokens, first, max_tokens, stream)
             if stream:
                 streaming = True
-                return StreamingResponse(self._stream(flow, kind, prefill, decode), media_type=SSE)
+                body = self._stream(flow, kind, prefill, decode)
+                return FinishedStream(body, lambda: _left(flow), media_type=SSE)
             return await self._answer(flow, kind, prefill, decode)
         except BackendFailed as e:
             flow.finish("tokenize_failed", str(e))
@@ -297,7 +298,31 @@ class PDProxy:
                 flow.finish("client_gone")
 
         kept = {k: v for k, v in resp.headers.items() if k.lower() == "content-type"}
-        return StreamingResponse(relay(), status_code=resp.status_code, headers=kept)
+        return FinishedStream(relay(), lambda: _left(flow, resp), status_code=resp.status_code, headers=kept)
+
+
+class FinishedStream(StreamingResponse):
+    """A streamed answer whose request is finished however the response ends, even when the
+    client left before its body began (the body's own ``finally`` never runs then)."""
+
+    def __init__(self, body: AsyncIterator[bytes], on_close, **kw: Any) -> None:
+        super().__init__(body, **kw)
+        self._body, self._on_close = body, on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._body.aclose()
+            await self._on_close()
+
+
+async def _left(flow: Flow, resp: httpx.Response | None = None) -> None:
+    """The end of a streamed answer: nothing more is read, the request is finished (a no-op when
+    it finished already)."""
+    if resp is not None:
+        await resp.aclose()
+    flow.finish("client_gone")
 
 
 async def _prefill_stream(kind: str, prefill: dict[str, Any]) -> AsyncIterator[bytes]:

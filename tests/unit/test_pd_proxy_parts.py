@@ -149,3 +149,31 @@ def test_traceparents():
     assert not tracing_configured({})
     assert tracing_configured({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"})
     assert not tracing_configured({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c", "OTEL_SDK_DISABLED": "true"})
+
+
+def test_a_stream_whose_client_left_before_it_began_is_still_finished():
+    from starlette.requests import ClientDisconnect
+
+    from connector.ops.pd_proxy import FinishedStream
+
+    ended = []
+
+    async def body():
+        try:
+            yield b"data: x\n\n"
+        finally:
+            ended.append("body")
+
+    async def on_close():
+        ended.append("request finished")
+
+    async def send(message):
+        raise OSError("the client is gone")
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", "path": "/", "headers": []}
+    with pytest.raises((OSError, ClientDisconnect)):  # Starlette says ClientDisconnect
+        asyncio.run(FinishedStream(body(), on_close)(scope, receive, send))
+    assert ended == ["request finished"]  # the body never began, the request still ended
