@@ -128,3 +128,32 @@ def test_the_standins_wait_has_no_bound(standin):
     assert rest[-1] == "data: [DONE]" or "data: [DONE]" in rest
     (dec,) = s.decoder.requests("/v1/completions")
     assert dec.at >= s.prefiller.notified[0][1]
+
+
+def test_kvlens_pd_proxy_takes_every_flag_of_lmcaches_proxy_with_its_default():
+    import importlib.util
+
+    from connector.ops.cli import parser
+
+    spec = importlib.util.spec_from_file_location("lmcache_proxy_standin", SCRIPT)
+    standin_module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = standin_module  # its dataclasses look themselves up there
+    spec.loader.exec_module(standin_module)
+    theirs = vars(standin_module.parse_args([]))
+    ours = vars(parser().parse_args(["pd-proxy"]))
+    assert {k: ours[k] for k in theirs} == theirs
+    argv = ["--port", "1", "--host", "h", "--prefiller-host", "a,b", "--prefiller-port", "2,3"]
+    argv += [
+        "--num-prefillers",
+        "2",
+        "--decoder-host",
+        "c",
+        "--decoder-port",
+        "4",
+        "--decoder-init-port",
+        "5,6",
+    ]
+    argv += ["--decoder-alloc-port", "7,8", "--num-decoders", "3", "--proxy-host", "i", "--proxy-port", "9"]
+    theirs = vars(standin_module.parse_args(argv))
+    ours = vars(parser().parse_args(["pd-proxy", *argv]))
+    assert {k: ours[k] for k in theirs} == theirs
