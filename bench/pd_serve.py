@@ -153,6 +153,9 @@ class PDServe(Benchmark):
         "Ratios to `single` per repetition (latency: lower is better; throughput: higher). PD's TTFT is "
         "the prefill alone (the proxy streams the prefiller's token at once); its transfer and the "
         "decoder's first step show in ITL.",
+        "`single` runs two OpenMP threads; on a machine busy with other work their barriers wait for "
+        "each other (a --quick run here measured it 8x slower than `rr2`): compare with `single1` "
+        "(--modes single,single1,rr2,1p1d) before reading PD's ratios.",
     )
     default_modes = "single,rr2,1p1d"
     quick_modes = default_modes
@@ -185,6 +188,7 @@ class PDServe(Benchmark):
     def sides(self) -> list[ModeSide]:
         return [
             ModeSide("single", "one instance, both cores"),
+            ModeSide("single1", "one instance, one core (not by default)"),
             ModeSide("rr2", "two instances, a core each, round-robin"),
             ModeSide("1p1d", "prefiller + decoder, a core each, kvlens pd-proxy"),
         ]
@@ -224,6 +228,8 @@ class PDServe(Benchmark):
         d = Deployment(mode)
         if mode == "single":
             d.engines["single"] = self._engine("single", f"{c0},{c1}" if c0 != c1 else str(c0), None)
+        elif mode == "single1":
+            d.engines["single1"] = self._engine("single1", str(c0), None)
         elif mode == "rr2":
             d.engines["rr-a"] = self._engine("rr-a", str(c0), None)
             d.engines["rr-b"] = self._engine("rr-b", str(c1), None)
