@@ -63,16 +63,17 @@ FIGURES = (
     Figure("pd_wait_timeouts", "PD notifications late", "{:.0f}", plot=False),
     Figure("decoder_loaded_tokens", "decoder prompt tokens loaded", "{:.0f}", plot=False),
 )
-PD_BUFFER_BYTES = 1 << 30
 
 
-def pd_kv_transfer_configs(proxy_port: int, init_port: int, alloc_port: int) -> tuple[dict, dict]:
+def pd_kv_transfer_configs(
+    proxy_port: int, init_port: int, alloc_port: int, buffer_bytes: int = 1 << 30
+) -> tuple[dict, dict]:
     """The prefiller's and the decoder's --kv-transfer-config, with the keys of LMCache's 1p1d
     example (``transfer_channel: tcp`` instead of nixl)."""
 
     def config(role: str, extra: dict[str, Any]) -> dict[str, Any]:
         common = {"enable_pd": True, "transfer_channel": "tcp", "local_cpu": False}
-        common |= {"pd_buffer_size": PD_BUFFER_BYTES, "pd_buffer_device": "cpu"}
+        common |= {"pd_buffer_size": buffer_bytes, "pd_buffer_device": "cpu"}
         return {
             "kv_connector": "KVLensConnector",
             "kv_connector_module_path": "connector",
@@ -170,6 +171,7 @@ class PDServe(Benchmark):
         "request_rate": Option(0.3, "inf", help="requests per second (Poisson; inf: all at once)", type=str),
         "max_concurrency": Option(None, 2, help="requests in flight at most", type=int),
         "notify_timeout": Option(5.0, help="kvlens pd-proxy --notify-timeout"),
+        "pd_buffer_mb": Option(1024, 256, help="pd_buffer_size of the prefiller and the decoder, MiB"),
         "model": Option(None, help="model directory (default: built under .run/bench/models)", type=Path),
         "startup_timeout": Option(600.0, help="seconds for the servers of one mode to start"),
         "run_timeout": Option(1800.0, 600.0, help="seconds for one vllm bench serve run"),
@@ -240,7 +242,7 @@ class PDServe(Benchmark):
             )
         else:
             zport, init, alloc = free_ports(3)
-            sender, receiver = pd_kv_transfer_configs(zport, init, alloc)
+            sender, receiver = pd_kv_transfer_configs(zport, init, alloc, a.pd_buffer_mb << 20)
             d.engines["prefiller"] = self._engine("prefiller", str(c0), sender)
             d.engines["decoder"] = self._engine("decoder", str(c1), receiver)
             args = ["--prefiller-host", "127.0.0.1", "--prefiller-port", str(d.engines["prefiller"].port)]
