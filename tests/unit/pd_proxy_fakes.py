@@ -74,6 +74,8 @@ class FakeEngine:
         self._thread = threading.Thread(target=self._serve, name=f"fake-{name}", daemon=True)
         self._zmq = zmq.Context()
         self._push = None
+        self._stopping = False
+        self._waiters: list[threading.Thread] = []
 
     def start(self) -> FakeEngine:
         self._thread.start()
@@ -95,7 +97,10 @@ class FakeEngine:
         self._loop.run_forever()
 
     def stop(self) -> None:
+        self._stopping = True
         self.b.release.set()
+        for waiter in self._waiters:
+            waiter.join(10)
         if self._loop.is_running():
             asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -148,9 +153,11 @@ class FakeEngine:
         if self.b.notify == "at_answer":
             self._notify(spec["req_id"], ranks)
         elif self.b.notify == "on_release":
-            threading.Thread(
+            waiter = threading.Thread(
                 target=self._notify_when_released, args=(spec["req_id"], ranks), daemon=True
-            ).start()
+            )
+            self._waiters.append(waiter)
+            waiter.start()
         choice = {"index": 0, "text": f" t{self.b.first_tok}", "logprobs": None, "stop_reason": None}
         choice["finish_reason"] = "stop" if self.b.first_stop else "length"
         usage = {
@@ -173,7 +180,8 @@ class FakeEngine:
 
     def _notify_when_released(self, req_id: str, ranks: int) -> None:
         self.b.release.wait()
-        self._notify(req_id, ranks)
+        if not self._stopping:
+            self._notify(req_id, ranks)
 
     async def _decode(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         if self.b.decode_status != 200:
