@@ -55,6 +55,7 @@ class Behaviour:
     decode_die_after: int | None = None  # stream chunks sent before the connection is cut
     first_tok: int = 777
     first_stop: bool = False  # the prefiller's token ends the answer (EOS)
+    prefill_delay_s: float = 0.0  # the prefiller answers this late
     release: threading.Event = field(default_factory=threading.Event)
 
 
@@ -145,6 +146,9 @@ class FakeEngine:
             self.notified.append((req_id, time.monotonic()))
 
     async def _prefill(self, body: dict[str, Any]) -> web.Response:
+        until = time.monotonic() + self.b.prefill_delay_s
+        while time.monotonic() < until and not self._stopping:  # stop() does not wait for it
+            await asyncio.sleep(0.05)
         if self.b.prefill_status != 200:
             err = {"error": {"message": "fake prefill failure", "type": "InternalServerError", "code": 500}}
             return web.json_response(err, status=self.b.prefill_status)

@@ -457,3 +457,12 @@ def test_the_command_serves_and_exports_spans_as_the_otel_variables_say(tmp_path
     text = out.read_text()
     assert '"name": "kvlens.pd.proxy"' in text and '"name": "kvlens.pd.transfer_wait"' in text
     assert '"service.name": "pd-proxy-test"' in text
+
+
+def test_a_silent_prefiller_is_a_504_after_the_backend_timeout(setup):
+    s = setup(prefill=Behaviour(prefill_delay_s=30), backend_timeout_s=0.5)
+    t0 = time.monotonic()
+    resp = s.post("/v1/completions", completion(True))
+    assert resp.status_code == 504 and time.monotonic() - t0 < 15
+    assert "prefiller" in resp.json()["error"]["message"] and s.decoders[0].seen == []
+    assert s.records()[0]["outcome"] == "prefill_failed" and s.proxy.board.waiting == 0
