@@ -180,14 +180,16 @@ def test_non_streaming_chat_is_one_chat_answer(setup):
     "behaviour", [Behaviour(notify="never"), Behaviour(notify_ranks=1)], ids=["none", "one_of_two"]
 )
 def test_missing_notifications_end_the_wait_at_its_bound_and_the_decoder_is_still_asked(setup, behaviour):
-    s = setup(ranks=2, prefill=behaviour, notify_timeout_s=0.5)
+    s = setup(
+        ranks=2, prefill=behaviour, notify_timeout_s=2.0
+    )  # the one that comes: in time even on a busy machine
     t0 = time.monotonic()
     resp = s.post("/v1/completions", completion(True, 3))
     assert resp.status_code == 200 and time.monotonic() - t0 < 20
     assert [e["choices"][0]["text"] for e in sse_events(resp.text)[:-1]] == [" t777", " d0", " d1"]
     assert len(s.decoders[0].requests("/v1/completions")) == 1
     (rec,) = s.records()
-    assert rec["outcome"] == "notify_timeout" and rec["transfer_wait_ms"] >= 500
+    assert rec["outcome"] == "notify_timeout" and rec["transfer_wait_ms"] >= 2000
     assert rec["notifications"] == ("0/2" if behaviour.notify == "never" else "1/2")
     assert s.metric("kvlens_pd_proxy_wait_timeouts_total") == 1
     assert s.metric("kvlens_pd_proxy_requests_total", outcome="notify_timeout") == 1
