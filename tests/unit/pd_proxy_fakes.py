@@ -142,8 +142,8 @@ class FakeEngine:
             self._push.setsockopt(zmq.LINGER, 0)
             self._push.connect(self.proxy_notify)
         for _ in range(ranks):
+            self.notified.append((req_id, time.monotonic()))  # before: the proxy may act at once
             self._push.send(notice_bytes(req_id))
-            self.notified.append((req_id, time.monotonic()))
 
     async def _prefill(self, body: dict[str, Any]) -> web.Response:
         until = time.monotonic() + self.b.prefill_delay_s
