@@ -4,8 +4,6 @@
     kvlens clear   DISK_DIR | REDIS_URL | ADMIN_URL  (--all | --namespace FP | --model M |
                    --salt S | --tag NAME=VALUE ...)     remove it, all or one namespace
     kvlens doctor  URL [URL ...]                        who can share KV, tier health, sizing
-    kvlens pd-proxy [LMCache proxy flags] [--notify-timeout S] ...
-                                                        prefill/decode proxy (docs/pd-proxy.md)
 
 A disk directory or a Redis URL (``redis://``, ``rediss://``, ``redis-cluster://``, ...; the
 password may come from ``$KVLENS_REDIS_PASSWORD``) is worked on directly; a running engine is
@@ -13,6 +11,9 @@ cleared through its admin endpoint (``http://127.0.0.1:<extra_config.admin_port>
 applies the clear between steps. The endpoint's token comes from ``--token-file``,
 ``$KVLENS_ADMIN_TOKEN``, or the file the engine wrote for that port on this host
 (``connector/scheduler/admin_token.py``). ``--json`` prints machine-readable output.
+
+``kvlens pd-proxy [LMCache's proxy flags] [--notify-timeout S] ...`` serves the prefill/decode
+proxy (docs/pd-proxy.md).
 """
 
 from __future__ import annotations
