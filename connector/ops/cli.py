@@ -12,6 +12,9 @@ cleared through its admin endpoint (``http://127.0.0.1:<extra_config.admin_port>
 applies the clear between steps. The endpoint's token comes from ``--token-file``,
 ``$KVLENS_ADMIN_TOKEN``, or the file the engine wrote for that port on this host
 (``connector/scheduler/admin_token.py``). ``--json`` prints machine-readable output.
+
+``kvlens pd-proxy [LMCache's proxy flags] [--notify-timeout S] ...`` serves the prefill/decode
+proxy (docs/pd-proxy.md).
 """
 
 from __future__ import annotations
@@ -201,6 +204,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 2 if unreachable else 1 if any(not p.can_pair for p in result.pd) else 0
 
 
+def cmd_pd_proxy(args: argparse.Namespace) -> int:
+    from .pd_proxy import run
+    from .pd_proxy_backends import settings_from_args
+
+    settings = settings_from_args(args)
+    problems = settings.problems()
+    if problems:
+        raise UsageError("; ".join(problems))
+    return run(settings)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvlens", description="Inspect and clear KVLens stores; diagnose running instances."
@@ -237,6 +251,15 @@ def parser() -> argparse.ArgumentParser:
     doc.add_argument("urls", nargs="+", metavar="URL", help="vLLM server URLs (their /metrics is read)")
     doc.add_argument("--json", action="store_true")
     doc.set_defaults(run=cmd_doctor)
+
+    from .pd_proxy_backends import add_arguments
+
+    pdp = sub.add_parser(
+        "pd-proxy",
+        help="prefill/decode proxy: LMCache's example proxy's protocol and flags, a bounded wait, metrics",
+    )
+    add_arguments(pdp)
+    pdp.set_defaults(run=cmd_pd_proxy)
     return p
 
 
