@@ -61,6 +61,7 @@ class ReceiverStats:
 class _Port:
     def __init__(self, rank: int, carries_data: bool, listener: socket.socket) -> None:
         self.rank, self.carries_data, self.listener = rank, carries_data, listener
+        self.number = listener.getsockname()[1]
 
 
 class PDReceiver:
@@ -124,11 +125,11 @@ class PDReceiver:
 
     @property
     def init_ports(self) -> list[int]:
-        return [p.listener.getsockname()[1] for p in self._ports if p.carries_data]
+        return [p.number for p in self._ports if p.carries_data]
 
     @property
     def alloc_ports(self) -> list[int]:
-        return [p.listener.getsockname()[1] for p in self._ports if not p.carries_data]
+        return [p.number for p in self._ports if not p.carries_data]
 
     @property
     def buffer_names(self) -> list[str]:

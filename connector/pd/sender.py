@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import xxhash
 
 from . import wire
-from .identity import PeerIdentity, mismatch_reason
-from .wire import Deadline, FrameType, WireError
+from .identity import PeerIdentity
+from .probe import read_reply, refusal, shake_hands
+from .wire import FrameType, WireError
 
 log = logging.getLogger(__name__)
 
@@ -243,31 +244,16 @@ class PDSender:
             raise WireError("shutdown")
 
     def _handshake(self, conn: socket.socket, peer: str) -> None:
-        hello = {"identity": self._identity.to_wire(), "version": wire.VERSION}
-        wire.send_all(conn, [wire.control_frame(FrameType.HELLO, hello)], self._io_s)
-        reply = self._reply(conn)
-        try:
-            theirs = PeerIdentity.from_wire(reply.get("identity"))
-        except ValueError as e:
-            raise WireError("bad_frame", str(e)) from None
-        differ = self._identity.differences(theirs)
-        if reply.get("version") != wire.VERSION:
-            differ.append("version")
-        if differ or not reply.get("ok"):
-            reason = mismatch_reason(differ) if differ else str(reply.get("reason"))
+        theirs, reply, differ = shake_hands(conn, self._identity, self._io_s)
+        reason = refusal(reply, differ)
+        if reason:
             log.warning(
                 "PD receiver %s refused: %s (ours %s, theirs %s)", peer, reason, self._identity, theirs
             )
             raise WireError(reason)
 
-    def _reply(self, conn: socket.socket) -> dict:
-        kind, body = wire.recv_frame(conn, Deadline(self._io_s), self._io_s)
-        if kind is not FrameType.REPLY:
-            raise WireError("bad_frame", f"{kind.name} where REPLY was expected")
-        return wire.decode_control(body)
-
     def _expect_ok(self, conn: socket.socket) -> None:
-        reply = self._reply(conn)
+        reply = read_reply(conn, self._io_s)
         if not reply.get("ok"):
             raise _Refused(str(reply.get("reason")))
 
