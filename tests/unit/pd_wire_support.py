@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -175,3 +178,31 @@ class RawPeer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def spawn(code: str, *args: str, ready: str = "ready") -> subprocess.Popen:
+    """A Python child running ``code`` (the repository importable), returned once it printed
+    ``ready``: it has reached the point the test waits for."""
+    env = {**os.environ, "PYTHONPATH": REPO}
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO
+    )
+    line = child.stdout.readline()  # type: ignore[union-attr]
+    assert line.strip() == ready, f"child said {line!r}"
+    return child
+
+
+def kill(child: subprocess.Popen) -> None:
+    child.send_signal(signal.SIGKILL)
+    child.wait(WAIT_S)
+    child.stdout.close()  # type: ignore[union-attr]

@@ -1,0 +1,129 @@
+"""PD sender failures: a decoder down, silent or killed mid-transfer ends the transfer with a
+reason within the sender's bounds, and closing the sender ends what is under way and queued."""
+
+from __future__ import annotations
+
+import socket
+import textwrap
+
+from connector.pd.sender import PDSender
+
+from .pd_wire_support import (
+    HOST,
+    free_port,
+    identity,
+    kill,
+    open_fds,
+    pd_threads,
+    receiver,
+    records,
+    send,
+    spawn,
+    transfer,
+    wait_until,
+)
+
+# A decoder rank that accepts one transfer, reads 1 MiB of it, says "ready" and then hangs
+# until it is killed.
+STALLING_RECEIVER = textwrap.dedent(
+    """
+    import socket, sys
+    from connector.pd import wire
+    from connector.pd.identity import PeerIdentity
+    ident = PeerIdentity("ks-0123abcd", 1, 0, 16, 256, "bf16/l4/kvh2/hd64/v1")
+    srv = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+    print("listening", flush=True)
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    d = wire.Deadline(30)
+    wire.recv_frame(conn, d, 30)
+    reply = {"ok": True, "reason": None, "identity": ident.to_wire(), "version": wire.VERSION}
+    conn.sendall(wire.control_frame(wire.FrameType.REPLY, reply))
+    wire.recv_frame(conn, d, 30)
+    conn.sendall(wire.control_frame(wire.FrameType.REPLY, {"ok": True, "reason": None}))
+    wire.recv_into(conn, memoryview(bytearray(1 << 20)), d, 30)
+    print("ready", flush=True)
+    import time; time.sleep(600)
+    """
+)
+
+
+def test_a_decoder_nobody_listens_for_is_unreachable():
+    tx = PDSender(identity(), connect_timeout_s=2.0, io_timeout_s=5.0)
+    try:
+        outcome = send(tx, free_port(), records(2, 1024, 10))
+    finally:
+        tx.close()
+    assert not outcome.ok and outcome.reason == "unreachable" and outcome.bytes == 0
+    assert tx.stats().failed == {"unreachable": 1}
+
+
+def test_a_decoder_that_accepts_but_never_answers_times_out_within_the_io_bound():
+    with socket.create_server((HOST, 0)) as silent:  # the kernel accepts; nobody answers
+        tx = PDSender(identity(), connect_timeout_s=2.0, io_timeout_s=0.5)
+        try:
+            outcome = send(tx, silent.getsockname()[1], records(2, 1024, 10))
+        finally:
+            tx.close()
+    assert outcome.reason == "timeout"
+    assert 0.5 <= outcome.seconds < 5.0
+
+
+def test_a_decoder_killed_mid_transfer_ends_the_transfer_as_peer_closed():
+    port = free_port()
+    child = spawn(STALLING_RECEIVER, str(port), ready="listening")
+    tx = PDSender(identity(), connect_timeout_s=5.0, io_timeout_s=20.0)
+    t, done = transfer(port, records(2, 32 << 20, 1024))
+    try:
+        tx.send(t)
+        assert child.stdout.readline().strip() == "ready"  # 1 MiB of 32 read: mid-transfer
+        kill(child)
+        outcome = done.wait()
+    finally:
+        tx.close()
+        if child.poll() is None:
+            kill(child)
+    assert outcome.reason == "peer_closed"  # a killed process's socket is reset, not silent
+    assert outcome.seconds < 20.0
+
+
+def test_close_ends_the_transfer_under_way_and_the_queued_ones_as_shutdown():
+    fds, threads = open_fds(), pd_threads()
+    with socket.create_server((HOST, 0)) as srv:
+        port = srv.getsockname()[1]
+        tx = PDSender(identity(), connect_timeout_s=2.0, io_timeout_s=60.0)
+        # a server that accepts and never reads: the sender blocks in its handshake's reply
+        first, first_done = transfer(port, records(2, 32 << 20, 10), req_id="under-way")
+        queued = [transfer(port, records(1, 10, 10), req_id=f"queued-{i}") for i in range(3)]
+        tx.send(first)
+        for t, _ in queued:
+            tx.send(t)
+        conn, _ = srv.accept()
+        try:
+            tx.close(timeout_s=10.0)
+        finally:
+            conn.close()
+    assert first_done.wait().reason == "shutdown"
+    assert [d.wait().reason for _, d in queued] == ["shutdown"] * 3
+    assert first_done.wait().seconds < 60.0
+    late, late_done = transfer(port, records(1, 10, 10), req_id="late")
+    tx.send(late)
+    assert late_done.wait().reason == "shutdown"
+    s = tx.stats()
+    assert (s.queued, s.in_flight) == (0, 0) and s.failed == {"shutdown": 5}
+    assert pd_threads() == threads
+    assert open_fds() == fds
+
+
+def test_a_kept_connection_the_decoder_closed_is_replaced_not_failed():
+    with receiver(idle_timeout_s=0.2) as rx:
+        tx = PDSender(identity(), 2.0, 5.0)
+        try:
+            assert send(tx, rx.init_ports[0], records(1, 100, 100), req_id="a").ok
+            wait_until(lambda: rx.stats().connections == 0, what="the idle connection closed")
+            assert send(tx, rx.init_ports[0], records(1, 100, 100), req_id="b").ok
+            assert tx.stats().connections_opened == 2
+            assert send(tx, rx.init_ports[0], records(1, 100, 100), req_id="c").ok
+            assert tx.stats().connections_opened == 2  # a live one is reused
+        finally:
+            tx.close()
