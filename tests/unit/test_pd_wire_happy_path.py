@@ -16,6 +16,7 @@ from connector.pd.sender import PDSender
 from .pd_wire_support import (
     HOST,
     assert_idle,
+    free_port,
     identity,
     open_fds,
     pd_threads,
@@ -139,9 +140,7 @@ def test_the_proxy_decodes_the_notice_as_lmcaches_proxy_does():
 
 
 def test_a_notice_with_no_proxy_listening_is_dropped_in_bounded_time_and_counted():
-    with zmq.Context.instance().socket(zmq.PULL) as probe:  # a port nobody listens on
-        port = probe.bind_to_random_port(f"tcp://{HOST}")
-    notifier = ProxyNotifier(HOST, port, send_timeout_s=0.2, linger_s=0.0)
+    notifier = ProxyNotifier(HOST, free_port(), send_timeout_s=0.2, linger_s=0.0)
     try:
         assert notifier.notify("lost") is False
         assert (notifier.sent, notifier.failed) == (0, 1)
