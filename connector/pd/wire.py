@@ -119,21 +119,39 @@ class Deadline:
         return left
 
 
+def _os_timeout(sock: socket.socket, option: int, seconds: float) -> None:
+    """Bound each blocking call in the kernel (SO_RCVTIMEO / SO_SNDTIMEO): the socket stays in
+    blocking mode, so a 4 MiB send or receive is one call, not a poll() and a call per piece as
+    Python's own timeouts make it."""
+    sock.settimeout(None)
+    whole = int(seconds)
+    micros = int((seconds - whole) * 1e6)
+    if whole == 0 and micros == 0:
+        micros = 1  # a zero timeval means "no timeout"
+    sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(whole, micros))
+
+
+_TIMEVAL = struct.Struct("@ll")
+
+
 def recv_into(sock: socket.socket, view: memoryview, deadline: Deadline, silence_s: float) -> None:
-    """Fill ``view`` from ``sock``: ``Timeout`` past the deadline or after ``silence_s`` of
-    nothing, ``PeerClosed`` at end of stream."""
+    """Fill ``view`` from ``sock``: ``Timeout`` after ``silence_s`` without a byte or once past
+    the deadline (checked between reads: a trickle is cut off at most ``silence_s`` late),
+    ``PeerClosed`` at end of stream."""
     got, size = 0, len(view)
+    _os_timeout(sock, socket.SO_RCVTIMEO, min(silence_s, deadline.left()))
     while got < size:
-        sock.settimeout(min(silence_s, deadline.left()))
         try:
             n = sock.recv_into(view[got:], size - got)
-        except TimeoutError:
+        except (BlockingIOError, TimeoutError):
             raise Timeout() from None
         except OSError:
             raise PeerClosed() from None
         if n == 0:
             raise PeerClosed()
         got += n
+        if got < size:
+            deadline.left()
 
 
 def recv_frame(sock: socket.socket, deadline: Deadline, silence_s: float) -> tuple[FrameType, bytes]:
@@ -148,9 +166,9 @@ def recv_frame(sock: socket.socket, deadline: Deadline, silence_s: float) -> tup
 
 def send_all(sock: socket.socket, pieces: Sequence[bytes | memoryview], timeout_s: float) -> None:
     """Send the pieces in order without joining them (``sendmsg``; the caller's buffers as they
-    are). ``Timeout`` or ``PeerClosed`` on failure."""
+    are). ``Timeout`` when the peer takes nothing for ``timeout_s``, ``PeerClosed`` on failure."""
     views = [memoryview(p).cast("B") for p in pieces if len(p)]
-    sock.settimeout(timeout_s)
+    _os_timeout(sock, socket.SO_SNDTIMEO, timeout_s)
     try:
         while views:
             sent = sock.sendmsg(views)
@@ -159,7 +177,7 @@ def send_all(sock: socket.socket, pieces: Sequence[bytes | memoryview], timeout_
                 views.pop(0)
             if views and sent:
                 views[0] = views[0][sent:]
-    except TimeoutError:
+    except (BlockingIOError, TimeoutError):
         raise Timeout() from None
     except OSError:
         raise PeerClosed() from None
