@@ -24,7 +24,7 @@ import xxhash
 
 from . import wire
 from .identity import PeerIdentity, mismatch_reason
-from .receive_buffer import ReceiveBuffer, Slot, remove_stale_buffers
+from .receive_buffer import ReceiveBuffer, Slot, remove_stale_buffers, space_needed
 from .receive_index import Claim, ReceiveIndex, TransferFacts
 from .wire import Deadline, FrameType, WireError
 
@@ -79,6 +79,7 @@ class PDReceiver:
         handshake_timeout_s: float = 5.0,
         idle_timeout_s: float = 60.0,
         max_connections: int = 64,
+        housekeeping_s: float = 1.0,
     ) -> None:
         if not (len(identities) == len(init_ports) == len(alloc_ports)) or not identities:
             raise ValueError("PDReceiver needs one identity, init port and alloc port per rank")
@@ -92,6 +93,7 @@ class PDReceiver:
         self._handshake_s = handshake_timeout_s
         self._idle_s = idle_timeout_s
         self._max_connections = max_connections
+        self._housekeeping_s = housekeeping_s
         self._buffers: list[ReceiveBuffer] = []
         self._index: ReceiveIndex | None = None
         self._ports: list[_Port] = []
@@ -213,8 +215,13 @@ class PDReceiver:
             for port in self._ports:
                 port.listener.setblocking(False)
                 sel.register(port.listener, selectors.EVENT_READ, port)
+            upkeep = time.monotonic() + self._housekeeping_s
             while not self._stopping.is_set():
-                for key, _ in sel.select():
+                ready = sel.select(timeout=self._housekeeping_s)
+                if time.monotonic() >= upkeep and self._index is not None:
+                    self._index.expire()  # entries nobody claims go even if nobody asks
+                    upkeep = time.monotonic() + self._housekeeping_s
+                for key, _ in ready:
                     if key.data is None:
                         return
                     try:
@@ -254,6 +261,9 @@ class PDReceiver:
             self._count_failure(e.reason)
         except OSError:
             self._count_failure("shutdown" if self._stopping.is_set() else "peer_closed")
+        except Exception:  # a defect here must not take the receiver down: counted, logged
+            log.exception("PD receiver connection on rank %d failed", port.rank)
+            self._count_failure("internal")
         finally:
             with self._lock:
                 self._conns.pop(conn, None)
@@ -300,7 +310,7 @@ class PDReceiver:
     def _transfer(self, conn: socket.socket, rank: int, body: bytes) -> None:
         req_id, keys, lengths, tokens = _parse_alloc(wire.decode_control(body))
         buffer = self._buffers[rank]
-        if sum(lengths) > buffer.capacity:
+        if space_needed(lengths) > buffer.capacity:
             self._record_failure(rank, req_id, "too_large")
             self._reply(conn, ok=False, reason="too_large")
             return

@@ -40,6 +40,8 @@ REASONS = (
     "peer_closed",
     "checksum",
     "shutdown",
+    "invalid",  # the transfer itself is malformed (a key twice, an empty record...): never sent
+    "internal",  # a defect in the sender (logged)
 )
 POOLED_IDLE_S = 20.0  # below the receiver's idle timeout, so a kept connection is still served
 
@@ -149,10 +151,19 @@ class PDSender:
                     self._queued -= 1
                     self._in_flight += 1
                 try:
+                    invalid = invalid_chunks(transfer.chunks)
                     if self._closing.is_set():
                         self._finish(transfer, False, "shutdown", 0, 0.0)
+                    elif invalid:
+                        log.warning("PD transfer %s not sent: %s", transfer.req_id, invalid)
+                        self._finish(transfer, False, "invalid", 0, 0.0)
+                    elif not transfer.chunks:
+                        self._finish(transfer, True, None, 0, 0.0)  # nothing to send is a success
                     else:
                         self._run(transfer)
+                except Exception:  # a defect must not stop the thread, nor leave on_done uncalled
+                    log.exception("PD sender failed on %s", transfer.req_id)
+                    self._finish(transfer, False, "internal", 0, 0.0)
                 finally:
                     with self._lock:
                         self._in_flight -= 1
@@ -197,11 +208,15 @@ class PDSender:
         except (WireError, OSError) as e:
             if conn is not None:
                 conn.close()
-            reason = e.reason if isinstance(e, WireError) else "unreachable"
+            reason = e.reason if isinstance(e, WireError) else "peer_closed"
             if self._closing.is_set():
                 reason = "shutdown"
             self._finish(t, False, reason, 0, time.perf_counter() - start)
             return
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
         finally:
             with self._lock:
                 self._active = None
@@ -270,6 +285,26 @@ class PDSender:
             t.on_done(outcome)
         except Exception:
             log.exception("PD on_done callback failed for %s", t.req_id)
+
+
+def invalid_chunks(chunks: list[tuple[str, memoryview, int]]) -> str | None:
+    """Why the receiver would refuse these chunks as malformed, or None."""
+    keys = set()
+    for key, view, tokens in chunks:
+        if not isinstance(key, str) or not 0 < len(key) <= wire.MAX_KEY_CHARS:
+            return f"key {key!r} is not 1..{wire.MAX_KEY_CHARS} characters"
+        if key in keys:
+            return f"key {key} twice"
+        keys.add(key)
+        try:
+            nbytes = memoryview(view).cast("B").nbytes
+        except (TypeError, ValueError) as e:
+            return f"record of {key} is not one contiguous buffer: {e}"
+        if nbytes == 0:
+            return f"record of {key} is empty"
+        if type(tokens) is not int or tokens < 0:
+            return f"tokens of {key} is {tokens!r}"
+    return None
 
 
 def _shutdown(conn: socket.socket) -> None:

@@ -88,3 +88,14 @@ def test_slots_held_by_a_transfer_in_flight_count_against_the_next_one():
             b.close()
         wait_until(lambda: rx.stats().in_flight == 0, what="the abandoned transfer freed")
         assert_idle(rx)
+
+
+def test_a_transfer_whose_aligned_slots_exceed_the_buffer_is_too_large_not_forever_full():
+    with receiver(buffer_bytes=4 * 64) as rx:  # four 64-byte slots
+        peer = RawPeer(rx.init_ports[0])
+        try:
+            assert peer.hello()["ok"]
+            assert peer.alloc([1] * 5) == {"ok": False, "reason": "too_large"}  # 5 bytes, 5 slots
+            assert peer.alloc([1] * 4)["ok"]
+        finally:
+            peer.close()

@@ -195,3 +195,20 @@ def test_close_during_a_transfer_returns_in_bounded_time_and_leaves_nothing():
     assert s.failed == {"shutdown": 1}
     assert pd_threads() == threads
     assert open_fds() == fds
+
+
+def test_entries_nobody_asks_about_expire_on_their_own_even_with_a_rank_missing():
+    now = [0.0]
+    with receiver(tp=2, unclaimed_timeout_s=5.0, clock=lambda: now[0], housekeeping_s=0.02) as rx:
+        tx = PDSender(identity(0, tp=2), 2.0, 5.0)
+        try:
+            assert send(tx, rx.init_ports[0], records(2, 4096, 10)).ok  # rank 1 never sends
+        finally:
+            tx.close()
+        assert rx.present(["proxy-1-k0"]) == 0 and rx.stats().entries == 2
+        now[0] += 4.0
+        assert rx.stats().entries == 2
+        now[0] += 2.0
+        wait_until(lambda: rx.stats().entries == 0, what="expiry without a call to expire()")
+        assert rx.stats().expired == 2
+        assert_idle(rx)

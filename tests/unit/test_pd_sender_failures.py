@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import socket
 import textwrap
+from dataclasses import replace
 
 from connector.pd.sender import PDSender
 
 from .pd_wire_support import (
     HOST,
+    Done,
     free_port,
     identity,
     kill,
@@ -125,5 +127,35 @@ def test_a_kept_connection_the_decoder_closed_is_replaced_not_failed():
             assert tx.stats().connections_opened == 2
             assert send(tx, rx.init_ports[0], records(1, 100, 100), req_id="c").ok
             assert tx.stats().connections_opened == 2  # a live one is reused
+        finally:
+            tx.close()
+
+
+def test_a_malformed_transfer_is_never_sent_and_ends_as_invalid():
+    with receiver() as rx:
+        tx = PDSender(identity(), 2.0, 5.0)
+        try:
+            port = rx.init_ports[0]
+            twice = send(tx, port, records(2, 100, 100), keys=["same", "same"])
+            empty = send(tx, port, [b"", b"x"])
+            strided = transfer(port, [b"abcd"])[0]
+            done = Done()
+            tx.send(replace(strided, chunks=[("k", memoryview(b"abcdefgh")[::2], 1)], on_done=done))
+            assert [twice.reason, empty.reason, done.wait().reason] == ["invalid"] * 3
+            nothing = send(tx, port, [])
+            assert nothing.ok and nothing.bytes == 0
+            assert tx.stats().connections_opened == 0
+        finally:
+            tx.close()
+        assert rx.stats().failed == {} and rx.stats().connections == 0
+
+
+def test_a_failing_on_done_does_not_stop_the_sender():
+    with receiver() as rx:
+        tx = PDSender(identity(), 2.0, 5.0)
+        try:
+            t, _ = transfer(rx.init_ports[0], records(1, 100, 100), req_id="a")
+            tx.send(replace(t, on_done=lambda outcome: 1 / 0))
+            assert send(tx, rx.init_ports[0], records(1, 100, 100), req_id="b").ok
         finally:
             tx.close()
