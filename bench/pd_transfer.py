@@ -9,9 +9,10 @@ sender's process, whose GIL it would share); the parent sends. A round is one pr
 records of ``--chunk-kib`` KiB, the last one ``--tail-kib`` (the unfull tail), from memoryviews
 over touched memory. Modes, in turns within every round:
 
-- ``bare``: the reference. One kept connection; per chunk an 8-byte length then the bytes
-  (``sendall`` of the caller's memoryview), read with ``recv_into`` into a touched buffer of the
-  round's size, one byte of acknowledgement at the end of the round. No checks.
+- ``bare``: the reference, as fast as a bare socket gets. One kept connection; per chunk a
+  16-byte header then the bytes (``sendall`` of the caller's memoryview), read with one
+  ``recv_into(..., MSG_WAITALL)`` each into a touched buffer of the round's size, one byte of
+  acknowledgement at the end of the round. No checks.
 - ``bare-xxh3``: the same with an xxh3-64 per chunk computed by the sender and checked by the
   receiver (what the checksum alone costs).
 - ``pd``: ``PDSender.send`` of the round as one transfer (a kept connection, the ALLOC, CHUNK
@@ -19,6 +20,8 @@ over touched memory. Modes, in turns within every round:
   ``on_done``; between rounds the child frees the entries (not timed).
 
 GB/s is the round's bytes over its time; the ratio is ``pd`` over ``bare`` in the same round.
+``CPU ms`` is the CPU time both processes spent on the round (every thread): on a machine busier
+than its cores, wall time follows it, so its ratio is the steadier comparison there.
 Goal (issue 28): >= 0.8x. Default chunk: 256 tokens of the bench model (8 layers, 8 KV heads,
 head 128, bf16: 16 KiB per token, 4 MiB per chunk) plus a record header; --quick uses the
 tiny model's (2 KiB per token: 512 KiB).
@@ -79,7 +82,7 @@ def _bare_sink(conn: socket.socket, view: memoryview) -> None:
 def _read_into(conn: socket.socket, view: memoryview) -> bool:
     got = 0
     while got < len(view):
-        n = conn.recv_into(view[got:])
+        n = conn.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
         if n == 0:
             return False
         got += n
@@ -108,6 +111,8 @@ def serve(capacity: int) -> None:
             rx.expire()
             s = rx.stats()
             print(json.dumps({"used": s.used_bytes, "failed": s.failed}), flush=True)
+        elif line.strip() == "cpu":
+            print(json.dumps({"cpu": time.process_time()}), flush=True)
     rx.close()
 
 
@@ -117,6 +122,7 @@ class PDTransfer(Benchmark):
     figures = (
         Figure("gbps", "GB/s", "{:.2f}", ratio=True),
         Figure("ms", "ms per round", "{:.2f}"),
+        Figure("cpu_ms", "CPU ms per round (both ends)", "{:.1f}", ratio=True),
     )
     baselines = ("bare",)
     targets = (
@@ -182,11 +188,21 @@ class PDTransfer(Benchmark):
         self.measure(side, None, -1)
 
     def measure(self, side: Side, case: Any, rep: int) -> dict[str, float]:
+        cpu = time.process_time() + self._child("cpu")["cpu"]
         if side.name == "pd":
             seconds = self._pd_round()
         else:
             seconds = self._bare_round(checked=side.name == "bare-xxh3")
-        return {"gbps": self.total / seconds / 1e9, "ms": seconds * 1e3}
+        cpu = time.process_time() + self._child("cpu")["cpu"] - cpu
+        if side.name == "pd":
+            freed = self._child("free")  # not timed: the decoder frees after its load
+            assert freed["used"] == 0 and not freed["failed"], freed
+        return {"gbps": self.total / seconds / 1e9, "ms": seconds * 1e3, "cpu_ms": cpu * 1e3}
+
+    def _child(self, command: str) -> dict[str, Any]:
+        self.child.stdin.write(command + "\n")  # type: ignore[union-attr]
+        self.child.stdin.flush()  # type: ignore[union-attr]
+        return json.loads(self.child.stdout.readline())  # type: ignore[union-attr]
 
     def _bare_round(self, checked: bool) -> float:
         ack = bytearray(1)
@@ -216,10 +232,6 @@ class PDTransfer(Benchmark):
         seconds = time.perf_counter() - start
         if not outcomes or not outcomes[0].ok:
             raise SystemExit(f"PD transfer failed: {outcomes}")
-        self.child.stdin.write("free\n")  # type: ignore[union-attr]
-        self.child.stdin.flush()  # type: ignore[union-attr]
-        freed = json.loads(self.child.stdout.readline())  # type: ignore[union-attr]
-        assert freed["used"] == 0 and not freed["failed"], freed
         return seconds
 
     def workload(self) -> dict[str, Any]:

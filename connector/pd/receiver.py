@@ -367,13 +367,15 @@ class PDReceiver:
                 return None if bad else time.perf_counter() - first
             if kind is not FrameType.CHUNK:
                 raise WireError("bad_frame", f"{kind.name} inside a transfer")
-            index, length, digest = wire.CHUNK_BODY.unpack(body)
+            index, length = wire.CHUNK_BODY.unpack(body)
             if index >= len(slots) or got[index] or length != slots[index].length:
                 raise WireError("bad_frame", f"chunk {index} of {length} bytes not as allocated")
             view = buffer.writable(slots[index])
+            trailer = bytearray(wire.DIGEST.size)
             try:
                 wire.recv_into(conn, view, deadline, self._transfer_s)
-                bad = bad or xxhash.xxh3_64_intdigest(view) != digest
+                wire.recv_into(conn, memoryview(trailer), deadline, self._transfer_s)
+                bad = bad or xxhash.xxh3_64_intdigest(view) != wire.DIGEST.unpack(trailer)[0]
             finally:
                 view.release()
             got[index] = True

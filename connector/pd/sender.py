@@ -196,9 +196,7 @@ class PDSender:
             wire.send_all(conn, [wire.control_frame(FrameType.ALLOC, alloc)], self._io_s)
             self._expect_ok(conn)
             for index, (_, view, _) in enumerate(t.chunks):
-                data = memoryview(view).cast("B")
-                header = wire.chunk_header(index, data.nbytes, xxhash.xxh3_64_intdigest(data))
-                wire.send_all(conn, [header, data], self._io_s)
+                self._send_chunk(conn, index, memoryview(view).cast("B"))
             wire.send_all(conn, [wire.control_frame(FrameType.END, {})], self._io_s)
             self._expect_ok(conn)
         except _Refused as e:  # the connection is still in step: keep it
@@ -222,6 +220,12 @@ class PDSender:
                 self._active = None
         self._keep(t, conn)
         self._finish(t, True, None, sum(sizes), time.perf_counter() - start)
+
+    def _send_chunk(self, conn: socket.socket, index: int, data: memoryview) -> None:
+        """The frame header, the bytes and their checksum in one ``sendmsg`` (the kernel copies
+        the bytes straight from the caller's buffer)."""
+        digest = wire.chunk_trailer(xxhash.xxh3_64_intdigest(data))
+        wire.send_all(conn, [wire.chunk_header(index, data.nbytes), data, digest], self._io_s)
 
     def _keep(self, t: Transfer, conn: socket.socket | None) -> None:
         if conn is not None:

@@ -153,7 +153,7 @@ class RawPeer:
 
     def chunk(self, index: int, data: bytes, digest: int | None = None) -> None:
         d = xxhash.xxh3_64_intdigest(data) if digest is None else digest
-        self.send(wire.chunk_header(index, len(data), d), data)
+        self.send(wire.chunk_header(index, len(data)), data, wire.chunk_trailer(d))
 
     def end(self) -> dict:
         self.send(wire.control_frame(wire.FrameType.END, {}))

@@ -118,9 +118,9 @@ def test_a_huge_allocation_that_is_well_formed_is_answered_too_large():
 @pytest.mark.parametrize(
     "chunk",
     [
-        wire.chunk_header(0, 2**60, 0),  # a chunk claiming 2^60 bytes
-        wire.chunk_header(5, 1024, 0),  # an index that was never allocated
-        wire.chunk_header(0, 1023, 0),  # a length other than the allocated one
+        wire.chunk_header(0, 2**60),  # a chunk claiming 2^60 bytes
+        wire.chunk_header(5, 1024),  # an index that was never allocated
+        wire.chunk_header(0, 1023),  # a length other than the allocated one
         wire.control_frame(wire.FrameType.HELLO, {}),  # a frame that has no place in a transfer
         wire.control_frame(wire.FrameType.END, {}),  # the end before any chunk
     ],
@@ -176,7 +176,7 @@ def test_a_slow_loris_chunk_is_cut_off_and_its_slots_freed():
         assert peer.hello()["ok"] and peer.alloc([4096])["ok"]
         stop = threading.Event()
         writer = threading.Thread(
-            target=_trickle, args=(peer, wire.chunk_header(0, 4096, 0) + bytes(4096), stop)
+            target=_trickle, args=(peer, wire.chunk_header(0, 4096) + bytes(4096), stop)
         )
         writer.start()
         try:

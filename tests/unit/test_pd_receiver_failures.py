@@ -40,7 +40,7 @@ HALF_SENDER = textwrap.dedent(
     alloc = {"req_id": "killed", "keys": ["a", "b"], "lengths": [65536, 65536], "tokens": [256, 256]}
     s.sendall(wire.control_frame(wire.FrameType.ALLOC, alloc))
     wire.recv_frame(s, d, 30)
-    s.sendall(wire.chunk_header(0, 65536, 0) + bytes(30000))
+    s.sendall(wire.chunk_header(0, 65536) + bytes(30000))
     print("ready", flush=True)
     time.sleep(600)
     """
@@ -75,7 +75,7 @@ def test_a_prefiller_silent_mid_transfer_is_dropped_after_the_transfer_timeout()
         peer = RawPeer(rx.init_ports[0])
         try:
             assert peer.hello()["ok"] and peer.alloc([65536, 65536])["ok"]
-            peer.send(wire.chunk_header(0, 65536, 0)[:5])  # not even a whole chunk header
+            peer.send(wire.chunk_header(0, 65536)[:5])  # not even a whole chunk header
             assert rx.stats().in_flight == 1
             assert peer.closed_by_peer()
         finally:
@@ -184,7 +184,7 @@ def test_close_during_a_transfer_returns_in_bounded_time_and_leaves_nothing():
     peer = RawPeer(rx.init_ports[0])
     try:
         assert peer.hello()["ok"] and peer.alloc([65536])["ok"]
-        peer.send(wire.chunk_header(0, 65536, 0), b"\x01" * 100)
+        peer.send(wire.chunk_header(0, 65536), b"\x01" * 100)
         assert rx.stats().in_flight == 1
         rx_cm.__exit__(None, None, None)  # rx.close(), bounded by its 5 s
         assert peer.closed_by_peer()

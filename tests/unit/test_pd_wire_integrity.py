@@ -19,10 +19,10 @@ from .pd_wire_support import RawPeer, assert_idle, identity, receiver, records, 
 def test_a_chunk_whose_checksum_does_not_match_fails_the_transfer_and_frees_its_slots(monkeypatch):
     calls = []
 
-    def lying(data):
+    def lying(data):  # the second chunk's checksum is wrong
         calls.append(len(data))
         digest = xxhash.xxh3_64_intdigest(data)
-        return digest ^ 1 if len(calls) == 2 else digest  # the second chunk's checksum is wrong
+        return digest ^ 1 if len(calls) == 2 else digest
 
     monkeypatch.setattr(sender_module, "xxhash", types.SimpleNamespace(xxh3_64_intdigest=lying))
     with receiver() as rx:
