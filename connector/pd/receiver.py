@@ -20,8 +20,6 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import xxhash
-
 from . import wire
 from .identity import PeerIdentity, mismatch_reason
 from .receive_buffer import ReceiveBuffer, Slot, remove_stale_buffers, space_needed
@@ -375,7 +373,7 @@ class PDReceiver:
             try:
                 wire.recv_into(conn, view, deadline, self._transfer_s)
                 wire.recv_into(conn, memoryview(trailer), deadline, self._transfer_s)
-                bad = bad or xxhash.xxh3_64_intdigest(view) != wire.DIGEST.unpack(trailer)[0]
+                bad = bad or wire.digest(view) != wire.DIGEST.unpack(trailer)[0]
             finally:
                 view.release()
             got[index] = True

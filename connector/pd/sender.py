@@ -22,8 +22,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import xxhash
-
 from . import wire
 from .identity import PeerIdentity
 from .probe import read_reply, refusal, shake_hands
@@ -224,7 +222,7 @@ class PDSender:
     def _send_chunk(self, conn: socket.socket, index: int, data: memoryview) -> None:
         """The frame header, the bytes and their checksum in one ``sendmsg`` (the kernel copies
         the bytes straight from the caller's buffer)."""
-        digest = wire.chunk_trailer(xxhash.xxh3_64_intdigest(data))
+        digest = wire.chunk_trailer(wire.digest(data))
         wire.send_all(conn, [wire.chunk_header(index, data.nbytes), data, digest], self._io_s)
 
     def _keep(self, t: Transfer, conn: socket.socket | None) -> None:

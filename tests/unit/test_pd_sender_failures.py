@@ -72,6 +72,7 @@ def test_a_decoder_that_accepts_but_never_answers_times_out_within_the_io_bound(
 
 
 def test_a_decoder_killed_mid_transfer_ends_the_transfer_as_peer_closed():
+    fds, threads = open_fds(), pd_threads()
     port = free_port()
     child = spawn(STALLING_RECEIVER, str(port), ready="listening")
     tx = PDSender(identity(), connect_timeout_s=5.0, io_timeout_s=20.0)
@@ -87,6 +88,7 @@ def test_a_decoder_killed_mid_transfer_ends_the_transfer_as_peer_closed():
             kill(child)
     assert outcome.reason == "peer_closed"  # a killed process's socket is reset, not silent
     assert outcome.seconds < 20.0
+    assert pd_threads() == threads and open_fds() == fds
 
 
 def test_close_ends_the_transfer_under_way_and_the_queued_ones_as_shutdown():
@@ -159,3 +161,54 @@ def test_a_failing_on_done_does_not_stop_the_sender():
             assert send(tx, rx.init_ports[0], records(1, 100, 100), req_id="b").ok
         finally:
             tx.close()
+
+
+def test_a_decoder_whose_accept_queue_is_full_is_unreachable_after_the_connect_timeout():
+    with socket.socket() as full:
+        full.bind((HOST, 0))
+        full.listen(0)  # never accepts: once its queue is full, SYNs go unanswered
+        port = full.getsockname()[1]
+        fillers = []
+        try:
+            for _ in range(8):
+                s = socket.socket()
+                s.setblocking(False)
+                s.connect_ex((HOST, port))
+                fillers.append(s)
+            tx = PDSender(identity(), connect_timeout_s=0.5, io_timeout_s=5.0)
+            try:
+                outcome = send(tx, port, records(1, 100, 100))
+            finally:
+                tx.close()
+        finally:
+            for s in fillers:
+                s.close()
+    assert outcome.reason in ("unreachable", "timeout")
+    assert outcome.seconds < 5.0  # bounded by the connect timeout (or the handshake's read)
+
+
+def test_stats_carry_what_the_metrics_need():
+    with receiver(buffer_bytes=64 * 1024) as rx:
+        tx = PDSender(identity(), 2.0, 5.0)
+        try:
+            data = records(3, 8192, 100)
+            assert send(tx, rx.init_ports[0], data, req_id="a").ok
+            assert send(tx, rx.init_ports[0], records(1, 1, 60 * 1024), req_id="b").reason == "buffer_full"
+            assert send(tx, free_port(), records(1, 10, 10), req_id="c").reason == "unreachable"
+        finally:
+            tx.close()
+        sent = tx.stats()
+        assert sent.sent_bytes == sum(map(len, data)) and sent.send_seconds > 0
+        assert sent.transfers == {"ok": 1, "failed": 2}
+        assert sent.failed == {"buffer_full": 1, "unreachable": 1}
+        assert (sent.queued, sent.in_flight) == (0, 0)
+        got = rx.stats()
+        assert got.received_bytes == sum(map(len, data)) and got.receive_seconds >= 0
+        assert got.capacity_bytes == 64 * 1024 and got.used_bytes > 0 and got.entries == 3
+        assert got.transfers == {"ok": 1, "failed": 1} and got.failed == {"buffer_full": 1}
+        finished = rx.take_finished()
+        assert [(f.req_id, f.ok, f.reason, f.bytes) for f in finished] == [
+            ("a", True, None, sum(map(len, data))),
+            ("b", False, "buffer_full", 0),
+        ]
+        assert rx.take_finished() == []

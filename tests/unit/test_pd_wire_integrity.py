@@ -5,11 +5,11 @@ caller's memoryview, read with recv_into straight into the shared-memory slot)."
 from __future__ import annotations
 
 import tracemalloc
-import types
 
 import xxhash
 
 from connector.pd import sender as sender_module
+from connector.pd import wire
 from connector.pd.receive_buffer import attach
 from connector.pd.sender import PDSender
 
@@ -24,7 +24,7 @@ def test_a_chunk_whose_checksum_does_not_match_fails_the_transfer_and_frees_its_
         digest = xxhash.xxh3_64_intdigest(data)
         return digest ^ 1 if len(calls) == 2 else digest
 
-    monkeypatch.setattr(sender_module, "xxhash", types.SimpleNamespace(xxh3_64_intdigest=lying))
+    monkeypatch.setattr(sender_module.wire, "digest", lying)
     with receiver() as rx:
         tx = PDSender(identity(), 2.0, 5.0)
         try:
@@ -78,3 +78,9 @@ def test_chunks_travel_without_a_copy_in_python_memory():
         assert [bytes(worker.view(loc[0].offset, loc[0].length)) for loc in claim.locations] == data
         worker.close()
         rx.release("d")
+
+
+def test_the_checksum_of_a_record_hashed_in_pieces_is_its_xxh3_64():
+    for size in (1, wire.HASH_PIECE - 1, wire.HASH_PIECE, 3 * wire.HASH_PIECE + 17):
+        data = memoryview(records(1, size, size)[0])
+        assert wire.digest(data) == xxhash.xxh3_64_intdigest(data)
