@@ -115,7 +115,8 @@ class PDReceiver:
             self._index = ReceiveIndex(self._buffers, self._unclaimed_s, self._clock)
             for carries_data, ports in ((True, self._wanted[0]), (False, self._wanted[1])):
                 for rank, port in enumerate(ports):
-                    listener = socket.create_server((self._host, port), backlog=128)
+                    family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+                    listener = socket.create_server((self._host, port), family=family, backlog=128)
                     self._ports.append(_Port(rank, carries_data, listener))
         except BaseException:
             self._release_resources()
