@@ -124,7 +124,8 @@ class PDSender:
         self._queue.put(None)
         if active is not None:
             _shutdown(active)
-        self._thread.join(timeout_s)
+        if threading.current_thread() is not self._thread:  # not from inside an on_done
+            self._thread.join(timeout_s)
 
     def stats(self) -> SenderStats:
         with self._lock:

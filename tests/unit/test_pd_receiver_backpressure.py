@@ -4,6 +4,8 @@ transfer bigger than the whole buffer is refused as too large, and the sender ne
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from connector.pd.receive_buffer import Slot, SlotAllocator
 from connector.pd.sender import PDSender
@@ -99,3 +101,33 @@ def test_a_transfer_whose_aligned_slots_exceed_the_buffer_is_too_large_not_forev
             assert peer.alloc([1] * 4)["ok"]
         finally:
             peer.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.lists(st.integers(1, 300), min_size=1, max_size=4), st.integers(0, 50)), max_size=60
+    )
+)
+def test_live_slots_never_overlap_and_the_books_balance(steps):
+    """Any sequence of allocations (a list of lengths) and frees (an index into the live ones)."""
+    a = SlotAllocator(2048)
+    live: list[Slot] = []
+    for step in steps:
+        if isinstance(step, list):
+            before = a.used
+            got = a.allocate_all(step)
+            if got is None:
+                assert a.used == before  # all or nothing
+            else:
+                assert [s.length for s in got] == step
+                live += got
+        elif live:
+            a.free(live.pop(step % len(live)))
+        spans = sorted((s.offset, s.offset + max(64, -(-s.length // 64) * 64)) for s in live)
+        assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))
+        assert all(0 <= start and end <= 2048 for start, end in spans)
+        assert a.used == sum(end - start for start, end in spans)
+    for s in live:
+        a.free(s)
+    assert a.used == 0 and a.allocate_all([2048]) == [Slot(0, 2048)]

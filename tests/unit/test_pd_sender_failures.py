@@ -212,3 +212,21 @@ def test_stats_carry_what_the_metrics_need():
             ("b", False, "buffer_full", 0),
         ]
         assert rx.take_finished() == []
+
+
+def test_close_from_inside_on_done_does_not_deadlock_and_ends_the_rest():
+    with receiver() as rx:
+        tx = PDSender(identity(), 2.0, 5.0)
+        first, _ = transfer(rx.init_ports[0], records(1, 100, 100), req_id="first")
+        closing = Done()
+
+        def close_then_note(outcome):  # type: ignore[no-untyped-def]
+            tx.close()
+            closing(outcome)
+
+        later, later_done = transfer(rx.init_ports[0], records(1, 100, 100), req_id="later")
+        tx.send(replace(first, on_done=close_then_note))
+        tx.send(later)
+        assert closing.wait().ok
+        assert later_done.wait().reason == "shutdown"
+        tx.close()
