@@ -20,6 +20,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import wire
@@ -100,6 +102,7 @@ class PDSender:
         self._opened = 0
         self._outcomes: Counter[str] = Counter()
         self._failed: Counter[str] = Counter()
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix=f"kvlens-pd-hash-{identity.tp_rank}")
         self._thread = threading.Thread(
             target=self._loop, name=f"kvlens-pd-send-{identity.tp_rank}", daemon=True
         )
@@ -167,6 +170,7 @@ class PDSender:
                     with self._lock:
                         self._in_flight -= 1
         finally:
+            self._hasher.shutdown(wait=True)
             for conn, _ in self._pool.values():
                 conn.close()
             self._pool.clear()
@@ -194,9 +198,7 @@ class PDSender:
             }
             wire.send_all(conn, [wire.control_frame(FrameType.ALLOC, alloc)], self._io_s)
             self._expect_ok(conn)
-            for index, (_, view, _) in enumerate(t.chunks):
-                self._send_chunk(conn, index, memoryview(view).cast("B"))
-            wire.send_all(conn, [wire.control_frame(FrameType.END, {})], self._io_s)
+            self._send_chunks(conn, [memoryview(view).cast("B") for _, view, _ in t.chunks])
             self._expect_ok(conn)
         except _Refused as e:  # the connection is still in step: keep it
             self._keep(t, conn)
@@ -220,11 +222,21 @@ class PDSender:
         self._keep(t, conn)
         self._finish(t, True, None, sum(sizes), time.perf_counter() - start)
 
-    def _send_chunk(self, conn: socket.socket, index: int, data: memoryview) -> None:
-        """The frame header, the bytes and their checksum in one ``sendmsg`` (the kernel copies
-        the bytes straight from the caller's buffer)."""
-        digest = wire.chunk_trailer(wire.digest(data))
-        wire.send_all(conn, [wire.chunk_header(index, data.nbytes), data, digest], self._io_s)
+    def _send_chunks(self, conn: socket.socket, chunks: list[memoryview]) -> None:
+        """Each chunk's frame header and bytes in one ``sendmsg`` (the kernel copies the bytes
+        straight from the caller's buffer) while the hashing thread computes its checksum, which
+        goes out ahead of the next chunk; END after the last one."""
+        trailer = b""
+        check: Future[int] | None = None
+        try:
+            for index, data in enumerate(chunks):
+                check = self._hasher.submit(wire.digest, data)
+                wire.send_all(conn, [trailer, wire.chunk_header(index, data.nbytes), data], self._io_s)
+                trailer = wire.chunk_trailer(check.result())
+            wire.send_all(conn, [trailer, wire.control_frame(FrameType.END, {})], self._io_s)
+        finally:  # the caller's buffers are not read once on_done runs
+            if check is not None:
+                futures.wait([check])
 
     def _keep(self, t: Transfer, conn: socket.socket | None) -> None:
         if conn is not None:
