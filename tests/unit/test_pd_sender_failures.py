@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import socket
 import textwrap
+import threading
+import time
 from dataclasses import replace
 
+from connector.pd import wire
+from connector.pd.receive_buffer import ReceiveBuffer
 from connector.pd.sender import PDSender
 
 from .pd_wire_support import (
     HOST,
     Done,
+    RawPeer,
+    assert_idle,
     free_port,
     identity,
     kill,
@@ -230,3 +236,67 @@ def test_close_from_inside_on_done_does_not_deadlock_and_ends_the_rest():
         assert closing.wait().ok
         assert later_done.wait().reason == "shutdown"
         tx.close()
+
+
+def _slow_digest(log: list[str]):  # type: ignore[no-untyped-def]
+    real = wire.digest
+
+    def digest(data):  # type: ignore[no-untyped-def]
+        log.append("hashing")
+        time.sleep(0.3)
+        value = real(data)
+        log.append("hashed")
+        return value
+
+    return digest
+
+
+def test_on_done_comes_after_the_last_read_of_the_callers_buffers(monkeypatch):
+    log: list[str] = []
+    monkeypatch.setattr(wire, "digest", _slow_digest(log))
+    with socket.create_server((HOST, 0)) as srv:
+
+        def accept_then_hang_up() -> None:  # a decoder that dies right after the allocation
+            conn, _ = srv.accept()
+            d = wire.Deadline(10)
+            wire.recv_frame(conn, d, 10)
+            hello = {"ok": True, "reason": None, "identity": identity().to_wire(), "version": wire.VERSION}
+            conn.sendall(wire.control_frame(wire.FrameType.REPLY, hello))
+            wire.recv_frame(conn, d, 10)
+            conn.sendall(wire.control_frame(wire.FrameType.REPLY, {"ok": True, "reason": None}))
+            conn.close()
+
+        server = threading.Thread(target=accept_then_hang_up)
+        server.start()
+        tx = PDSender(identity(), 2.0, 5.0)
+        t, done = transfer(srv.getsockname()[1], records(2, 8 << 20, 100))
+        tx.send(replace(t, on_done=lambda o: (log.append("on_done"), done(o))))
+        try:
+            assert not done.wait().ok
+        finally:
+            tx.close()
+            server.join()
+    assert log[-1] == "on_done" and log.count("hashing") == log.count("hashed")
+
+
+def test_a_failed_transfers_slots_are_freed_only_after_their_checks_end(monkeypatch):
+    log: list[str] = []
+    monkeypatch.setattr(wire, "digest", _slow_digest(log))
+    real_free = ReceiveBuffer.free
+
+    def free(self, slot):  # type: ignore[no-untyped-def]
+        log.append("free")
+        real_free(self, slot)
+
+    monkeypatch.setattr(ReceiveBuffer, "free", free)
+    with receiver() as rx:
+        peer = RawPeer(rx.init_ports[0])
+        try:
+            assert peer.hello()["ok"] and peer.alloc([4096, 4096])["ok"]
+            peer.chunk(0, bytes(4096))
+        finally:
+            peer.close()  # gone mid-transfer while the first chunk is being checked
+        wait_until(lambda: rx.stats().in_flight == 0, what="the transfer dropped")
+        assert_idle(rx)
+    first_free = log.index("free")
+    assert "hashed" in log[:first_free]
