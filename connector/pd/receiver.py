@@ -295,6 +295,11 @@ class PDReceiver:
         differ = mine.differences(theirs) + ([] if version == wire.VERSION else ["version"])
         buffer = self._buffers[rank]
         reason = mismatch_reason(differ) if differ else None
+        if reason:  # counted and logged before the answer, so whoever reads it sees the count
+            log.warning(
+                "PD handshake refused on rank %d: %s (theirs %s, ours %s)", rank, reason, theirs, mine
+            )
+            self._count_failure(reason)
         self._reply(
             conn,
             ok=not differ,
@@ -305,10 +310,7 @@ class PDReceiver:
             free_bytes=buffer.capacity - buffer.used_bytes,
         )
         if reason:
-            log.warning(
-                "PD handshake refused on rank %d: %s (theirs %s, ours %s)", rank, reason, theirs, mine
-            )
-            raise WireError(reason)
+            raise _Counted(reason)
 
     def _transfer(self, conn: socket.socket, rank: int, body: bytes) -> None:
         req_id, keys, lengths, tokens = _parse_alloc(wire.decode_control(body))
