@@ -145,7 +145,10 @@ class PDReceiver:
         if self._stopping.is_set():
             return
         self._stopping.set()
-        self._wake_w.send(b"x")
+        try:
+            self._wake_w.send(b"x")
+        except OSError:  # start() failed and released everything already
+            pass
         if self._accepter is not None:
             self._accepter.join(timeout_s)
         with self._lock:
