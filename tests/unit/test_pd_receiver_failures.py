@@ -230,3 +230,24 @@ def test_a_port_in_use_fails_start_and_leaves_no_buffer_behind():
         rx.close()
     assert set(buffer_dir().glob(f"kvlens-pd-{os.getpid()}-*")) == before
     assert "kvlens-pd-accept" not in pd_threads()
+
+
+def test_a_buffer_left_by_a_dead_owner_is_removed_at_the_next_start():
+    import subprocess
+    import sys
+
+    from connector.pd.receive_buffer import buffer_dir
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = buffer_dir() / f"kvlens-pd-{dead.pid}-r0-0123456789ab"
+    alive = buffer_dir() / f"kvlens-pd-{os.getppid()}-r0-0123456789ab"
+    stale.write_bytes(b"x" * 4096)
+    alive.write_bytes(b"x")
+    try:
+        with receiver():
+            assert not stale.exists()
+            assert alive.exists()  # its owner still runs
+    finally:
+        stale.unlink(missing_ok=True)
+        alive.unlink(missing_ok=True)
