@@ -42,6 +42,7 @@ REASONS = (
     "shutdown",
     "invalid",  # the transfer itself is malformed (a key twice, an empty record...): never sent
     "internal",  # a defect in the sender (logged)
+    "queue_full",  # max_queued transfers were waiting already
 )
 POOLED_IDLE_S = 20.0  # below the receiver's idle timeout, so a kept connection is still served
 
@@ -86,10 +87,19 @@ class _Refused(Exception):
 
 
 class PDSender:
-    def __init__(self, identity: PeerIdentity, connect_timeout_s: float, io_timeout_s: float) -> None:
+    def __init__(
+        self,
+        identity: PeerIdentity,
+        connect_timeout_s: float,
+        io_timeout_s: float,
+        *,
+        max_queued: int = 256,
+    ) -> None:
         self._identity = identity
         self._connect_s = connect_timeout_s
         self._io_s = io_timeout_s
+        self._max_queued = max_queued
+        self._down_until: dict[tuple[str, int], float] = {}  # unreachable receivers, for a while
         self._queue: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -109,13 +119,17 @@ class PDSender:
         self._thread.start()
 
     def send(self, transfer: Transfer) -> None:
-        """Queue ``transfer``; never blocks. After ``close`` it ends at once as ``shutdown``."""
+        """Queue ``transfer``; never blocks. It ends at once, ``on_done`` called on the caller's
+        thread, as ``shutdown`` after ``close`` and as ``queue_full`` when ``max_queued``
+        transfers wait already (each holds its records' memory until it ends)."""
         with self._lock:
-            if not self._closing.is_set():
+            closing = self._closing.is_set()
+            full = self._queued >= self._max_queued
+            if not closing and not full:
                 self._queued += 1
                 self._queue.put(transfer)
                 return
-        self._finish(transfer, False, "shutdown", 0, 0.0)
+        self._finish(transfer, False, "shutdown" if closing else "queue_full", 0, 0.0)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """End the transfer under way (``shutdown``) and every queued one; bounded."""
@@ -254,11 +268,15 @@ class PDSender:
                 self._set_active(conn)
                 return conn
             conn.close()
+        if time.monotonic() < self._down_until.get((host, port), 0.0):
+            raise WireError("unreachable")  # tried moments ago: the queue behind must not wait
         try:
             conn = socket.create_connection((host, port), timeout=self._connect_s)
         except OSError as e:
             log.debug("PD receiver %s:%d unreachable: %s", host, port, e)
+            self._down_until[(host, port)] = time.monotonic() + max(1.0, self._connect_s)
             raise WireError("unreachable") from None
+        self._down_until.pop((host, port), None)
         with self._lock:
             self._opened += 1
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

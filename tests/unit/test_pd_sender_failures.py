@@ -300,3 +300,55 @@ def test_a_failed_transfers_slots_are_freed_only_after_their_checks_end(monkeypa
         assert_idle(rx)
     first_free = log.index("free")
     assert "hashed" in log[:first_free]
+
+
+def test_transfers_behind_an_unreachable_decoder_do_not_each_wait_out_the_connect_timeout():
+    with socket.socket() as full:
+        full.bind((HOST, 0))
+        full.listen(0)
+        port = full.getsockname()[1]
+        fillers = []
+        try:
+            for _ in range(8):
+                s = socket.socket()
+                s.setblocking(False)
+                s.connect_ex((HOST, port))
+                fillers.append(s)
+            tx = PDSender(identity(), connect_timeout_s=1.0, io_timeout_s=5.0)
+            try:
+                pending = [transfer(port, records(1, 10, 10), req_id=f"r{i}") for i in range(6)]
+                start = time.monotonic()
+                for t, _ in pending:
+                    tx.send(t)
+                outcomes = [done.wait() for _, done in pending]
+                waited = time.monotonic() - start
+            finally:
+                tx.close()
+        finally:
+            for s in fillers:
+                s.close()
+    assert [o.reason for o in outcomes] == ["unreachable"] * 6
+    assert waited < 4.0  # one connect timeout (1 s), not six
+    assert tx.stats().connections_opened == 0
+
+
+def test_a_full_queue_ends_the_next_transfer_at_once_as_queue_full():
+    with socket.create_server((HOST, 0)) as silent:  # accepts, never answers: the first one waits
+        tx = PDSender(identity(), connect_timeout_s=2.0, io_timeout_s=30.0, max_queued=2)
+        port = silent.getsockname()[1]
+        try:
+            first, first_done = transfer(port, records(1, 10, 10), req_id="first")
+            tx.send(first)
+            conn, _ = silent.accept()  # the first is under way, no longer queued
+            queued = [transfer(port, records(1, 10, 10), req_id=f"q{i}") for i in range(2)]
+            for t, _ in queued:
+                tx.send(t)
+            extra, extra_done = transfer(port, records(1, 10, 10), req_id="extra")
+            tx.send(extra)
+            assert extra_done.wait(timeout=1.0).reason == "queue_full"
+            assert tx.stats().queued == 2
+        finally:
+            tx.close()
+            conn.close()
+    assert [d.wait().reason for _, d in queued] == ["shutdown", "shutdown"]
+    assert first_done.wait().reason == "shutdown"
