@@ -1,0 +1,205 @@
+"""The frames of the PD data plane, and reading them off a socket within bounds.
+
+Every frame starts with an 8-byte header: magic ``KP``, the frame type, a zero byte and the body
+length (little-endian u32). Control bodies (``HELLO``, ``ALLOC``, ``REPLY``, ``END``) are msgpack
+maps of at most ``MAX_CONTROL_BYTES``; a header announcing more is refused before anything is
+read or allocated. A ``CHUNK`` frame's body is fixed: the chunk's index in the transfer and its
+length; the bytes follow raw, then their xxh3-64 (8 bytes). The receiver reads the bytes with
+``recv_into`` straight into the slot the allocation gave that index (so the announced length must
+equal the allocated one). The checksum trails the bytes so that the sender can hash a chunk (on a
+helper thread) while the chunk travels.
+
+One connection to a decoder rank's init port carries a transfer::
+
+    sender                                  receiver
+    HELLO {identity, version}          ->
+                                       <-   REPLY {ok | reason "mismatch:<fields>", identity, ...}
+    ALLOC {req_id, keys, lengths, tokens} ->
+                                       <-   REPLY {ok | reason "buffer_full" | "too_large"}
+    CHUNK (index, length) bytes xxh3   ->   (once per chunk, in any order)
+    END {}                             ->
+                                       <-   REPLY {ok | reason "checksum"}  (ok = all indexed)
+
+and may carry further ALLOC..END transfers after it. The alloc port answers HELLO only (a probe:
+identity, capacity, free bytes) and allocates nothing.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Sequence
+from enum import IntEnum
+from typing import Any
+
+import msgspec
+import xxhash
+
+VERSION = 1
+MAGIC = b"KP"
+HEADER = struct.Struct("<2sBxI")
+CHUNK_BODY = struct.Struct("<IQ")  # index, length; the bytes follow, then their xxh3-64
+DIGEST = struct.Struct("<Q")
+MAX_CONTROL_BYTES = 1 << 20  # an ALLOC of 100k keys fits; nothing legitimate comes near
+MAX_KEY_CHARS = 256
+
+
+class FrameType(IntEnum):
+    HELLO = 1
+    REPLY = 2
+    ALLOC = 3
+    CHUNK = 4
+    END = 5
+
+
+class WireError(Exception):
+    """The peer broke the protocol; ``reason`` is the counted refusal reason."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class PeerClosed(WireError):
+    def __init__(self) -> None:
+        super().__init__("peer_closed")
+
+
+class Timeout(WireError):
+    def __init__(self) -> None:
+        super().__init__("timeout")
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder()
+
+
+def control_frame(kind: FrameType, body: dict[str, Any]) -> bytes:
+    payload = _encoder.encode(body)
+    return HEADER.pack(MAGIC, kind, len(payload)) + payload
+
+
+def chunk_header(index: int, length: int) -> bytes:
+    return HEADER.pack(MAGIC, FrameType.CHUNK, CHUNK_BODY.size) + CHUNK_BODY.pack(index, length)
+
+
+HASH_PIECE = 1 << 20
+
+
+def digest(data: memoryview) -> int:
+    """xxh3-64 of ``data``, hashed a MiB at a time: xxhash holds the GIL while it hashes, and
+    the threads beside this one (vLLM's scheduler on the decoder, the forward pass on the
+    prefiller) get it back between pieces instead of waiting out a whole record."""
+    if data.nbytes <= HASH_PIECE:
+        return xxhash.xxh3_64_intdigest(data)
+    hasher = xxhash.xxh3_64()
+    for start in range(0, data.nbytes, HASH_PIECE):
+        hasher.update(data[start : start + HASH_PIECE])
+    return hasher.intdigest()
+
+
+def chunk_trailer(digest: int) -> bytes:
+    return DIGEST.pack(digest)
+
+
+def parse_header(raw: bytes | memoryview) -> tuple[FrameType, int]:
+    """The frame's type and body length, checked against what that type's body can be."""
+    magic, kind, length = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise WireError("bad_frame", "bad magic")
+    try:
+        kind = FrameType(kind)
+    except ValueError:
+        raise WireError("bad_frame", f"unknown frame type {kind}") from None
+    limit = CHUNK_BODY.size if kind is FrameType.CHUNK else MAX_CONTROL_BYTES
+    if length > limit or (kind is FrameType.CHUNK and length != CHUNK_BODY.size):
+        raise WireError("bad_frame", f"{kind.name} body of {length} bytes")
+    return kind, length
+
+
+def decode_control(body: bytes | memoryview) -> dict[str, Any]:
+    try:
+        value = _decoder.decode(body)
+    except msgspec.DecodeError:
+        raise WireError("bad_frame", "undecodable body") from None
+    if not isinstance(value, dict):
+        raise WireError("bad_frame", "body is not a map")
+    return value
+
+
+class Deadline:
+    """Time left for one bounded step; ``None`` bound means only per-call ``idle`` silence counts."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise Timeout()
+        return left
+
+
+def _os_timeout(sock: socket.socket, option: int, seconds: float) -> None:
+    """Bound each blocking call in the kernel (SO_RCVTIMEO / SO_SNDTIMEO): the socket stays in
+    blocking mode, so a 4 MiB send or receive is one call, not a poll() and a call per piece as
+    Python's own timeouts make it."""
+    sock.settimeout(None)
+    whole = int(seconds)
+    micros = int((seconds - whole) * 1e6)
+    if whole == 0 and micros == 0:
+        micros = 1  # a zero timeval means "no timeout"
+    sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(whole, micros))
+
+
+_TIMEVAL = struct.Struct("@ll")
+
+
+def recv_into(sock: socket.socket, view: memoryview, deadline: Deadline, silence_s: float) -> None:
+    """Fill ``view`` from ``sock`` with one ``MSG_WAITALL`` read (more only if it is cut short):
+    ``Timeout`` when ``silence_s`` passes within a read or once past the deadline (checked
+    between reads), ``PeerClosed`` at end of stream."""
+    got, size = 0, len(view)
+    _os_timeout(sock, socket.SO_RCVTIMEO, min(silence_s, deadline.left()))
+    while got < size:
+        try:
+            n = sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)  # one wake-up
+        except (BlockingIOError, TimeoutError):
+            raise Timeout() from None
+        except OSError:
+            raise PeerClosed() from None
+        if n == 0:
+            raise PeerClosed()
+        got += n
+        if got < size:
+            deadline.left()
+
+
+def recv_frame(sock: socket.socket, deadline: Deadline, silence_s: float) -> tuple[FrameType, bytes]:
+    """One frame's type and (bounded) body; a CHUNK's raw bytes are left on the socket."""
+    head = bytearray(HEADER.size)
+    recv_into(sock, memoryview(head), deadline, silence_s)
+    kind, length = parse_header(head)
+    body = bytearray(length)
+    recv_into(sock, memoryview(body), deadline, silence_s)
+    return kind, bytes(body)
+
+
+def send_all(sock: socket.socket, pieces: Sequence[bytes | memoryview], timeout_s: float) -> None:
+    """Send the pieces in order without joining them (``sendmsg``; the caller's buffers as they
+    are). ``Timeout`` when the peer takes nothing for ``timeout_s``, ``PeerClosed`` on failure."""
+    views = [memoryview(p).cast("B") for p in pieces if len(p)]
+    _os_timeout(sock, socket.SO_SNDTIMEO, timeout_s)
+    try:
+        while views:
+            sent = sock.sendmsg(views)
+            while views and sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            if views and sent:
+                views[0] = views[0][sent:]
+    except (BlockingIOError, TimeoutError):
+        raise Timeout() from None
+    except OSError:
+        raise PeerClosed() from None

@@ -1,0 +1,208 @@
+"""Shared pieces of the PD data-plane tests (tests/unit/test_pd_wire_*, test_pd_receiver_*,
+test_pd_sender_*): identities, a receiver on loopback, records, a send that waits for its end,
+and the checks that nothing leaked."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import xxhash
+
+from connector.pd import wire
+from connector.pd.identity import PeerIdentity
+from connector.pd.receiver import PDReceiver
+from connector.pd.sender import PDSender, SendOutcome, Transfer
+
+HOST = "127.0.0.1"
+WAIT_S = 30.0  # a bound for the test itself, never a speed
+
+
+def identity(rank: int = 0, tp: int = 1, **changes: object) -> PeerIdentity:
+    base = PeerIdentity(
+        key_space="ks-0123abcd",
+        tp_size=tp,
+        tp_rank=rank,
+        block_size=16,
+        chunk_size=256,
+        record_layout="bf16/l4/kvh2/hd64/v1",
+    )
+    return replace(base, **changes)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def pd_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kvlens-pd")]
+
+
+@contextlib.contextmanager
+def receiver(tp: int = 1, buffer_bytes: int = 1 << 20, **kw: object) -> Iterator[PDReceiver]:
+    kw.setdefault("transfer_timeout_s", 5.0)
+    kw.setdefault("unclaimed_timeout_s", 60.0)
+    rx = PDReceiver(
+        [identity(r, tp) for r in range(tp)],
+        HOST,
+        [0] * tp,
+        [0] * tp,
+        buffer_bytes,
+        **kw,  # type: ignore[arg-type]
+    )
+    rx.start()
+    try:
+        yield rx
+    finally:
+        rx.close()
+
+
+def records(n: int, size: int, last: int, seed: int = 0) -> list[bytes]:
+    """``n`` records of ``size`` bytes, the last one ``last`` bytes (an unfull tail)."""
+    rnd = __import__("random").Random(seed)
+    return [rnd.randbytes(size) for _ in range(n - 1)] + [rnd.randbytes(last)]
+
+
+class Done:
+    """An ``on_done`` that remembers its outcomes and lets the test wait for them."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[SendOutcome] = []
+        self.threads: list[str] = []
+        self._event = threading.Event()
+
+    def __call__(self, outcome: SendOutcome) -> None:
+        self.outcomes.append(outcome)
+        self.threads.append(threading.current_thread().name)
+        self._event.set()
+
+    def wait(self, timeout: float = WAIT_S) -> SendOutcome:
+        assert self._event.wait(timeout), "the transfer never ended"
+        return self.outcomes[0]
+
+
+def transfer(
+    rx_port: int,
+    chunks: list[bytes],
+    req_id: str = "proxy-1",
+    keys: list[str] | None = None,
+    tokens: int = 256,
+) -> tuple[Transfer, Done]:
+    done = Done()
+    keys = keys or [f"{req_id}-k{i}" for i in range(len(chunks))]
+    t = Transfer(
+        req_id=req_id,
+        request_id=f"prefill-{req_id}",
+        host=HOST,
+        init_port=rx_port,
+        alloc_port=0,
+        chunks=[(k, memoryview(c), tokens) for k, c in zip(keys, chunks, strict=True)],
+        on_done=done,
+    )
+    return t, done
+
+
+def send(sender: PDSender, rx_port: int, chunks: list[bytes], **kw: object) -> SendOutcome:
+    t, done = transfer(rx_port, chunks, **kw)  # type: ignore[arg-type]
+    sender.send(t)
+    return done.wait()
+
+
+def assert_idle(rx: PDReceiver) -> None:
+    """Nothing held: no slot, no entry, no transfer in flight."""
+    s = rx.stats()
+    assert (s.used_bytes, s.entries, s.in_flight, s.claims) == (0, 0, 0, 0), s
+
+
+def wait_until(check, timeout: float = WAIT_S, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
+    """Poll ``check`` until true; fail past ``timeout`` (a bound, never a speed)."""
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end, f"{what} not reached within {timeout} s"
+        time.sleep(0.01)
+
+
+class RawPeer:
+    """A hand-driven sender: writes whatever frames (or garbage) a test wants."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection((HOST, port), timeout=WAIT_S)
+
+    def send(self, *pieces: bytes) -> None:
+        for p in pieces:
+            self.sock.sendall(p)
+
+    def hello(self, ident: PeerIdentity | None = None) -> dict:
+        body = {"identity": (ident or identity()).to_wire(), "version": wire.VERSION}
+        self.send(wire.control_frame(wire.FrameType.HELLO, body))
+        return self.reply()
+
+    def alloc(self, lengths: list[int], keys: list[str] | None = None, req_id: str = "raw") -> dict:
+        keys = keys or [f"{req_id}-{i}" for i in range(len(lengths))]
+        body = {"req_id": req_id, "keys": keys, "lengths": lengths, "tokens": [256] * len(lengths)}
+        self.send(wire.control_frame(wire.FrameType.ALLOC, body))
+        return self.reply()
+
+    def chunk(self, index: int, data: bytes, digest: int | None = None) -> None:
+        d = xxhash.xxh3_64_intdigest(data) if digest is None else digest
+        self.send(wire.chunk_header(index, len(data)), data, wire.chunk_trailer(d))
+
+    def end(self) -> dict:
+        self.send(wire.control_frame(wire.FrameType.END, {}))
+        return self.reply()
+
+    def reply(self) -> dict:
+        kind, body = wire.recv_frame(self.sock, wire.Deadline(WAIT_S), WAIT_S)
+        assert kind is wire.FrameType.REPLY
+        return wire.decode_control(body)
+
+    def closed_by_peer(self) -> bool:
+        """True once the receiver has closed its end (EOF or reset), waiting at most WAIT_S."""
+        self.sock.settimeout(WAIT_S)
+        try:
+            while self.sock.recv(65536):
+                pass
+        except ConnectionResetError:
+            return True
+        except TimeoutError:
+            return False
+        return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def spawn(code: str, *args: str, ready: str = "ready") -> subprocess.Popen:
+    """A Python child running ``code`` (the repository importable), returned once it printed
+    ``ready``: it has reached the point the test waits for."""
+    env = {**os.environ, "PYTHONPATH": REPO}
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO
+    )
+    line = child.stdout.readline()  # type: ignore[union-attr]
+    assert line.strip() == ready, f"child said {line!r}"
+    return child
+
+
+def kill(child: subprocess.Popen) -> None:
+    child.send_signal(signal.SIGKILL)
+    child.wait(WAIT_S)
+    child.stdout.close()  # type: ignore[union-attr]
