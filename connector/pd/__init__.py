@@ -1,0 +1,13 @@
+"""Prefill/decode disaggregation's data plane: pure Python and sockets (no vLLM, no torch).
+
+- ``identity.py``: ``PeerIdentity``, what both ends must share to pair, and what differs.
+- ``wire.py``: the frames (handshake, allocation, chunks, acknowledgement) and bounded reads.
+- ``receive_buffer.py``: the decoder's shared-memory receive buffer per rank, all-or-nothing
+  slot allocation, ``attach`` for the worker ranks (read-only views).
+- ``receive_index.py``: received records by key and rank, claims, release, expiry.
+- ``receiver.py``: ``PDReceiver``, the server in the decoder's scheduler process.
+- ``sender.py``: ``PDSender``, one per prefiller worker rank, on its own thread.
+- ``proxy_notice.py``: ``ProxyNotifier``, the ZMQ notice LMCache's proxy reads.
+
+docs/disaggregation.md (section "Wire") describes the protocol.
+"""

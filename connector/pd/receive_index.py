@@ -1,0 +1,184 @@
+"""What the decoder has received: verified records by chunk key and rank, claims, expiry.
+
+Lives in the scheduler process beside the lookup, so a lookup never races an arrival: a transfer
+is indexed whole (every chunk verified) or not at all. Records are never overwritten: a resend of
+keys already held lands in fresh slots and is freed at indexing (the held bytes stay, their
+expiry restarts), so a claimed record's slot cannot change or be reused before ``release``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .receive_buffer import ReceiveBuffer, Slot
+
+
+@dataclass(frozen=True, slots=True)
+class RecordLocation:
+    buffer_name: str  # attach() this on the worker of the rank
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransferFacts:
+    req_id: str  # the proxy's id, as the prefiller's disagg_spec named it
+    bytes: int
+    transfer_ms: float  # first chunk byte to the last
+    indexed_at: float  # the index's clock
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    request_id: str  # the decoder's request that claimed
+    keys: tuple[str, ...]  # the leading keys claimed (every rank has each)
+    locations: tuple[tuple[RecordLocation, ...], ...]  # [key index][rank]
+    tokens: int
+    bytes: int  # over every rank
+    transfer_ms: float  # the longest of the transfers that brought these records
+    received_at: float  # when the last of them was indexed (the index's clock)
+    req_id: str  # the proxy's id of the transfer that brought the last key to rank 0
+
+
+@dataclass(slots=True)
+class _Held:
+    slot: Slot
+    facts: TransferFacts
+
+
+@dataclass(slots=True)
+class _Entry:
+    tokens: int
+    ranks: dict[int, _Held] = field(default_factory=dict)
+    touched_at: float = 0.0  # last indexed (a resend restarts the unclaimed clock)
+    pins: int = 0
+
+
+class ReceiveIndex:
+    """Thread-safe; every method is short and never waits on I/O."""
+
+    def __init__(
+        self, buffers: Sequence[ReceiveBuffer], unclaimed_timeout_s: float, clock: Callable[[], float]
+    ) -> None:
+        self._buffers = list(buffers)
+        self._unclaimed_s = unclaimed_timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._claims: dict[str, Claim] = {}
+        self.expired = 0
+        self.released = 0
+        self.duplicates = 0
+
+    def clock(self) -> float:
+        return self._clock()
+
+    def add(
+        self,
+        rank: int,
+        keys: Sequence[str],
+        tokens: Sequence[int],
+        slots: Sequence[Slot],
+        facts: TransferFacts,
+    ) -> None:
+        """Index a verified transfer to ``rank``; slots of records already held are freed."""
+        buffer = self._buffers[rank]
+        now = facts.indexed_at
+        with self._lock:
+            for key, n, slot in zip(keys, tokens, slots, strict=True):
+                entry = self._entries.get(key)
+                if entry is None:
+                    entry = self._entries[key] = _Entry(tokens=n)
+                if rank in entry.ranks or entry.tokens != n:
+                    buffer.free(slot)
+                    self.duplicates += 1
+                else:
+                    entry.ranks[rank] = _Held(slot, facts)
+                entry.touched_at = now
+
+    def present(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            return self._present(keys)
+
+    def _present(self, keys: Sequence[str]) -> int:
+        ranks = len(self._buffers)
+        n = 0
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None or len(entry.ranks) != ranks:
+                break
+            n += 1
+        return n
+
+    def claim(self, keys: Sequence[str], request_id: str) -> Claim | None:
+        """Pin the leading present keys for ``request_id``'s load (its claim if it has one)."""
+        with self._lock:
+            if request_id in self._claims:
+                return self._claims[request_id]
+            n = self._present(keys)
+            if n == 0:
+                return None
+            entries = [self._entries[k] for k in keys[:n]]
+            for entry in entries:
+                entry.pins += 1
+            facts = {id(h.facts): h.facts for e in entries for h in e.ranks.values()}.values()
+            last = entries[-1].ranks[0].facts
+            claim = Claim(
+                request_id=request_id,
+                keys=tuple(keys[:n]),
+                locations=tuple(
+                    tuple(
+                        RecordLocation(self._buffers[r].name, e.ranks[r].slot.offset, e.ranks[r].slot.length)
+                        for r in range(len(self._buffers))
+                    )
+                    for e in entries
+                ),
+                tokens=sum(e.tokens for e in entries),
+                bytes=sum(h.slot.length for e in entries for h in e.ranks.values()),
+                transfer_ms=max(f.transfer_ms for f in facts),
+                received_at=max(f.indexed_at for f in facts),
+                req_id=last.req_id,
+            )
+            self._claims[request_id] = claim
+            return claim
+
+    def release(self, request_id: str) -> None:
+        """The load was reported (any outcome): unpin, and free what no other claim holds."""
+        with self._lock:
+            claim = self._claims.pop(request_id, None)
+            if claim is None:
+                return
+            for key in claim.keys:
+                entry = self._entries[key]
+                entry.pins -= 1
+                if entry.pins == 0:
+                    self._drop(key)
+                    self.released += 1
+
+    def expire(self) -> int:
+        """Free unclaimed entries older than the unclaimed timeout; how many."""
+        with self._lock:
+            cutoff = self._clock() - self._unclaimed_s
+            old = [k for k, e in self._entries.items() if e.pins == 0 and e.touched_at <= cutoff]
+            for key in old:
+                self._drop(key)
+            self.expired += len(old)
+            return len(old)
+
+    def drop_all(self) -> None:
+        with self._lock:
+            for key in list(self._entries):
+                self._drop(key)
+            self._claims.clear()
+
+    def _drop(self, key: str) -> None:
+        entry = self._entries.pop(key)
+        for rank, held in entry.ranks.items():
+            self._buffers[rank].free(held.slot)
+
+    def counts(self) -> tuple[int, int]:
+        """(entries, claims)."""
+        with self._lock:
+            return len(self._entries), len(self._claims)
