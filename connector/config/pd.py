@@ -313,8 +313,11 @@ def check_for_engine(
     out = []
     if pd.sender and kv_role == "kv_consumer":
         out.append("pd_role sender with kv_role kv_consumer: a prefiller stores; use kv_role kv_producer")
-    if pd.receiver and kv_role == "kv_producer":
-        out.append("pd_role receiver with kv_role kv_producer: a decoder loads; use kv_role kv_consumer")
+    if pd.receiver and kv_role != "kv_consumer":
+        out.append(
+            f"pd_role receiver with kv_role {kv_role}: a decoder loads what it was sent and stores "
+            "nothing; use kv_role kv_consumer"
+        )
     if pd.receiver and len(pd.peer_init_ports) != tp_size:
         out.append(
             f"pd_peer_init_port lists {len(pd.peer_init_ports)} port(s) and the tensor-parallel size is "

@@ -49,7 +49,9 @@ class SpecRefused(ValueError):
 
 def _host(value: object) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= MAX_HOST_CHARS:
-        raise SpecRefused("bad_host", f"receiver_host must be a host name or address of at most {MAX_HOST_CHARS} characters")
+        raise SpecRefused(
+            "bad_host", f"receiver_host must be a host name or address of at most {MAX_HOST_CHARS} characters"
+        )
     try:
         ipaddress.ip_address(value.strip("[]"))
         return value.strip("[]")
@@ -72,9 +74,18 @@ def _ports(value: object, name: str, world_size: int) -> tuple[int, ...]:
     if len(out) != world_size:
         raise SpecRefused(
             "tp_mismatch",
-            f"{name} lists {len(out)} decoder ranks; this prefiller has {world_size} (rank r sends to rank r)",
+            f"{name} lists {len(out)} decoder ranks; this prefiller has {world_size} (rank r sends to r)",
         )
     return tuple(out)
+
+
+def usable_req_id(params: Mapping[str, object] | None) -> str | None:
+    """The proxy's id in a spec refused for another reason (its proxy is still told), if usable."""
+    raw = params.get("disagg_spec") if params else None
+    req_id = raw.get("req_id") if isinstance(raw, Mapping) else None
+    if isinstance(req_id, str) and 0 < len(req_id) <= MAX_REQ_ID_CHARS and _REQ_ID.match(req_id):
+        return req_id
+    return None
 
 
 def read_pd_params(params: Mapping[str, object] | None, world_size: int) -> PDParams | None:
@@ -91,7 +102,9 @@ def read_pd_params(params: Mapping[str, object] | None, world_size: int) -> PDPa
         raise SpecRefused("bad_spec", "disagg_spec must be a mapping")
     req_id = raw.get("req_id")
     if not isinstance(req_id, str) or not 0 < len(req_id) <= MAX_REQ_ID_CHARS or not _REQ_ID.match(req_id):
-        raise SpecRefused("bad_req_id", f"disagg_spec.req_id must be 1-{MAX_REQ_ID_CHARS} printable characters")
+        raise SpecRefused(
+            "bad_req_id", f"disagg_spec.req_id must be 1-{MAX_REQ_ID_CHARS} printable characters"
+        )
     host = _host(raw.get("receiver_host"))
     init = _ports(raw.get("receiver_init_port"), "receiver_init_port", world_size)
     alloc = _ports(raw.get("receiver_alloc_port"), "receiver_alloc_port", world_size)

@@ -1,0 +1,38 @@
+"""1P1D with real engines: greedy outputs equal one plain vLLM's, the decoder computes no token
+it was sent, and the buffer's leak gauges return to 0."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.telemetry.serve import prompt_tokens, sum_samples, wait_until
+
+from .conftest import CHUNK
+
+pytestmark = pytest.mark.integration
+
+MAX_TOKENS = 8
+
+
+def p2p_cached(server) -> float:
+    return sum_samples(server.samples(), "vllm:prompt_tokens_cached_by_source_total", source="p2p")
+
+
+@pytest.mark.parametrize(
+    "length",
+    [CHUNK * 2, CHUNK * 2 + 77, CHUNK - 56],
+    ids=["chunk_multiple", "with_tail", "shorter_than_a_chunk"],
+)
+def test_1p1d_outputs_equal_one_plain_instance_and_the_decoder_computes_no_sent_token(pd_pair, length):
+    prompt = prompt_tokens(length, seed=length)
+    before = p2p_cached(pd_pair.decoder)
+    got = pd_pair.run(prompt, MAX_TOKENS)
+    assert got["tokens"] == pd_pair.plain_tokens(prompt, MAX_TOKENS)
+    sent = got["prefill"]["kv_transfer_params"]["kvlens"]["pd"]
+    assert sent == {"role": "sender", "tokens": length, "bytes": sent["bytes"], "destinations": 1}
+    received = got["decode"]["kv_transfer_params"]["kvlens"]["pd"]
+    assert received["role"] == "receiver" and received["outcome"] == "loaded", received
+    assert received["tokens"] == length  # every prompt token the prefiller computed
+    assert received["bytes"] == sent["bytes"] and received["transfer_ms"] > 0
+    # vLLM's own count: every sent token was a P2P hit on the decoder, computed by nobody there
+    wait_until(lambda: p2p_cached(pd_pair.decoder) - before == length, what="p2p cached tokens")
