@@ -18,6 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from telemetry import vllm_stats as telemetry
+from telemetry.metrics import merge_payload
+from telemetry.pd_recorder import pd_recorder
 
 from .config.loading import ConfigError, load_config
 from .config.pd import check_for_engine
@@ -97,7 +99,9 @@ class KVLensConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler(config, facts)
             if config.pd.enabled:
-                self._pd_scheduler = SchedulerPD(config, facts, self._scheduler.state.hashers)
+                self._pd_scheduler = SchedulerPD(
+                    config, facts, self._scheduler.state.hashers, pd_recorder(vllm_config)
+                )
             self._scheduler_telemetry = telemetry.scheduler_recorder(
                 vllm_config, facts.engine_id, facts.block_size, KnownLabels.for_tiers(config.tier_names())
             )
@@ -267,6 +271,8 @@ class KVLensConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         """Background writes still landing, or what-if references to publish: keep stepping."""
         sched = self._scheduler
+        if self._pd_scheduler is not None and self._pd_scheduler.pending():
+            return True  # sends' ends (and the proxy's notices) and expiry happen in steps
         return sched is not None and (sched.has_pending_work() or sched.insight_behind())
 
     def reset_cache(self) -> bool | None:
@@ -303,6 +309,10 @@ class KVLensConnector(KVConnectorBase_V1):
                 sched.take_saved_seconds(),
                 sched.take_tenant_usage(),
             )
+            if self._pd_scheduler is not None:
+                pd = self._pd_scheduler.stats()
+                if pd is not None:
+                    data = merge_payload(data or {}, pd)
         else:
             data = self._worker_telemetry.stats()
         return telemetry.wrap(data)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from .config.model import KVLensConfig
@@ -19,8 +19,9 @@ from .config.pd import PDConfig
 from .engine.facts import EngineFacts
 from .engine.keys import key_fingerprint
 from .engine.pd_jobs import PDLoadResult, PDSendReport
+from .engine.policy import trace_headers
 from .pd.identity import PeerIdentity
-from .scheduler.pd_decoder import PDDecoder, PDOutcome
+from .scheduler.pd_decoder import PDDecoder
 from .scheduler.pd_prefiller import PDPrefiller
 from .worker.pd_worker import PDLoads, PDSends
 
@@ -45,19 +46,30 @@ def key_space(facts: EngineFacts) -> str:
     return key_fingerprint(facts.namespace())
 
 
+IDLE_STEP_S = 0.005  # an engine stepping only for PD (sends ending, records to expire) paces itself
+STALE_SEND_S = 120.0  # a send whose end never came back (a worker gone) stops keeping the engine busy
+
+
+@dataclass(slots=True)
+class _Sending:
+    trace_context: dict[str, str] | None
+    tokens: int
+    ranks_left: int
+    planned_at: float
+
+
 class SchedulerPD:
-    def __init__(self, config: KVLensConfig, facts: EngineFacts, hashers: dict[str, Any]) -> None:
+    def __init__(
+        self, config: KVLensConfig, facts: EngineFacts, hashers: dict[str, Any], recorder: Any
+    ) -> None:
         pd: PDConfig = config.pd
-        self.pd, self._hashers = pd, hashers
+        self.pd, self._hashers, self.recorder = pd, hashers, recorder
+        self._world = facts.world_size
         space = key_space(facts)
         self.prefiller = PDPrefiller(pd, facts, space) if pd.sender else None
         self.decoder: PDDecoder | None = None
-        self.sends: Counter[tuple[str, str]] = Counter()  # (outcome, reason) of ended transfers
-        self.sent_bytes = 0
-        self.send_seconds: list[float] = []
-        self.notices: Counter[str] = Counter()  # "ok" / "failed"
-        self.loads: Counter[tuple[str, str]] = Counter()  # decoder: (outcome, reason)
-        self.receive_waits: list[float] = []  # notify_wait seconds, decoder
+        self._sending: dict[str, _Sending] = {}  # prefiller: requests whose transfers have not all ended
+        self._traces: dict[str, dict[str, str] | None] = {}  # decoder: claimed requests' trace headers
         if pd.receiver:
             from .pd.receiver import PDReceiver
 
@@ -95,7 +107,10 @@ class SchedulerPD:
         """True when the request's external tokens are PD's (the tiers' lookup gets 0)."""
         if self.decoder is None or not self.decoder.holds(request.request_id):
             return False
-        return self.decoder.after_alloc(request, num_external, block_ids)
+        claimed = self.decoder.after_alloc(request, num_external, block_ids)
+        if claimed:
+            self._traces[request.request_id] = trace_headers(request)
+        return claimed
 
     def hit_tokens(self, request_id: str) -> int:
         return self.decoder.tokens(request_id) if self.decoder is not None else 0
@@ -104,27 +119,75 @@ class SchedulerPD:
     def plan(self, scheduler_output: Any, trackers: dict[str, Any], unfinished: dict[str, Any]) -> tuple:
         """(send jobs, load jobs, blocks to report failed) of this step."""
         sends = self.prefiller.plan(trackers, unfinished) if self.prefiller is not None else []
+        for job in sends:
+            tokens = sum(c.num_tokens for c in job.chunks)
+            self._sending[job.request_id] = _Sending(job.trace_context, tokens, self._world, time.monotonic())
+        if not getattr(scheduler_output, "total_num_scheduled_tokens", 1) and self.pending():
+            time.sleep(IDLE_STEP_S)  # nothing computes: a step only to hear of PD's ends
         if self.decoder is None:
             return sends, [], []
         loads = self.decoder.plan(scheduler_output)
-        self.decoder.step()
+        expired = self.decoder.step()
+        if expired:
+            self.recorder.expired(expired)
+        self._loads_reported()  # loads that failed at planning
         return sends, loads, self.decoder.take_fail_blocks()
 
     def on_worker_meta(self, loads: dict[str, PDLoadResult], sends: list[PDSendReport]) -> None:
         if self.decoder is not None and loads:
             self.decoder.on_results(loads)
-            for _, out in self.decoder.take_reported():
-                self._count_load(out)
+            self._loads_reported()
         for report in sends:
-            self.sends[("ok" if report.ok else "failed", report.reason or "")] += 1
-            self.sent_bytes += report.bytes
-            self.send_seconds.append(report.seconds)
-            if report.notified is not None:
-                self.notices["ok" if report.notified else "failed"] += 1
+            sending = self._sending.get(report.request_id)
+            trace, tokens = (sending.trace_context, sending.tokens) if sending is not None else (None, 0)
+            self.recorder.send_ended(
+                trace,
+                report.req_id,
+                report.ok,
+                report.reason,
+                report.bytes,
+                tokens,
+                report.seconds,
+                report.peer,
+                report.rank,
+            )
+            if sending is not None:
+                sending.ranks_left -= 1
+                if sending.ranks_left <= 0:
+                    del self._sending[report.request_id]
 
-    def _count_load(self, out: PDOutcome) -> None:
-        self.loads[(out.outcome, out.reason or "")] += 1
-        self.receive_waits.append(out.notify_wait_ms / 1000)
+    def _loads_reported(self) -> None:
+        assert self.decoder is not None
+        for rid, out in self.decoder.take_reported():
+            self.recorder.load_reported(self._traces.pop(rid, None), out.as_params())
+
+    @property
+    def sends_in_flight(self) -> int:
+        """Transfers handed to the workers' senders whose end is not reported yet (every rank)."""
+        now = time.monotonic()
+        for rid in [r for r, s in self._sending.items() if now - s.planned_at > STALE_SEND_S]:
+            logger.warning("KVLens PD: the end of %s's transfer was never reported", rid[:64])
+            del self._sending[rid]
+        return sum(s.ranks_left for s in self._sending.values())
+
+    def pending(self) -> bool:
+        """PD needs more engine steps: sends to hear the end of, records to load or expire."""
+        if self.sends_in_flight:
+            return True
+        return self.decoder is not None and self.decoder.receiver.stats().entries > 0
+
+    def stats(self) -> dict[str, Any] | None:
+        """This step's PD payload for /metrics (gauges sampled each call)."""
+        if self.prefiller is not None:
+            for reason, n in self.prefiller.take_refusals().items():
+                for _ in range(n):
+                    self.recorder.spec_refused(reason)
+        receiver_stats = None
+        if self.decoder is not None:
+            self.recorder.received(self.decoder.receiver.take_finished())
+            receiver_stats = self.decoder.receiver.stats()
+        self.recorder.sample(receiver_stats, self.sends_in_flight if self.prefiller is not None else None)
+        return self.recorder.take()
 
     def finish(self, request: Any, params: dict[str, Any] | None) -> dict[str, Any] | None:
         """The response's kv_transfer_params with PD's fields added."""
@@ -144,9 +207,6 @@ class SchedulerPD:
         if pd is not None:
             out["kvlens"] = {**out.get("kvlens", {}), "pd": pd}
         return out
-
-    def stats(self) -> Any:
-        return self.decoder.receiver.stats() if self.decoder is not None else None
 
     def shutdown(self) -> None:
         if self.decoder is not None:

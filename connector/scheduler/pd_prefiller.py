@@ -136,5 +136,10 @@ class PDPrefiller:
             }
         return out
 
+    def take_refusals(self) -> Counter[str]:
+        """Specs refused since the last call, by reason."""
+        out, self.refusals = self.refusals, Counter()
+        return out
+
     def __len__(self) -> int:
         return len(self._requests)

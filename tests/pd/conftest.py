@@ -8,7 +8,6 @@ Every engine start costs 30-90 s here, so the session starts the three at once a
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,10 +18,13 @@ import msgspec
 import pytest
 import zmq
 
-from tests.telemetry.serve import VllmServer, base_env, free_port
+from tests.telemetry.serve import VllmServer, base_env, free_port, sum_samples, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 CHUNK = 256  # KVLens's default chunk_size
+TOKEN_BYTES = 4 * 2 * 2 * 64 * 2  # the tiny model: layers x (K, V) x kv heads x head size x bf16
+DECODER_BUFFER = 4 * CHUNK * TOKEN_BYTES  # the decoder holds one prompt of up to 4 chunks at a time
+UNCLAIMED_S = 15.0  # the decoder's pd_unclaimed_timeout_sec (default 60: too long for a test)
 NOTIFY_WAIT_S = 60.0  # the in-test proxy's bound (LMCache's waits forever)
 
 
@@ -87,6 +89,28 @@ class PDPair:
         tokens = [first, *decode["choices"][0]["token_ids"]]
         return {"req_id": req_id, "prefill": prefill, "decode": decode, "tokens": tokens, "waited_s": waited}
 
+    def idle(self) -> dict[str, float]:
+        """The leak gauges of both engines once nothing is held (waits, bounded, for them)."""
+        names = {
+            "entries": (self.decoder, "vllm:kvlens_pd_buffer_entries", {}),
+            "used": (self.decoder, "vllm:kvlens_pd_buffer_used_bytes", {}),
+            "receiving": (self.decoder, "vllm:kvlens_pd_transfers_in_flight", {"side": "receive"}),
+            "sending": (self.prefiller, "vllm:kvlens_pd_transfers_in_flight", {"side": "send"}),
+        }
+
+        def read() -> dict[str, float]:
+            return {
+                k: sum_samples(server.samples(), name, **labels)
+                for k, (server, name, labels) in names.items()
+            }
+
+        try:
+            return wait_until(
+                lambda: (lambda g: g if not any(g.values()) else None)(read()), timeout=30, what="idle"
+            )
+        except TimeoutError:
+            return read()
+
     def plain_tokens(self, prompt: list[int], max_tokens: int) -> list[int]:
         return self.plain.complete(prompt, max_tokens=max_tokens, return_token_ids=True)["choices"][0][
             "token_ids"
@@ -109,10 +133,9 @@ def pd_pair(tiny_model, tmp_path_factory):
     proxy_port = notices.bind_to_random_port("tcp://127.0.0.1")
     init_ports, alloc_ports = [free_port()], [free_port()]
     env = base_env(PYTHONHASHSEED="0")
-    buffer = int(os.environ.get("KVLENS_TEST_PD_BUFFER", 64 * 1024 * 1024))
     prefiller = VllmServer(
         tiny_model,
-        pd_kv_config("sender", pd_proxy_host="127.0.0.1", pd_proxy_port=proxy_port, pd_buffer_size=buffer),
+        pd_kv_config("sender", pd_proxy_host="127.0.0.1", pd_proxy_port=proxy_port, pd_buffer_size=64 << 20),
         tmp / "prefiller.log",
         env,
     )
@@ -123,7 +146,8 @@ def pd_pair(tiny_model, tmp_path_factory):
             pd_peer_host="127.0.0.1",
             pd_peer_init_port=init_ports,
             pd_peer_alloc_port=alloc_ports,
-            pd_buffer_size=buffer,
+            pd_buffer_size=DECODER_BUFFER,
+            pd_unclaimed_timeout_sec=UNCLAIMED_S,
         ),
         tmp / "decoder.log",
         env,

@@ -36,3 +36,4 @@ def test_1p1d_outputs_equal_one_plain_instance_and_the_decoder_computes_no_sent_
     assert received["bytes"] == sent["bytes"] and received["transfer_ms"] > 0
     # vLLM's own count: every sent token was a P2P hit on the decoder, computed by nobody there
     wait_until(lambda: p2p_cached(pd_pair.decoder) - before == length, what="p2p cached tokens")
+    assert pd_pair.idle() == {"entries": 0, "used": 0, "receiving": 0, "sending": 0}
