@@ -10,6 +10,7 @@ half, with identities from the engine's facts, and keeps the facade's hooks one 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,9 @@ class SchedulerPD:
         self.decoder: PDDecoder | None = None
         self._sending: dict[str, _Sending] = {}  # prefiller: requests whose transfers have not all ended
         self._traces: dict[str, dict[str, str] | None] = {}  # decoder: claimed requests' trace headers
+        self._seen_outcomes: dict[str, int] = {}  # the receiver's totals already counted
+        self._seen_failures: dict[str, int] = {}
+        self._expiry: Expiry | None = None
         if pd.receiver:
             from .pd.receiver import PDReceiver
 
@@ -84,6 +88,7 @@ class SchedulerPD:
             )
             receiver.start()
             self.decoder = PDDecoder(receiver, facts.block_size, time.monotonic)
+            self._expiry = Expiry(receiver, min(max(pd.unclaimed_timeout_s / 4, 0.05), 1.0))
             logger.info(
                 "KVLens PD receiver listening on %s ports %s (alloc %s), %d bytes per rank",
                 pd.peer_host,
@@ -127,9 +132,7 @@ class SchedulerPD:
         if self.decoder is None:
             return sends, [], []
         loads = self.decoder.plan(scheduler_output)
-        expired = self.decoder.step()
-        if expired:
-            self.recorder.expired(expired)
+        self.decoder.step()  # an idle engine does not step: the Expiry thread expires then
         self._loads_reported()  # loads that failed at planning
         return sends, loads, self.decoder.take_fail_blocks()
 
@@ -171,10 +174,8 @@ class SchedulerPD:
         return sum(s.ranks_left for s in self._sending.values())
 
     def pending(self) -> bool:
-        """PD needs more engine steps: sends to hear the end of, records to load or expire."""
-        if self.sends_in_flight:
-            return True
-        return self.decoder is not None and self.decoder.receiver.stats().entries > 0
+        """PD needs more engine steps: sends whose end (and notice) is not reported yet."""
+        return self.sends_in_flight > 0
 
     def stats(self) -> dict[str, Any] | None:
         """This step's PD payload for /metrics (gauges sampled each call)."""
@@ -184,8 +185,13 @@ class SchedulerPD:
                     self.recorder.spec_refused(reason)
         receiver_stats = None
         if self.decoder is not None:
-            self.recorder.received(self.decoder.receiver.take_finished())
             receiver_stats = self.decoder.receiver.stats()
+            outcomes = _grown(receiver_stats.transfers, self._seen_outcomes)
+            failures = _grown(receiver_stats.failed, self._seen_failures)
+            self.recorder.received(self.decoder.receiver.take_finished(), outcomes, failures)
+            expired = self._expiry.take() if self._expiry is not None else 0
+            if expired:
+                self.recorder.expired(expired)
         self.recorder.sample(receiver_stats, self.sends_in_flight if self.prefiller is not None else None)
         return self.recorder.take()
 
@@ -209,8 +215,49 @@ class SchedulerPD:
         return out
 
     def shutdown(self) -> None:
+        if self._expiry is not None:
+            self._expiry.stop()
         if self.decoder is not None:
             self.decoder.receiver.close(self.pd.shutdown_timeout_s)
+
+
+def _grown(totals: dict[str, int], seen: dict[str, int]) -> dict[str, int]:
+    """What each total grew by since ``seen`` (updated)."""
+    out = {k: v - seen.get(k, 0) for k, v in totals.items() if v > seen.get(k, 0)}
+    seen.update(totals)
+    return out
+
+
+class Expiry:
+    """Expires unclaimed records on its own thread: vLLM does not step an idle engine, and records
+    whose decode never comes must still be freed after pd_unclaimed_timeout_sec."""
+
+    def __init__(self, receiver: Any, interval_s: float) -> None:
+        self._receiver, self._interval = receiver, interval_s
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._expired = 0
+        self._thread = threading.Thread(target=self._run, name="kvlens-pd-expiry", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                n = self._receiver.expire()
+            except Exception as e:  # never let the thread die: the next tick tries again
+                logger.warning("KVLens PD: expiring unclaimed records failed: %s", e)
+                continue
+            with self._lock:
+                self._expired += n
+
+    def take(self) -> int:
+        with self._lock:
+            n, self._expired = self._expired, 0
+        return n
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
 
 
 class WorkerPD:

@@ -76,16 +76,18 @@ class PDRecorder:
         self._buffer.inc(wire_key("pd_failed_transfers", "send", "spec_refused:" + _reason(reason)))
 
     # ---- decoder -----------------------------------------------------------------------------
-    def received(self, finished: list[Any]) -> None:
-        """The receiver's finished transfers (``FinishedTransfer``: ok, reason, bytes, seconds)."""
+    def received(self, finished: list[Any], outcomes: Mapping[str, int], failures: Mapping[str, int]) -> None:
+        """The receiver's finished transfers (``FinishedTransfer``: ok, bytes, seconds) and, since the
+        last call, its transfers by outcome and failures by reason (refused handshakes included)."""
         b = self._buffer
         for t in finished:
-            b.inc(wire_key("pd_transfers", "receive", "ok" if t.ok else "failed"))
             if t.ok:
                 b.inc("pd_received_bytes", t.bytes)
                 b.observe("pd_receive_seconds", t.seconds)
-            else:
-                b.inc(wire_key("pd_failed_transfers", "receive", _reason(t.reason)))
+        for outcome, n in outcomes.items():
+            b.inc(wire_key("pd_transfers", "receive", "ok" if outcome == "ok" else "failed"), n)
+        for reason, n in failures.items():
+            b.inc(wire_key("pd_failed_transfers", "receive", _reason(reason)), n)
 
     def load_reported(self, trace_context: Mapping[str, str] | None, pd: Mapping[str, Any]) -> None:
         """A decoder request's load ended (``pd`` is its response's ``kvlens.pd``)."""

@@ -212,7 +212,7 @@ class PDDecoder:
         if held.finished:
             self._outcomes.pop(rid, None)
 
-    def finish(self, request_id: str) -> dict[str, Any] | None:
+    def finish(self, request_id: str) -> dict[str, Any]:
         """The request ends (finished, aborted): its ``kvlens.pd``; its claim released unless the
         workers may still read it (then on their report)."""
         self._found.pop(request_id, None)
@@ -223,17 +223,16 @@ class PDDecoder:
             self._held.pop(request_id)
             self.receiver.release(request_id)
             self._outcomes.setdefault(request_id, PDOutcome()).reason = "aborted"
-        out = self._outcomes.get(request_id)
+        out = self._outcomes.get(request_id) or PDOutcome()  # nothing received for it: "none"
         if held is None or not held.planned:
             self._outcomes.pop(request_id, None)
-        return out.as_params() if out is not None else None
+        return out.as_params()
 
-    def step(self) -> int:
-        """Free unclaimed records past their time; bound the outcomes kept."""
+    def step(self) -> None:
+        """Bound the outcomes kept (requests vLLM never finished cannot grow it forever)."""
         if len(self._outcomes) > MAX_OUTCOMES:
             for rid in list(self._outcomes)[: len(self._outcomes) - MAX_OUTCOMES]:
                 self._outcomes.pop(rid, None)
-        return self.receiver.expire()
 
     def take_reported(self) -> list[tuple[str, PDOutcome]]:
         out, self.reported = self.reported, []
