@@ -7,6 +7,7 @@
 - ``receive_index.py``: received records by key and rank, claims, release, expiry.
 - ``receiver.py``: ``PDReceiver``, the server in the decoder's scheduler process.
 - ``sender.py``: ``PDSender``, one per prefiller worker rank, on its own thread.
+- ``probe.py``: the handshake, and ``probe_receiver`` (pairing check, allocates nothing).
 - ``proxy_notice.py``: ``ProxyNotifier``, the ZMQ notice LMCache's proxy reads.
 
 docs/disaggregation.md (section "Wire") describes the protocol.

@@ -49,6 +49,11 @@ def _span(length: int) -> int:
     return max(ALIGN, -(-length // ALIGN) * ALIGN)
 
 
+def space_needed(lengths: Sequence[int]) -> int:
+    """Bytes of the buffer that slots of these lengths take (each rounded up to ALIGN)."""
+    return sum(_span(n) for n in lengths)
+
+
 class SlotAllocator:
     """First fit over a sorted list of free extents, coalesced on free. Not thread-safe."""
 
@@ -60,7 +65,7 @@ class SlotAllocator:
 
     def allocate_all(self, lengths: Sequence[int]) -> list[Slot] | None:
         """A slot per length, or ``None`` (and nothing held) when they do not all fit now."""
-        if sum(_span(n) for n in lengths) > self.capacity - self.used:
+        if space_needed(lengths) > self.capacity - self.used:
             return None
         slots: list[Slot] = []
         for n in lengths:

@@ -22,11 +22,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import xxhash
-
 from . import wire
-from .identity import PeerIdentity, mismatch_reason
-from .wire import Deadline, FrameType, WireError
+from .identity import PeerIdentity
+from .probe import read_reply, refusal, shake_hands
+from .wire import FrameType, WireError
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +38,8 @@ REASONS = (
     "peer_closed",
     "checksum",
     "shutdown",
+    "invalid",  # the transfer itself is malformed (a key twice, an empty record...): never sent
+    "internal",  # a defect in the sender (logged)
 )
 POOLED_IDLE_S = 20.0  # below the receiver's idle timeout, so a kept connection is still served
 
@@ -123,7 +124,8 @@ class PDSender:
         self._queue.put(None)
         if active is not None:
             _shutdown(active)
-        self._thread.join(timeout_s)
+        if threading.current_thread() is not self._thread:  # not from inside an on_done
+            self._thread.join(timeout_s)
 
     def stats(self) -> SenderStats:
         with self._lock:
@@ -148,10 +150,19 @@ class PDSender:
                     self._queued -= 1
                     self._in_flight += 1
                 try:
+                    invalid = invalid_chunks(transfer.chunks)
                     if self._closing.is_set():
                         self._finish(transfer, False, "shutdown", 0, 0.0)
+                    elif invalid:
+                        log.warning("PD transfer %s not sent: %s", transfer.req_id, invalid)
+                        self._finish(transfer, False, "invalid", 0, 0.0)
+                    elif not transfer.chunks:
+                        self._finish(transfer, True, None, 0, 0.0)  # nothing to send is a success
                     else:
                         self._run(transfer)
+                except Exception:  # a defect must not stop the thread, nor leave on_done uncalled
+                    log.exception("PD sender failed on %s", transfer.req_id)
+                    self._finish(transfer, False, "internal", 0, 0.0)
                 finally:
                     with self._lock:
                         self._in_flight -= 1
@@ -184,9 +195,7 @@ class PDSender:
             wire.send_all(conn, [wire.control_frame(FrameType.ALLOC, alloc)], self._io_s)
             self._expect_ok(conn)
             for index, (_, view, _) in enumerate(t.chunks):
-                data = memoryview(view).cast("B")
-                header = wire.chunk_header(index, data.nbytes, xxhash.xxh3_64_intdigest(data))
-                wire.send_all(conn, [header, data], self._io_s)
+                self._send_chunk(conn, index, memoryview(view).cast("B"))
             wire.send_all(conn, [wire.control_frame(FrameType.END, {})], self._io_s)
             self._expect_ok(conn)
         except _Refused as e:  # the connection is still in step: keep it
@@ -196,16 +205,26 @@ class PDSender:
         except (WireError, OSError) as e:
             if conn is not None:
                 conn.close()
-            reason = e.reason if isinstance(e, WireError) else "unreachable"
+            reason = e.reason if isinstance(e, WireError) else "peer_closed"
             if self._closing.is_set():
                 reason = "shutdown"
             self._finish(t, False, reason, 0, time.perf_counter() - start)
             return
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
         finally:
             with self._lock:
                 self._active = None
         self._keep(t, conn)
         self._finish(t, True, None, sum(sizes), time.perf_counter() - start)
+
+    def _send_chunk(self, conn: socket.socket, index: int, data: memoryview) -> None:
+        """The frame header, the bytes and their checksum in one ``sendmsg`` (the kernel copies
+        the bytes straight from the caller's buffer)."""
+        digest = wire.chunk_trailer(wire.digest(data))
+        wire.send_all(conn, [wire.chunk_header(index, data.nbytes), data, digest], self._io_s)
 
     def _keep(self, t: Transfer, conn: socket.socket | None) -> None:
         if conn is not None:
@@ -243,31 +262,16 @@ class PDSender:
             raise WireError("shutdown")
 
     def _handshake(self, conn: socket.socket, peer: str) -> None:
-        hello = {"identity": self._identity.to_wire(), "version": wire.VERSION}
-        wire.send_all(conn, [wire.control_frame(FrameType.HELLO, hello)], self._io_s)
-        reply = self._reply(conn)
-        try:
-            theirs = PeerIdentity.from_wire(reply.get("identity"))
-        except ValueError as e:
-            raise WireError("bad_frame", str(e)) from None
-        differ = self._identity.differences(theirs)
-        if reply.get("version") != wire.VERSION:
-            differ.append("version")
-        if differ or not reply.get("ok"):
-            reason = mismatch_reason(differ) if differ else str(reply.get("reason"))
+        theirs, reply, differ = shake_hands(conn, self._identity, self._io_s)
+        reason = refusal(reply, differ)
+        if reason:
             log.warning(
                 "PD receiver %s refused: %s (ours %s, theirs %s)", peer, reason, self._identity, theirs
             )
             raise WireError(reason)
 
-    def _reply(self, conn: socket.socket) -> dict:
-        kind, body = wire.recv_frame(conn, Deadline(self._io_s), self._io_s)
-        if kind is not FrameType.REPLY:
-            raise WireError("bad_frame", f"{kind.name} where REPLY was expected")
-        return wire.decode_control(body)
-
     def _expect_ok(self, conn: socket.socket) -> None:
-        reply = self._reply(conn)
+        reply = read_reply(conn, self._io_s)
         if not reply.get("ok"):
             raise _Refused(str(reply.get("reason")))
 
@@ -284,6 +288,26 @@ class PDSender:
             t.on_done(outcome)
         except Exception:
             log.exception("PD on_done callback failed for %s", t.req_id)
+
+
+def invalid_chunks(chunks: list[tuple[str, memoryview, int]]) -> str | None:
+    """Why the receiver would refuse these chunks as malformed, or None."""
+    keys = set()
+    for key, view, tokens in chunks:
+        if not isinstance(key, str) or not 0 < len(key) <= wire.MAX_KEY_CHARS:
+            return f"key {key!r} is not 1..{wire.MAX_KEY_CHARS} characters"
+        if key in keys:
+            return f"key {key} twice"
+        keys.add(key)
+        try:
+            nbytes = memoryview(view).cast("B").nbytes
+        except (TypeError, ValueError) as e:
+            return f"record of {key} is not one contiguous buffer: {e}"
+        if nbytes == 0:
+            return f"record of {key} is empty"
+        if type(tokens) is not int or tokens < 0:
+            return f"tokens of {key} is {tokens!r}"
+    return None
 
 
 def _shutdown(conn: socket.socket) -> None:

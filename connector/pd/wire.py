@@ -3,10 +3,11 @@
 Every frame starts with an 8-byte header: magic ``KP``, the frame type, a zero byte and the body
 length (little-endian u32). Control bodies (``HELLO``, ``ALLOC``, ``REPLY``, ``END``) are msgpack
 maps of at most ``MAX_CONTROL_BYTES``; a header announcing more is refused before anything is
-read or allocated. A ``CHUNK`` frame's body is fixed: the chunk's index in the transfer, its
-length and the xxh3-64 of its bytes, and the bytes follow raw; the receiver reads them with
-``recv_into`` straight into the slot the allocation gave that index, so the announced length must
-equal the allocated one.
+read or allocated. A ``CHUNK`` frame's body is fixed: the chunk's index in the transfer and its
+length; the bytes follow raw, then their xxh3-64 (8 bytes). The receiver reads the bytes with
+``recv_into`` straight into the slot the allocation gave that index (so the announced length must
+equal the allocated one). The checksum trails the bytes so that both sides hash each piece while
+it is in the CPU's cache: the sender just before it sends the piece, the receiver as it lands.
 
 One connection to a decoder rank's init port carries a transfer::
 
@@ -15,7 +16,7 @@ One connection to a decoder rank's init port carries a transfer::
                                        <-   REPLY {ok | reason "mismatch:<fields>", identity, ...}
     ALLOC {req_id, keys, lengths, tokens} ->
                                        <-   REPLY {ok | reason "buffer_full" | "too_large"}
-    CHUNK (index, length, xxh3) bytes  ->   (once per chunk, in any order)
+    CHUNK (index, length) bytes xxh3   ->   (once per chunk, in any order)
     END {}                             ->
                                        <-   REPLY {ok | reason "checksum"}  (ok = all indexed)
 
@@ -28,16 +29,18 @@ from __future__ import annotations
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import IntEnum
 from typing import Any
 
 import msgspec
+import xxhash
 
 VERSION = 1
 MAGIC = b"KP"
 HEADER = struct.Struct("<2sBxI")
-CHUNK_BODY = struct.Struct("<IQQ")  # index, length, xxh3-64
+CHUNK_BODY = struct.Struct("<IQ")  # index, length; the bytes follow, then their xxh3-64
+DIGEST = struct.Struct("<Q")
 MAX_CONTROL_BYTES = 1 << 20  # an ALLOC of 100k keys fits; nothing legitimate comes near
 MAX_KEY_CHARS = 256
 
@@ -77,8 +80,27 @@ def control_frame(kind: FrameType, body: dict[str, Any]) -> bytes:
     return HEADER.pack(MAGIC, kind, len(payload)) + payload
 
 
-def chunk_header(index: int, length: int, digest: int) -> bytes:
-    return HEADER.pack(MAGIC, FrameType.CHUNK, CHUNK_BODY.size) + CHUNK_BODY.pack(index, length, digest)
+def chunk_header(index: int, length: int) -> bytes:
+    return HEADER.pack(MAGIC, FrameType.CHUNK, CHUNK_BODY.size) + CHUNK_BODY.pack(index, length)
+
+
+HASH_PIECE = 1 << 20
+
+
+def digest(data: memoryview) -> int:
+    """xxh3-64 of ``data``, hashed a MiB at a time: xxhash holds the GIL while it hashes, and
+    the threads beside this one (vLLM's scheduler on the decoder, the forward pass on the
+    prefiller) get it back between pieces instead of waiting out a whole record."""
+    if data.nbytes <= HASH_PIECE:
+        return xxhash.xxh3_64_intdigest(data)
+    hasher = xxhash.xxh3_64()
+    for start in range(0, data.nbytes, HASH_PIECE):
+        hasher.update(data[start : start + HASH_PIECE])
+    return hasher.intdigest()
+
+
+def chunk_trailer(digest: int) -> bytes:
+    return DIGEST.pack(digest)
 
 
 def parse_header(raw: bytes | memoryview) -> tuple[FrameType, int]:
@@ -119,21 +141,51 @@ class Deadline:
         return left
 
 
-def recv_into(sock: socket.socket, view: memoryview, deadline: Deadline, silence_s: float) -> None:
-    """Fill ``view`` from ``sock``: ``Timeout`` past the deadline or after ``silence_s`` of
-    nothing, ``PeerClosed`` at end of stream."""
+def _os_timeout(sock: socket.socket, option: int, seconds: float) -> None:
+    """Bound each blocking call in the kernel (SO_RCVTIMEO / SO_SNDTIMEO): the socket stays in
+    blocking mode, so a 4 MiB send or receive is one call, not a poll() and a call per piece as
+    Python's own timeouts make it."""
+    sock.settimeout(None)
+    whole = int(seconds)
+    micros = int((seconds - whole) * 1e6)
+    if whole == 0 and micros == 0:
+        micros = 1  # a zero timeval means "no timeout"
+    sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(whole, micros))
+
+
+_TIMEVAL = struct.Struct("@ll")
+
+
+def recv_into(
+    sock: socket.socket,
+    view: memoryview,
+    deadline: Deadline,
+    silence_s: float,
+    on_piece: Callable[[memoryview], object] | None = None,
+) -> None:
+    """Fill ``view`` from ``sock``: ``Timeout`` after ``silence_s`` without a byte or once past
+    the deadline (checked between reads: a trickle is cut off at most ``silence_s`` late),
+    ``PeerClosed`` at end of stream. ``on_piece`` sees each piece as it lands (a checksum
+    computed while the bytes are still in the CPU's cache)."""
     got, size = 0, len(view)
+    _os_timeout(sock, socket.SO_RCVTIMEO, min(silence_s, deadline.left()))
     while got < size:
-        sock.settimeout(min(silence_s, deadline.left()))
         try:
-            n = sock.recv_into(view[got:], size - got)
-        except TimeoutError:
+            if on_piece is None:  # the whole rest in one call: one wake-up, not one per segment
+                n = sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)
+            else:
+                n = sock.recv_into(view[got:], size - got)
+        except (BlockingIOError, TimeoutError):
             raise Timeout() from None
         except OSError:
             raise PeerClosed() from None
         if n == 0:
             raise PeerClosed()
+        if on_piece is not None:
+            on_piece(view[got : got + n])
         got += n
+        if got < size:
+            deadline.left()
 
 
 def recv_frame(sock: socket.socket, deadline: Deadline, silence_s: float) -> tuple[FrameType, bytes]:
@@ -148,9 +200,9 @@ def recv_frame(sock: socket.socket, deadline: Deadline, silence_s: float) -> tup
 
 def send_all(sock: socket.socket, pieces: Sequence[bytes | memoryview], timeout_s: float) -> None:
     """Send the pieces in order without joining them (``sendmsg``; the caller's buffers as they
-    are). ``Timeout`` or ``PeerClosed`` on failure."""
+    are). ``Timeout`` when the peer takes nothing for ``timeout_s``, ``PeerClosed`` on failure."""
     views = [memoryview(p).cast("B") for p in pieces if len(p)]
-    sock.settimeout(timeout_s)
+    _os_timeout(sock, socket.SO_SNDTIMEO, timeout_s)
     try:
         while views:
             sent = sock.sendmsg(views)
@@ -159,7 +211,7 @@ def send_all(sock: socket.socket, pieces: Sequence[bytes | memoryview], timeout_
                 views.pop(0)
             if views and sent:
                 views[0] = views[0][sent:]
-    except TimeoutError:
+    except (BlockingIOError, TimeoutError):
         raise Timeout() from None
     except OSError:
         raise PeerClosed() from None

@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 
+import xxhash
+
+from connector.pd import wire
 from connector.pd.identity import PeerIdentity
 from connector.pd.receiver import PDReceiver
 from connector.pd.sender import PDSender, SendOutcome, Transfer
@@ -112,3 +120,89 @@ def assert_idle(rx: PDReceiver) -> None:
     """Nothing held: no slot, no entry, no transfer in flight."""
     s = rx.stats()
     assert (s.used_bytes, s.entries, s.in_flight, s.claims) == (0, 0, 0, 0), s
+
+
+def wait_until(check, timeout: float = WAIT_S, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
+    """Poll ``check`` until true; fail past ``timeout`` (a bound, never a speed)."""
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end, f"{what} not reached within {timeout} s"
+        time.sleep(0.01)
+
+
+class RawPeer:
+    """A hand-driven sender: writes whatever frames (or garbage) a test wants."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection((HOST, port), timeout=WAIT_S)
+
+    def send(self, *pieces: bytes) -> None:
+        for p in pieces:
+            self.sock.sendall(p)
+
+    def hello(self, ident: PeerIdentity | None = None) -> dict:
+        body = {"identity": (ident or identity()).to_wire(), "version": wire.VERSION}
+        self.send(wire.control_frame(wire.FrameType.HELLO, body))
+        return self.reply()
+
+    def alloc(self, lengths: list[int], keys: list[str] | None = None, req_id: str = "raw") -> dict:
+        keys = keys or [f"{req_id}-{i}" for i in range(len(lengths))]
+        body = {"req_id": req_id, "keys": keys, "lengths": lengths, "tokens": [256] * len(lengths)}
+        self.send(wire.control_frame(wire.FrameType.ALLOC, body))
+        return self.reply()
+
+    def chunk(self, index: int, data: bytes, digest: int | None = None) -> None:
+        d = xxhash.xxh3_64_intdigest(data) if digest is None else digest
+        self.send(wire.chunk_header(index, len(data)), data, wire.chunk_trailer(d))
+
+    def end(self) -> dict:
+        self.send(wire.control_frame(wire.FrameType.END, {}))
+        return self.reply()
+
+    def reply(self) -> dict:
+        kind, body = wire.recv_frame(self.sock, wire.Deadline(WAIT_S), WAIT_S)
+        assert kind is wire.FrameType.REPLY
+        return wire.decode_control(body)
+
+    def closed_by_peer(self) -> bool:
+        """True once the receiver has closed its end (EOF or reset), waiting at most WAIT_S."""
+        self.sock.settimeout(WAIT_S)
+        try:
+            while self.sock.recv(65536):
+                pass
+        except ConnectionResetError:
+            return True
+        except TimeoutError:
+            return False
+        return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def spawn(code: str, *args: str, ready: str = "ready") -> subprocess.Popen:
+    """A Python child running ``code`` (the repository importable), returned once it printed
+    ``ready``: it has reached the point the test waits for."""
+    env = {**os.environ, "PYTHONPATH": REPO}
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO
+    )
+    line = child.stdout.readline()  # type: ignore[union-attr]
+    assert line.strip() == ready, f"child said {line!r}"
+    return child
+
+
+def kill(child: subprocess.Popen) -> None:
+    child.send_signal(signal.SIGKILL)
+    child.wait(WAIT_S)
+    child.stdout.close()  # type: ignore[union-attr]

@@ -3,19 +3,24 @@ byte-exact in the decoder's shared memory, are found, claimed, read by a worker,
 
 from __future__ import annotations
 
+import socket
 import threading
+from dataclasses import replace
 from typing import Union
 
 import msgspec
+import pytest
 import zmq
 
 from connector.pd.proxy_notice import ProxyNotifier
 from connector.pd.receive_buffer import attach
+from connector.pd.receiver import PDReceiver
 from connector.pd.sender import PDSender
 
 from .pd_wire_support import (
     HOST,
     assert_idle,
+    free_port,
     identity,
     open_fds,
     pd_threads,
@@ -139,12 +144,29 @@ def test_the_proxy_decodes_the_notice_as_lmcaches_proxy_does():
 
 
 def test_a_notice_with_no_proxy_listening_is_dropped_in_bounded_time_and_counted():
-    with zmq.Context.instance().socket(zmq.PULL) as probe:  # a port nobody listens on
-        port = probe.bind_to_random_port(f"tcp://{HOST}")
-    notifier = ProxyNotifier(HOST, port, send_timeout_s=0.2, linger_s=0.0)
+    notifier = ProxyNotifier(HOST, free_port(), send_timeout_s=0.2, linger_s=0.0)
     try:
         assert notifier.notify("lost") is False
         assert (notifier.sent, notifier.failed) == (0, 1)
     finally:
         notifier.close()
     assert notifier.notify("after-close") is False
+
+
+def test_a_receiver_on_an_ipv6_address_is_reached():
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    rx = PDReceiver([identity()], "::1", [0], [0], 1 << 20, transfer_timeout_s=5.0, unclaimed_timeout_s=60.0)
+    rx.start()
+    tx = PDSender(identity(), 2.0, 5.0)
+    try:
+        t, done = transfer(rx.init_ports[0], records(1, 100, 100))
+        tx.send(replace(t, host="::1"))
+        assert done.wait().ok and rx.present(["proxy-1-k0"]) == 1
+    finally:
+        tx.close()
+        rx.close()
