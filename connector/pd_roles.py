@@ -10,7 +10,6 @@ half, with identities from the engine's facts, and keeps the facade's hooks one 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +72,7 @@ class SchedulerPD:
         self._traces: dict[str, dict[str, str] | None] = {}  # decoder: claimed requests' trace headers
         self._seen_outcomes: dict[str, int] = {}  # the receiver's totals already counted
         self._seen_failures: dict[str, int] = {}
-        self._expiry: Expiry | None = None
+        self._seen_expired = 0
         if pd.receiver:
             from .pd.receiver import PDReceiver
 
@@ -88,7 +87,6 @@ class SchedulerPD:
             )
             receiver.start()
             self.decoder = PDDecoder(receiver, facts.block_size, time.monotonic)
-            self._expiry = Expiry(receiver, min(max(pd.unclaimed_timeout_s / 4, 0.05), 1.0))
             logger.info(
                 "KVLens PD receiver listening on %s ports %s (alloc %s), %d bytes per rank",
                 pd.peer_host,
@@ -132,7 +130,7 @@ class SchedulerPD:
         if self.decoder is None:
             return sends, [], []
         loads = self.decoder.plan(scheduler_output)
-        self.decoder.step()  # an idle engine does not step: the Expiry thread expires then
+        self.decoder.step()
         self._loads_reported()  # loads that failed at planning
         return sends, loads, self.decoder.take_fail_blocks()
 
@@ -189,8 +187,9 @@ class SchedulerPD:
             outcomes = _grown(receiver_stats.transfers, self._seen_outcomes)
             failures = _grown(receiver_stats.failed, self._seen_failures)
             self.recorder.received(self.decoder.receiver.take_finished(), outcomes, failures)
-            expired = self._expiry.take() if self._expiry is not None else 0
-            if expired:
+            expired = receiver_stats.expired - self._seen_expired  # the receiver expires on its own
+            self._seen_expired = receiver_stats.expired
+            if expired > 0:
                 self.recorder.expired(expired)
         self.recorder.sample(receiver_stats, self.sends_in_flight if self.prefiller is not None else None)
         return self.recorder.take()
@@ -215,8 +214,6 @@ class SchedulerPD:
         return out
 
     def shutdown(self) -> None:
-        if self._expiry is not None:
-            self._expiry.stop()
         if self.decoder is not None:
             self.decoder.receiver.close(self.pd.shutdown_timeout_s)
 
@@ -226,38 +223,6 @@ def _grown(totals: dict[str, int], seen: dict[str, int]) -> dict[str, int]:
     out = {k: v - seen.get(k, 0) for k, v in totals.items() if v > seen.get(k, 0)}
     seen.update(totals)
     return out
-
-
-class Expiry:
-    """Expires unclaimed records on its own thread: vLLM does not step an idle engine, and records
-    whose decode never comes must still be freed after pd_unclaimed_timeout_sec."""
-
-    def __init__(self, receiver: Any, interval_s: float) -> None:
-        self._receiver, self._interval = receiver, interval_s
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._expired = 0
-        self._thread = threading.Thread(target=self._run, name="kvlens-pd-expiry", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                n = self._receiver.expire()
-            except Exception as e:  # never let the thread die: the next tick tries again
-                logger.warning("KVLens PD: expiring unclaimed records failed: %s", e)
-                continue
-            with self._lock:
-                self._expired += n
-
-    def take(self) -> int:
-        with self._lock:
-            n, self._expired = self._expired, 0
-        return n
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(2.0)
 
 
 class WorkerPD:
