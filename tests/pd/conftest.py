@@ -30,7 +30,9 @@ NOTIFY_WAIT_S = 60.0  # the in-test proxy's bound (LMCache's waits forever)
 
 def pd_kv_config(role: str, **pd: Any) -> dict[str, Any]:
     kv_role = "kv_producer" if role == "sender" else "kv_consumer"
-    extra = {"enable_pd": True, "transfer_channel": "tcp", "pd_role": role, "pd_buffer_device": "cpu", **pd}
+    # as LMCache's 1p1d example configurations: no CPU tier, the PD buffer is all there is
+    extra = {"local_cpu": False, "enable_pd": True, "transfer_channel": "tcp", "pd_role": role, **pd}
+    extra.setdefault("pd_buffer_device", "cpu")
     return {
         "kv_connector": "KVLensConnector",
         "kv_connector_module_path": "connector",
