@@ -18,6 +18,7 @@ import msgspec
 import pytest
 import zmq
 
+from tests.telemetry.otlp_receiver import OtlpReceiver
 from tests.telemetry.serve import VllmServer, base_env, free_port, sum_samples, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,6 +55,7 @@ class PDPair:
     init_ports: list[int]
     alloc_ports: list[int]
     notices: Any  # zmq PULL socket
+    spans: Any  # the OTLP receiver both engines export to
     seen: set[str] = field(default_factory=set)
 
     def wait_notice(self, req_id: str, timeout: float = NOTIFY_WAIT_S) -> float:
@@ -76,18 +78,24 @@ class PDPair:
             "receiver_alloc_port": list(alloc or self.alloc_ports),
         }
 
-    def run(self, prompt: list[int], max_tokens: int, **spec: Any) -> dict[str, Any]:
-        """One request through the in-test proxy: what each side answered, and the tokens."""
+    def run(
+        self, prompt: list[int], max_tokens: int, traceparent: str | None = None, **spec: Any
+    ) -> dict[str, Any]:
+        """One request through the in-test proxy (``traceparent`` passed to both sides): what each
+        side answered, and the tokens."""
         req_id = f"pd-{uuid.uuid4().hex[:12]}"
         prefill = self.prefiller.complete(
             prompt,
             max_tokens=1,
+            traceparent=traceparent,
             kv_transfer_params={"ret_first_tok": True, "disagg_spec": self.spec(req_id, **spec)},
             return_token_ids=True,
         )
         first = prefill["kv_transfer_params"]["first_tok"]
         waited = self.wait_notice(req_id)
-        decode = self.decoder.complete(prompt + [first], max_tokens=max_tokens - 1, return_token_ids=True)
+        decode = self.decoder.complete(
+            prompt + [first], max_tokens=max_tokens - 1, traceparent=traceparent, return_token_ids=True
+        )
         tokens = [first, *decode["choices"][0]["token_ids"]]
         return {"req_id": req_id, "prefill": prefill, "decode": decode, "tokens": tokens, "waited_s": waited}
 
@@ -134,12 +142,17 @@ def pd_pair(tiny_model, tmp_path_factory):
     notices = context.socket(zmq.PULL)
     proxy_port = notices.bind_to_random_port("tcp://127.0.0.1")
     init_ports, alloc_ports = [free_port()], [free_port()]
-    env = base_env(PYTHONHASHSEED="0")
+    spans = OtlpReceiver().__enter__()
+    env = base_env(
+        PYTHONHASHSEED="0", OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf", OTEL_BSP_SCHEDULE_DELAY="200"
+    )
+    traced = ("--otlp-traces-endpoint", spans.endpoint)
     prefiller = VllmServer(
         tiny_model,
         pd_kv_config("sender", pd_proxy_host="127.0.0.1", pd_proxy_port=proxy_port, pd_buffer_size=64 << 20),
         tmp / "prefiller.log",
         env,
+        traced,
     )
     decoder = VllmServer(
         tiny_model,
@@ -153,15 +166,17 @@ def pd_pair(tiny_model, tmp_path_factory):
         ),
         tmp / "decoder.log",
         env,
+        traced,
     )
     plain = VllmServer(tiny_model, None, tmp / "plain.log", env)
     servers = (prefiller, decoder, plain)
     try:
         for server in servers:
             server.wait_ready()
-        yield PDPair(prefiller, decoder, plain, init_ports, alloc_ports, notices)
+        yield PDPair(prefiller, decoder, plain, init_ports, alloc_ports, notices, spans)
     finally:
         for server in servers:
             server.stop()
         notices.close(linger=0)
         context.term()
+        spans.__exit__(None, None, None)
