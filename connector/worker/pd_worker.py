@@ -4,9 +4,9 @@ from the receive buffer.
 Sends: after the step's forward pass each job's chunks are gathered from the KV cache into host
 buffers (this rank's share, the bytes the CPU tier would hold) and handed to the sender, which
 sends them on its own thread: the batch never waits on the network. The buffers stay referenced
-until the sender's ``on_done``; then the proxy is notified (success or failure, once per
-transfer and rank) and the outcome waits for the next report. A chunk over a block whose load
-failed on this rank is never sent (the transfer is refused; the decoder recomputes).
+until the sender's ``on_done``; then, on a third thread, the proxy is notified (success or
+failure, once per transfer and rank) and the outcome waits for the next report. A chunk over a
+block whose load failed on this rank is never sent (refused; the decoder recomputes).
 
 Loads: before the forward pass each claimed record is read from the rank's receive buffer
 (attached read-only, once per buffer) and scattered into the request's blocks; any failure fails
@@ -16,7 +16,9 @@ releases the claim.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +50,14 @@ class PDSends:
         self._holding: dict[str, tuple[list[Any], int]] = {}  # request -> (buffers, bytes)
         self._reports: list[PDSendReport] = []
         self.pending_bytes = 0
+        # Ends to report, the proxy's notice first, on a thread of their own: a notice may wait
+        # (bounded) for an absent proxy, and neither the batch nor the sender waits for it.
+        self._ends: queue.SimpleQueue[tuple[PDSendJob, PDSendReport] | None] = queue.SimpleQueue()
+        self._unreported = 0
+        self._reporter = threading.Thread(
+            target=self._report_ends, name=f"kvlens-pd-notify-{rank}", daemon=True
+        )
+        self._reporter.start()
 
     def run(
         self, jobs: list[PDSendJob], gather: Callable[[tuple[int, ...]], Any], failed_blocks: set[int]
@@ -107,18 +117,34 @@ class PDSends:
     def _ended(
         self, job: PDSendJob, ok: bool, reason: str | None, nbytes: int, seconds: float, peer: str
     ) -> None:
-        notified = None
-        if job.notify and self._notifier is not None:
-            try:
-                notified = bool(self._notifier.notify(job.req_id))
-            except Exception as e:  # a notice must never take the worker down
-                logger.warning("KVLens PD: notifying the proxy of %s failed: %s", job.req_id[:64], e)
-                notified = False
-        report = PDSendReport(
-            job.request_id, job.req_id, self.rank, ok, reason, nbytes, seconds, peer, notified
-        )
+        report = PDSendReport(job.request_id, job.req_id, self.rank, ok, reason, nbytes, seconds, peer, None)
         with self._lock:
-            self._reports.append(report)
+            self._unreported += 1
+        self._ends.put((job, report))
+
+    def _report_ends(self) -> None:
+        while (item := self._ends.get()) is not None:
+            job, report = item
+            if job.notify and self._notifier is not None:
+                try:
+                    notified = bool(self._notifier.notify(job.req_id))
+                except Exception as e:  # a notice must never take the worker down
+                    logger.warning("KVLens PD: notifying the proxy of %s failed: %s", job.req_id[:64], e)
+                    notified = False
+                report = dataclasses.replace(report, notified=notified)
+            with self._lock:
+                self._reports.append(report)
+                self._unreported -= 1
+
+    def wait_reported(self, timeout_s: float) -> bool:
+        """Whether every end so far is reported within ``timeout_s`` (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._unreported == 0:
+                    return True
+            time.sleep(0.002)
+        return False
 
     def take_reports(self) -> list[PDSendReport]:
         with self._lock:
@@ -132,7 +158,10 @@ class PDSends:
 
     def close(self, timeout_s: float) -> None:
         if self._sender is not None:
-            self._sender.close(timeout_s)
+            self._sender.close(timeout_s)  # what is under way ends as shutdown: its proxy still hears
+        self.wait_reported(timeout_s)
+        self._ends.put(None)
+        self._reporter.join(timeout_s)
         if self._notifier is not None:
             self._notifier.close()
 

@@ -23,7 +23,9 @@ def p2p_cached(server) -> float:
     [CHUNK * 2, CHUNK * 2 + 77, CHUNK - 56],
     ids=["chunk_multiple", "with_tail", "shorter_than_a_chunk"],
 )
-def test_1p1d_outputs_equal_one_plain_instance_and_the_decoder_computes_no_sent_token(pd_pair, length):
+def test_1p1d_outputs_equal_one_plain_instance_and_the_decoder_computes_no_sent_token(
+    pd_pair, length, capsys
+):
     prompt = prompt_tokens(length, seed=length)
     before = p2p_cached(pd_pair.decoder)
     got = pd_pair.run(prompt, MAX_TOKENS)
@@ -34,6 +36,8 @@ def test_1p1d_outputs_equal_one_plain_instance_and_the_decoder_computes_no_sent_
     assert received["role"] == "receiver" and received["outcome"] == "loaded", received
     assert received["tokens"] == length  # every prompt token the prefiller computed
     assert received["bytes"] == sent["bytes"] and received["transfer_ms"] > 0
+    with capsys.disabled():
+        print(f"\nPD {length} tokens: {received}, proxy waited {got['waited_s'] * 1000:.1f} ms")
     # vLLM's own count: every sent token was a P2P hit on the decoder, computed by nobody there
     wait_until(lambda: p2p_cached(pd_pair.decoder) - before == length, what="p2p cached tokens")
     assert pd_pair.idle() == {"entries": 0, "used": 0, "receiving": 0, "sending": 0}

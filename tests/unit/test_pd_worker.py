@@ -5,6 +5,7 @@ from the receive buffer into the blocks, and a failure fails that chunk and ever
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -69,6 +70,7 @@ def test_gathered_bytes_stay_alive_until_on_done_then_the_proxy_hears_once():
     done = threading.Thread(target=t.on_done, args=(outcome(True, None, 48),))  # the sender's thread
     done.start()
     done.join()
+    assert s.wait_reported(5)
     assert s.holding == 0 and s.pending_bytes == 0 and notifier.notices == ["proxy-q"]
     (report,) = s.take_reports()
     assert report.ok and report.bytes == 48 and report.notified is True
@@ -78,12 +80,14 @@ def test_a_failed_transfer_notifies_too():
     s, sender, notifier, _ = sends()
     s.run([job()], gather, set())
     sender.transfers[0].on_done(outcome(False, "unreachable"))
+    assert s.wait_reported(5)
     assert notifier.notices == ["proxy-q"] and s.take_reports()[0].reason == "unreachable"
 
 
 def test_nothing_is_sent_over_a_block_whose_load_failed_and_the_proxy_still_hears():
     s, sender, notifier, _ = sends()
     s.run([job()], gather, {3})
+    assert s.wait_reported(5)
     assert sender.transfers == [] and notifier.notices == ["proxy-q"]
     assert s.take_reports()[0].reason == "load_failed"
 
@@ -91,12 +95,14 @@ def test_nothing_is_sent_over_a_block_whose_load_failed_and_the_proxy_still_hear
 def test_a_refused_spec_only_notifies():
     s, sender, notifier, _ = sends()
     s.run([job(refused="bad_host")], gather, set())
+    assert s.wait_reported(5)
     assert sender.transfers == [] and notifier.notices == ["proxy-q"]
 
 
 def test_senders_behind_by_a_whole_buffer_refuse_rather_than_grow():
     s, sender, notifier, _ = sends(limit=60)  # one job is 48 bytes
     s.run([job("a"), job("b")], gather, set())
+    assert s.wait_reported(5)
     assert len(sender.transfers) == 1 and notifier.notices == ["proxy-b"]
     assert s.take_reports()[0].reason == "send_backlog"
 
@@ -146,3 +152,19 @@ def test_records_load_into_blocks_and_a_bad_one_fails_it_and_every_later_chunk()
     assert not result.ok and result.tokens == 256 and result.failed_block_ids == {12, 13}
     loads.close()
     assert buffer.closed
+
+
+def test_a_notice_that_waits_never_holds_the_batch():
+    release = threading.Event()
+
+    class SlowNotifier(FakeNotifier):
+        def notify(self, req_id):
+            release.wait(5)  # an absent proxy: the notice waits for its timeout
+            return super().notify(req_id)
+
+    s = PDSends(0, lambda space: FakeSender(), lambda **kw: SimpleNamespace(**kw), SlowNotifier(), 1 << 20)
+    started = time.monotonic()
+    s.run([job(refused="bad_host"), job("b", refused="bad_host")], gather, set())
+    assert time.monotonic() - started < 1.0 and s.take_reports() == []
+    release.set()
+    assert s.wait_reported(5) and len(s.take_reports()) == 2
