@@ -18,6 +18,8 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import wire
@@ -106,6 +108,7 @@ class PDReceiver:
         self._outcomes: Counter[str] = Counter()
         self._failed: Counter[str] = Counter()
         self._finished: deque[FinishedTransfer] = deque(maxlen=4096)
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="kvlens-pd-check")
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -142,7 +145,10 @@ class PDReceiver:
         if self._stopping.is_set():
             return
         self._stopping.set()
-        self._wake_w.send(b"x")
+        try:
+            self._wake_w.send(b"x")
+        except OSError:  # start() failed and released everything already
+            pass
         if self._accepter is not None:
             self._accepter.join(timeout_s)
         with self._lock:
@@ -158,6 +164,7 @@ class PDReceiver:
         self._release_resources()
 
     def _release_resources(self) -> None:
+        self._checker.shutdown(wait=True)
         for port in self._ports:
             port.listener.close()
         if self._index is not None:
@@ -291,6 +298,11 @@ class PDReceiver:
         differ = mine.differences(theirs) + ([] if version == wire.VERSION else ["version"])
         buffer = self._buffers[rank]
         reason = mismatch_reason(differ) if differ else None
+        if reason:  # counted and logged before the answer, so whoever reads it sees the count
+            log.warning(
+                "PD handshake refused on rank %d: %s (theirs %s, ours %s)", rank, reason, theirs, mine
+            )
+            self._count_failure(reason)
         self._reply(
             conn,
             ok=not differ,
@@ -301,10 +313,7 @@ class PDReceiver:
             free_bytes=buffer.capacity - buffer.used_bytes,
         )
         if reason:
-            log.warning(
-                "PD handshake refused on rank %d: %s (theirs %s, ours %s)", rank, reason, theirs, mine
-            )
-            raise WireError(reason)
+            raise _Counted(reason)
 
     def _transfer(self, conn: socket.socket, rank: int, body: bytes) -> None:
         req_id, keys, lengths, tokens = _parse_alloc(wire.decode_control(body))
@@ -351,33 +360,39 @@ class PDReceiver:
 
     def _receive_chunks(self, conn: socket.socket, buffer: ReceiveBuffer, slots: list[Slot]) -> float | None:
         """Read every chunk into its slot until END; seconds from first byte to last, or None
-        when a checksum did not match (every chunk is still read, so the reply stays in step)."""
+        when a checksum did not match (every chunk is still read, so the reply stays in step).
+        Each chunk is checked on the checker thread while the next one is read."""
         got = [False] * len(slots)
         first: float | None = None
-        bad = False
-        while True:
-            deadline = Deadline(self._transfer_s)
-            kind, body = wire.recv_frame(conn, deadline, self._transfer_s)
-            if first is None:
-                first = time.perf_counter()
-            if kind is FrameType.END:
-                if not all(got):
-                    raise WireError("bad_frame", "END before every chunk")
-                return None if bad else time.perf_counter() - first
-            if kind is not FrameType.CHUNK:
-                raise WireError("bad_frame", f"{kind.name} inside a transfer")
-            index, length = wire.CHUNK_BODY.unpack(body)
-            if index >= len(slots) or got[index] or length != slots[index].length:
-                raise WireError("bad_frame", f"chunk {index} of {length} bytes not as allocated")
-            view = buffer.writable(slots[index])
-            trailer = bytearray(wire.DIGEST.size)
-            try:
+        checks: list[tuple[Future[int], int]] = []
+        views: list[memoryview] = []
+        try:
+            while True:
+                deadline = Deadline(self._transfer_s)
+                kind, body = wire.recv_frame(conn, deadline, self._transfer_s)
+                if first is None:
+                    first = time.perf_counter()
+                if kind is FrameType.END:
+                    if not all(got):
+                        raise WireError("bad_frame", "END before every chunk")
+                    bad = any(check.result() != expected for check, expected in checks)
+                    return None if bad else time.perf_counter() - first
+                if kind is not FrameType.CHUNK:
+                    raise WireError("bad_frame", f"{kind.name} inside a transfer")
+                index, length = wire.CHUNK_BODY.unpack(body)
+                if index >= len(slots) or got[index] or length != slots[index].length:
+                    raise WireError("bad_frame", f"chunk {index} of {length} bytes not as allocated")
+                view = buffer.writable(slots[index])
+                views.append(view)
+                trailer = bytearray(wire.DIGEST.size)
                 wire.recv_into(conn, view, deadline, self._transfer_s)
                 wire.recv_into(conn, memoryview(trailer), deadline, self._transfer_s)
-                bad = bad or wire.digest(view) != wire.DIGEST.unpack(trailer)[0]
-            finally:
+                checks.append((self._checker.submit(wire.digest, view), wire.DIGEST.unpack(trailer)[0]))
+                got[index] = True
+        finally:  # no check still reads a slot once this returns (the slots may be freed next)
+            futures.wait([check for check, _ in checks])
+            for view in views:
                 view.release()
-            got[index] = True
 
     def _record_failure(self, rank: int, req_id: str, reason: str) -> None:
         if self._stopping.is_set() and reason in ("peer_closed", "timeout"):

@@ -20,6 +20,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import wire
@@ -40,6 +42,7 @@ REASONS = (
     "shutdown",
     "invalid",  # the transfer itself is malformed (a key twice, an empty record...): never sent
     "internal",  # a defect in the sender (logged)
+    "queue_full",  # max_queued transfers were waiting already
 )
 POOLED_IDLE_S = 20.0  # below the receiver's idle timeout, so a kept connection is still served
 
@@ -84,10 +87,19 @@ class _Refused(Exception):
 
 
 class PDSender:
-    def __init__(self, identity: PeerIdentity, connect_timeout_s: float, io_timeout_s: float) -> None:
+    def __init__(
+        self,
+        identity: PeerIdentity,
+        connect_timeout_s: float,
+        io_timeout_s: float,
+        *,
+        max_queued: int = 256,
+    ) -> None:
         self._identity = identity
         self._connect_s = connect_timeout_s
         self._io_s = io_timeout_s
+        self._max_queued = max_queued
+        self._down_until: dict[tuple[str, int], float] = {}  # unreachable receivers, for a while
         self._queue: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -100,19 +112,24 @@ class PDSender:
         self._opened = 0
         self._outcomes: Counter[str] = Counter()
         self._failed: Counter[str] = Counter()
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix=f"kvlens-pd-hash-{identity.tp_rank}")
         self._thread = threading.Thread(
             target=self._loop, name=f"kvlens-pd-send-{identity.tp_rank}", daemon=True
         )
         self._thread.start()
 
     def send(self, transfer: Transfer) -> None:
-        """Queue ``transfer``; never blocks. After ``close`` it ends at once as ``shutdown``."""
+        """Queue ``transfer``; never blocks. It ends at once, ``on_done`` called on the caller's
+        thread, as ``shutdown`` after ``close`` and as ``queue_full`` when ``max_queued``
+        transfers wait already (each holds its records' memory until it ends)."""
         with self._lock:
-            if not self._closing.is_set():
+            closing = self._closing.is_set()
+            full = self._queued >= self._max_queued
+            if not closing and not full:
                 self._queued += 1
                 self._queue.put(transfer)
                 return
-        self._finish(transfer, False, "shutdown", 0, 0.0)
+        self._finish(transfer, False, "shutdown" if closing else "queue_full", 0, 0.0)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """End the transfer under way (``shutdown``) and every queued one; bounded."""
@@ -167,6 +184,7 @@ class PDSender:
                     with self._lock:
                         self._in_flight -= 1
         finally:
+            self._hasher.shutdown(wait=True)
             for conn, _ in self._pool.values():
                 conn.close()
             self._pool.clear()
@@ -194,9 +212,7 @@ class PDSender:
             }
             wire.send_all(conn, [wire.control_frame(FrameType.ALLOC, alloc)], self._io_s)
             self._expect_ok(conn)
-            for index, (_, view, _) in enumerate(t.chunks):
-                self._send_chunk(conn, index, memoryview(view).cast("B"))
-            wire.send_all(conn, [wire.control_frame(FrameType.END, {})], self._io_s)
+            self._send_chunks(conn, [memoryview(view).cast("B") for _, view, _ in t.chunks])
             self._expect_ok(conn)
         except _Refused as e:  # the connection is still in step: keep it
             self._keep(t, conn)
@@ -220,11 +236,21 @@ class PDSender:
         self._keep(t, conn)
         self._finish(t, True, None, sum(sizes), time.perf_counter() - start)
 
-    def _send_chunk(self, conn: socket.socket, index: int, data: memoryview) -> None:
-        """The frame header, the bytes and their checksum in one ``sendmsg`` (the kernel copies
-        the bytes straight from the caller's buffer)."""
-        digest = wire.chunk_trailer(wire.digest(data))
-        wire.send_all(conn, [wire.chunk_header(index, data.nbytes), data, digest], self._io_s)
+    def _send_chunks(self, conn: socket.socket, chunks: list[memoryview]) -> None:
+        """Each chunk's frame header and bytes in one ``sendmsg`` (the kernel copies the bytes
+        straight from the caller's buffer) while the hashing thread computes its checksum, which
+        goes out ahead of the next chunk; END after the last one."""
+        trailer = b""
+        check: Future[int] | None = None
+        try:
+            for index, data in enumerate(chunks):
+                check = self._hasher.submit(wire.digest, data)
+                wire.send_all(conn, [trailer, wire.chunk_header(index, data.nbytes), data], self._io_s)
+                trailer = wire.chunk_trailer(check.result())
+            wire.send_all(conn, [trailer, wire.control_frame(FrameType.END, {})], self._io_s)
+        finally:  # the caller's buffers are not read once on_done runs
+            if check is not None:
+                futures.wait([check])
 
     def _keep(self, t: Transfer, conn: socket.socket | None) -> None:
         if conn is not None:
@@ -242,11 +268,15 @@ class PDSender:
                 self._set_active(conn)
                 return conn
             conn.close()
+        if time.monotonic() < self._down_until.get((host, port), 0.0):
+            raise WireError("unreachable")  # tried moments ago: the queue behind must not wait
         try:
             conn = socket.create_connection((host, port), timeout=self._connect_s)
         except OSError as e:
             log.debug("PD receiver %s:%d unreachable: %s", host, port, e)
+            self._down_until[(host, port)] = time.monotonic() + max(1.0, self._connect_s)
             raise WireError("unreachable") from None
+        self._down_until.pop((host, port), None)
         with self._lock:
             self._opened += 1
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

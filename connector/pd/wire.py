@@ -6,8 +6,8 @@ maps of at most ``MAX_CONTROL_BYTES``; a header announcing more is refused befor
 read or allocated. A ``CHUNK`` frame's body is fixed: the chunk's index in the transfer and its
 length; the bytes follow raw, then their xxh3-64 (8 bytes). The receiver reads the bytes with
 ``recv_into`` straight into the slot the allocation gave that index (so the announced length must
-equal the allocated one). The checksum trails the bytes so that both sides hash each piece while
-it is in the CPU's cache: the sender just before it sends the piece, the receiver as it lands.
+equal the allocated one). The checksum trails the bytes so that the sender can hash a chunk (on a
+helper thread) while the chunk travels.
 
 One connection to a decoder rank's init port carries a transfer::
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import Any
 
@@ -156,33 +156,21 @@ def _os_timeout(sock: socket.socket, option: int, seconds: float) -> None:
 _TIMEVAL = struct.Struct("@ll")
 
 
-def recv_into(
-    sock: socket.socket,
-    view: memoryview,
-    deadline: Deadline,
-    silence_s: float,
-    on_piece: Callable[[memoryview], object] | None = None,
-) -> None:
-    """Fill ``view`` from ``sock``: ``Timeout`` after ``silence_s`` without a byte or once past
-    the deadline (checked between reads: a trickle is cut off at most ``silence_s`` late),
-    ``PeerClosed`` at end of stream. ``on_piece`` sees each piece as it lands (a checksum
-    computed while the bytes are still in the CPU's cache)."""
+def recv_into(sock: socket.socket, view: memoryview, deadline: Deadline, silence_s: float) -> None:
+    """Fill ``view`` from ``sock`` with one ``MSG_WAITALL`` read (more only if it is cut short):
+    ``Timeout`` when ``silence_s`` passes within a read or once past the deadline (checked
+    between reads), ``PeerClosed`` at end of stream."""
     got, size = 0, len(view)
     _os_timeout(sock, socket.SO_RCVTIMEO, min(silence_s, deadline.left()))
     while got < size:
         try:
-            if on_piece is None:  # the whole rest in one call: one wake-up, not one per segment
-                n = sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)
-            else:
-                n = sock.recv_into(view[got:], size - got)
+            n = sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)  # one wake-up
         except (BlockingIOError, TimeoutError):
             raise Timeout() from None
         except OSError:
             raise PeerClosed() from None
         if n == 0:
             raise PeerClosed()
-        if on_piece is not None:
-            on_piece(view[got : got + n])
         got += n
         if got < size:
             deadline.left()

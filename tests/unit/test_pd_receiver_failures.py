@@ -4,11 +4,16 @@ resend of claimed keys, two senders at once, close() during a transfer: none han
 
 from __future__ import annotations
 
+import os
+import socket
 import textwrap
 import threading
 
+import pytest
+
 from connector.pd import wire
 from connector.pd.receive_buffer import attach
+from connector.pd.receiver import PDReceiver
 from connector.pd.sender import PDSender
 
 from .pd_wire_support import (
@@ -212,3 +217,37 @@ def test_entries_nobody_asks_about_expire_on_their_own_even_with_a_rank_missing(
         wait_until(lambda: rx.stats().entries == 0, what="expiry without a call to expire()")
         assert rx.stats().expired == 2
         assert_idle(rx)
+
+
+def test_a_port_in_use_fails_start_and_leaves_no_buffer_behind():
+    from connector.pd.receive_buffer import buffer_dir
+
+    before = set(buffer_dir().glob(f"kvlens-pd-{os.getpid()}-*"))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        rx = PDReceiver([identity()], "127.0.0.1", [0], [taken.getsockname()[1]], 1 << 20, 5.0, 60.0)
+        with pytest.raises(OSError):
+            rx.start()
+        rx.close()
+    assert set(buffer_dir().glob(f"kvlens-pd-{os.getpid()}-*")) == before
+    assert "kvlens-pd-accept" not in pd_threads()
+
+
+def test_a_buffer_left_by_a_dead_owner_is_removed_at_the_next_start():
+    import subprocess
+    import sys
+
+    from connector.pd.receive_buffer import buffer_dir
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = buffer_dir() / f"kvlens-pd-{dead.pid}-r0-0123456789ab"
+    alive = buffer_dir() / f"kvlens-pd-{os.getppid()}-r0-0123456789ab"
+    stale.write_bytes(b"x" * 4096)
+    alive.write_bytes(b"x")
+    try:
+        with receiver():
+            assert not stale.exists()
+            assert alive.exists()  # its owner still runs
+    finally:
+        stale.unlink(missing_ok=True)
+        alive.unlink(missing_ok=True)

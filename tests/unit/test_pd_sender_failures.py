@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import socket
 import textwrap
+import threading
+import time
 from dataclasses import replace
 
+from connector.pd import wire
+from connector.pd.receive_buffer import ReceiveBuffer
 from connector.pd.sender import PDSender
 
 from .pd_wire_support import (
     HOST,
     Done,
+    RawPeer,
+    assert_idle,
     free_port,
     identity,
     kill,
@@ -230,3 +236,119 @@ def test_close_from_inside_on_done_does_not_deadlock_and_ends_the_rest():
         assert closing.wait().ok
         assert later_done.wait().reason == "shutdown"
         tx.close()
+
+
+def _slow_digest(log: list[str]):  # type: ignore[no-untyped-def]
+    real = wire.digest
+
+    def digest(data):  # type: ignore[no-untyped-def]
+        log.append("hashing")
+        time.sleep(0.3)
+        value = real(data)
+        log.append("hashed")
+        return value
+
+    return digest
+
+
+def test_on_done_comes_after_the_last_read_of_the_callers_buffers(monkeypatch):
+    log: list[str] = []
+    monkeypatch.setattr(wire, "digest", _slow_digest(log))
+    with socket.create_server((HOST, 0)) as srv:
+
+        def accept_then_hang_up() -> None:  # a decoder that dies right after the allocation
+            conn, _ = srv.accept()
+            d = wire.Deadline(10)
+            wire.recv_frame(conn, d, 10)
+            hello = {"ok": True, "reason": None, "identity": identity().to_wire(), "version": wire.VERSION}
+            conn.sendall(wire.control_frame(wire.FrameType.REPLY, hello))
+            wire.recv_frame(conn, d, 10)
+            conn.sendall(wire.control_frame(wire.FrameType.REPLY, {"ok": True, "reason": None}))
+            conn.close()
+
+        server = threading.Thread(target=accept_then_hang_up)
+        server.start()
+        tx = PDSender(identity(), 2.0, 5.0)
+        t, done = transfer(srv.getsockname()[1], records(2, 8 << 20, 100))
+        tx.send(replace(t, on_done=lambda o: (log.append("on_done"), done(o))))
+        try:
+            assert not done.wait().ok
+        finally:
+            tx.close()
+            server.join()
+    assert log[-1] == "on_done" and log.count("hashing") == log.count("hashed")
+
+
+def test_a_failed_transfers_slots_are_freed_only_after_their_checks_end(monkeypatch):
+    log: list[str] = []
+    monkeypatch.setattr(wire, "digest", _slow_digest(log))
+    real_free = ReceiveBuffer.free
+
+    def free(self, slot):  # type: ignore[no-untyped-def]
+        log.append("free")
+        real_free(self, slot)
+
+    monkeypatch.setattr(ReceiveBuffer, "free", free)
+    with receiver() as rx:
+        peer = RawPeer(rx.init_ports[0])
+        try:
+            assert peer.hello()["ok"] and peer.alloc([4096, 4096])["ok"]
+            peer.chunk(0, bytes(4096))
+        finally:
+            peer.close()  # gone mid-transfer while the first chunk is being checked
+        wait_until(lambda: rx.stats().in_flight == 0, what="the transfer dropped")
+        assert_idle(rx)
+    first_free = log.index("free")
+    assert "hashed" in log[:first_free]
+
+
+def test_transfers_behind_an_unreachable_decoder_do_not_each_wait_out_the_connect_timeout():
+    with socket.socket() as full:
+        full.bind((HOST, 0))
+        full.listen(0)
+        port = full.getsockname()[1]
+        fillers = []
+        try:
+            for _ in range(8):
+                s = socket.socket()
+                s.setblocking(False)
+                s.connect_ex((HOST, port))
+                fillers.append(s)
+            tx = PDSender(identity(), connect_timeout_s=1.0, io_timeout_s=5.0)
+            try:
+                pending = [transfer(port, records(1, 10, 10), req_id=f"r{i}") for i in range(6)]
+                start = time.monotonic()
+                for t, _ in pending:
+                    tx.send(t)
+                outcomes = [done.wait() for _, done in pending]
+                waited = time.monotonic() - start
+            finally:
+                tx.close()
+        finally:
+            for s in fillers:
+                s.close()
+    assert [o.reason for o in outcomes] == ["unreachable"] * 6
+    assert waited < 4.0  # one connect timeout (1 s), not six
+    assert tx.stats().connections_opened == 0
+
+
+def test_a_full_queue_ends_the_next_transfer_at_once_as_queue_full():
+    with socket.create_server((HOST, 0)) as silent:  # accepts, never answers: the first one waits
+        tx = PDSender(identity(), connect_timeout_s=2.0, io_timeout_s=30.0, max_queued=2)
+        port = silent.getsockname()[1]
+        try:
+            first, first_done = transfer(port, records(1, 10, 10), req_id="first")
+            tx.send(first)
+            conn, _ = silent.accept()  # the first is under way, no longer queued
+            queued = [transfer(port, records(1, 10, 10), req_id=f"q{i}") for i in range(2)]
+            for t, _ in queued:
+                tx.send(t)
+            extra, extra_done = transfer(port, records(1, 10, 10), req_id="extra")
+            tx.send(extra)
+            assert extra_done.wait(timeout=1.0).reason == "queue_full"
+            assert tx.stats().queued == 2
+        finally:
+            tx.close()
+            conn.close()
+    assert [d.wait().reason for _, d in queued] == ["shutdown", "shutdown"]
+    assert first_done.wait().reason == "shutdown"
