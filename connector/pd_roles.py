@@ -27,18 +27,10 @@ from .worker.pd_worker import PDLoads, PDSends
 
 logger = logging.getLogger("vllm.kvlens")
 
-RECORD_FORMAT = (
-    "kvlens-record-1"  # a rank's chunk bytes: [layers, blocks, block bytes], as the CPU tier holds
-)
-
-
-def record_layout(facts: EngineFacts) -> str:
-    """What one rank's record bytes hold, equal on a prefiller and a decoder that can pair."""
-    return f"{RECORD_FORMAT}|{facts.dtype}|{facts.num_layers}x{facts.block_bytes}|{facts.kv_layout}"
-
 
 def identity(key_space: str, facts: EngineFacts, chunk_size: int, rank: int) -> PeerIdentity:
-    return PeerIdentity(key_space, facts.world_size, rank, facts.block_size, chunk_size, record_layout(facts))
+    layout = facts.record_layout()
+    return PeerIdentity(key_space, facts.world_size, rank, facts.block_size, chunk_size, layout)
 
 
 def key_space(facts: EngineFacts) -> str:

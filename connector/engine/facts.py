@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from .keys import Namespace
@@ -26,6 +27,9 @@ class ModelIdentity:
         return "|".join((self.weights, self.config, self.dtype, self.quantization, self.kv_cache_dtype))
 
 
+RECORD_FORMAT = "kvlens-record-1"  # a rank's chunk bytes: [layers, blocks, block bytes] (the CPU tier's)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineFacts:
     model: str  # the model's identity as it enters every key (ModelIdentity.key())
@@ -45,6 +49,13 @@ class EngineFacts:
 
     def namespace(self) -> Namespace:
         return Namespace(self.model, self.dtype, self.kv_layout, self.world_size)
+
+    def record_layout(self) -> str:
+        """What one rank's record bytes hold, short and equal for engines whose records are
+        interchangeable (a PD prefiller and decoder must agree on it): the record format, KV
+        dtype, layers, bytes per block and layer, a digest of the KV layout."""
+        layout = hashlib.blake2b(self.kv_layout.encode(), digest_size=4).hexdigest()
+        return f"{RECORD_FORMAT}/{self.dtype}/{self.num_layers}x{self.block_bytes}/{layout}"
 
     def chunk_nbytes(self, num_tokens: int) -> int:
         """Bytes one rank stores for a chunk of ``num_tokens`` tokens (whole blocks)."""

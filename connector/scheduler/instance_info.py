@@ -51,13 +51,6 @@ def storage_identity(config: KVLensConfig) -> str:
     return ",".join(parts)
 
 
-def record_layout(facts: EngineFacts) -> str:
-    """What one rank's record bytes hold, short and equal for engines whose records are
-    interchangeable: KV dtype, layers, bytes per block and layer, a digest of the KV layout."""
-    layout = hashlib.blake2b(facts.kv_layout.encode(), digest_size=4).hexdigest()
-    return f"{facts.dtype}/{facts.num_layers}x{facts.block_bytes}/{layout}"
-
-
 def _ports(value: object) -> str:
     """A port or a list of ports (one per rank) -> "p0,p1"; nothing -> ""."""
     if value is None or value == "":
@@ -69,17 +62,17 @@ def _ports(value: object) -> str:
 def pd_labels(config: KVLensConfig, facts: EngineFacts) -> dict[str, object]:
     """The PD fields of the info gauge ("" where PD is off or the role has no such thing)."""
     out: dict[str, object] = {"tp_size": facts.world_size, "block_size": facts.block_size}
-    out["record_layout"] = record_layout(facts)
-    role = str(getattr(config, "pd_role", "") or "") if getattr(config, "enable_pd", False) else ""
+    out["record_layout"] = facts.record_layout()
+    pd = config.pd
+    role = (pd.role or "") if pd.enabled else ""
     out["pd_role"] = role
     if role == "receiver":
-        out["pd_host"] = str(getattr(config, "pd_peer_host", "") or "")
-        out["pd_init_ports"] = _ports(getattr(config, "pd_peer_init_port", None))
-        out["pd_alloc_ports"] = _ports(getattr(config, "pd_peer_alloc_port", None))
-        out["pd_buffer_size"] = int(getattr(config, "pd_buffer_size", 0) or 0)
+        out["pd_host"] = pd.peer_host or ""
+        out["pd_init_ports"] = _ports(pd.peer_init_ports)
+        out["pd_alloc_ports"] = _ports(pd.peer_alloc_ports)
+        out["pd_buffer_size"] = pd.buffer_size
     if role == "sender":
-        host, port = getattr(config, "pd_proxy_host", None), getattr(config, "pd_proxy_port", None)
-        out["pd_proxy"] = f"{host}:{int(port)}" if host and port else ""
+        out["pd_proxy"] = f"{pd.proxy_host}:{pd.proxy_port}" if pd.proxy_host and pd.proxy_port else ""
     return out
 
 

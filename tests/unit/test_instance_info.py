@@ -7,17 +7,23 @@ import dataclasses
 
 from connector.config.loading import load_config
 from connector.engine.facts import EngineFacts
-from connector.scheduler.instance_info import instance_info, record_layout
+from connector.scheduler.instance_info import instance_info
 
 
-class _WithPD:
-    """A loaded configuration plus PD settings (the keys the PD configuration adds)."""
+def _pd(**pd) -> object:
+    """A configuration loaded as an engine loads it, with these LMCache PD keys."""
+    settings = {"enable_pd": True, "transfer_channel": "tcp", "local_cpu": False, **pd}
+    return load_config({f"lmcache.{k}": v for k, v in settings.items()}, env={})
 
-    def __init__(self, config, **pd) -> None:
-        self._config, self._pd = config, pd
 
-    def __getattr__(self, name):
-        return self._pd[name] if name in self._pd else getattr(self._config, name)
+DECODER = dict(
+    pd_role="receiver",
+    pd_peer_host="10.0.0.2",
+    pd_peer_init_port=[7300, 7301],
+    pd_peer_alloc_port=[7400, 7401],
+    pd_buffer_size=1 << 30,
+    pd_buffer_device="cpu",
+)
 
 
 def _facts(role: str, tp: int = 2, layout: str = "layout-a") -> EngineFacts:
@@ -35,7 +41,7 @@ def test_without_pd_the_existing_labels_are_unchanged_and_pd_is_off():
         0,
     )
     assert (info.tp_size, info.block_size, info.chunk_size) == (2, 16, 256)
-    assert info.record_layout == record_layout(_facts("kv_both"))
+    assert info.record_layout == _facts("kv_both").record_layout()
     assert info.role == "kv_both" and len(info.key_fingerprint) == 12
     names = [f.name for f in dataclasses.fields(info)]
     assert names[:9] == [
@@ -52,16 +58,7 @@ def test_without_pd_the_existing_labels_are_unchanged_and_pd_is_off():
 
 
 def test_a_decoder_publishes_its_ports_and_buffer_a_prefiller_its_proxy():
-    config = load_config({}, env={})
-    decoder = _WithPD(
-        config,
-        enable_pd=True,
-        pd_role="receiver",
-        pd_peer_host="10.0.0.2",
-        pd_peer_init_port=[7300, 7301],
-        pd_peer_alloc_port=[7400, 7401],
-        pd_buffer_size=1 << 30,
-    )
+    decoder = _pd(**DECODER)
     info = instance_info(decoder, _facts("kv_consumer"))
     assert (info.pd_role, info.pd_host, info.pd_init_ports, info.pd_alloc_ports) == (
         "receiver",
@@ -70,21 +67,25 @@ def test_a_decoder_publishes_its_ports_and_buffer_a_prefiller_its_proxy():
         "7400,7401",
     )
     assert info.pd_buffer_size == 1 << 30 and info.pd_proxy == ""
-    prefiller = _WithPD(
-        config, enable_pd=True, pd_role="sender", pd_proxy_host="10.0.0.9", pd_proxy_port=7500
+    prefiller = _pd(
+        pd_role="sender",
+        pd_proxy_host="10.0.0.9",
+        pd_proxy_port=7500,
+        pd_buffer_device="cpu",
+        pd_buffer_size=1 << 20,
     )
     info = instance_info(prefiller, _facts("kv_producer"))
     assert (info.pd_role, info.pd_proxy, info.pd_init_ports) == ("sender", "10.0.0.9:7500", "")
-    off = _WithPD(config, enable_pd=False, pd_role="sender", pd_proxy_host="h", pd_proxy_port=1)
+    off = _pd(enable_pd=False, local_cpu=True, pd_role="sender", pd_proxy_host="h", pd_proxy_port=1)
     assert instance_info(off, _facts("kv_producer")).pd_role == ""
 
 
 def test_the_record_layout_differs_with_what_the_record_bytes_hold():
-    base = record_layout(_facts("kv_both"))
-    assert base.startswith("bfloat16/4x4096/")
-    assert record_layout(_facts("kv_both", layout="layout-b")) != base
-    assert record_layout(dataclasses.replace(_facts("kv_both"), dtype="float16")) != base
-    assert record_layout(_facts("kv_consumer", tp=1)) == base  # TP size is its own field
+    base = _facts("kv_both").record_layout()
+    assert base.startswith("kvlens-record-1/bfloat16/4x4096/")
+    assert _facts("kv_both", layout="layout-b").record_layout() != base
+    assert (dataclasses.replace(_facts("kv_both"), dtype="float16")).record_layout() != base
+    assert _facts("kv_consumer", tp=1).record_layout() == base  # TP size is its own field
 
 
 def test_the_pd_fields_reach_the_info_gauge_on_metrics():
@@ -98,16 +99,7 @@ def test_the_pd_fields_reach_the_info_gauge_on_metrics():
     from telemetry.encoding import insight_gauges
     from telemetry.metrics import PromRecorder
 
-    config = load_config({}, env={})
-    decoder = _WithPD(
-        config,
-        enable_pd=True,
-        pd_role="receiver",
-        pd_peer_host="10.0.0.2",
-        pd_peer_init_port=[7300, 7301],
-        pd_peer_alloc_port=[7400, 7401],
-        pd_buffer_size=1 << 30,
-    )
+    decoder = _pd(**DECODER)
     info = instance_info(decoder, _facts("kv_consumer"))
     registry = CollectorRegistry()
     types = {c: partial(c, registry=registry) for c in (Counter, Gauge, Histogram)}
