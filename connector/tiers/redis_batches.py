@@ -65,22 +65,25 @@ class NodeBatches:
 
         return send
 
-    def sets(self, keys: list[str], headers: list[bytes], payloads: list[memoryview]) -> Exchange:
-        """Replies: True (stored) or an error reply."""
+    def sets(
+        self, keys: list[str], header_of: Callable[[int], bytes], payloads: list[memoryview]
+    ) -> Exchange:
+        """Replies: True (stored) or an error reply. ``header_of(i)``: item i's record header,
+        made as the item is sent (its checksum overlaps the server reading the item before)."""
 
         def send(client: Redis, indices: list[int]) -> list[Any]:
             if self._direct(client):
-                frames = [
-                    redis_wire.set_frame(keys[i].encode(), headers[i], payloads[i], self.ttl_s)
+                frames = (
+                    redis_wire.set_frame(keys[i].encode(), header_of(i), payloads[i], self.ttl_s)
                     for i in indices
-                ]
+                )
                 try:
                     return redis_wire.set_many(client, frames)
                 except redis_wire.NoSocket as e:
                     self._no_socket(e)
             expiry = () if self.ttl_s is None else ("EX", self.ttl_s)
             return pipeline(
-                client, [("SET", keys[i], record(headers[i], payloads[i]), *expiry) for i in indices]
+                client, [("SET", keys[i], record(header_of(i), payloads[i]), *expiry) for i in indices]
             )
 
         return send
