@@ -43,16 +43,12 @@ class NodeBatches:
 
         def send(client: Redis, indices: list[int]) -> list[Any]:
             if self._direct(client):
-
-                def check(j: int, record: memoryview) -> memoryview | ChunkCorrupt:
-                    return self.payload(names[indices[j]], record)
-
                 try:
                     return redis_wire.get_many(
                         client,
                         [keys[i].encode() for i in indices],
                         self.buffers,
-                        check,
+                        lambda j: _Check(names[indices[j]], self.layout, self.trust),
                         self.trust.max_record_bytes,
                     )
                 except redis_wire.NoSocket as e:
@@ -109,6 +105,18 @@ class NodeBatches:
                 error,
                 redis.__version__,
             )
+
+
+class _Check(codec.RecordCheck):
+    """A record checked as it arrives: its payload, or the ChunkCorrupt saying why not."""
+
+    __slots__ = ()
+
+    def done(self, value: memoryview) -> memoryview | ChunkCorrupt:
+        try:
+            return self.payload(value)
+        except ChunkCorrupt as e:
+            return e
 
 
 def commands(command: str, keys: list[str]) -> Exchange:

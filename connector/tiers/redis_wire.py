@@ -28,7 +28,7 @@ import socket
 import ssl
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from redis import Redis
 from redis._parsers import BaseParser
@@ -88,25 +88,37 @@ def fast_path(client: Redis) -> bool:
     return str(protocol) == "2" and getattr(pool, "cache", None) is None
 
 
+class ValueCheck(Protocol):
+    """Checks one value while it arrives (``codec.RecordCheck`` is one)."""
+
+    def fed(self, value: memoryview, have: int) -> None:
+        """``value[:have]`` is in; ``value`` is the view the whole value is read into."""
+
+    def done(self, value: memoryview) -> Any:
+        """What the caller gets for the whole ``value`` (a read-only view)."""
+
+
 def get_many(
     client: Redis,
     keys: Sequence[bytes],
     buffers: ReadBuffers,
-    check: Callable[[int, memoryview], Any],
+    check: Callable[[int], ValueCheck],
     max_bytes: int | None = None,
 ) -> list[Any]:
-    """Per key: ``check(position, value)`` of its value (a read-only view in a reused buffer), None
-    (no such key), the error reply, or ChunkCorrupt for a value over ``max_bytes`` (read past,
-    never into memory). Raises redis-py's ``ConnectionError``/``TimeoutError`` when the batch
-    fails. Each value is checked as soon as it is in, while the next one arrives."""
+    """Per key: ``check(position).done(value)`` of its value (a read-only view in a reused
+    buffer), None (no such key), the error reply, or ChunkCorrupt for a value over ``max_bytes``
+    (read past, never into memory). Raises redis-py's ``ConnectionError``/``TimeoutError`` when
+    the batch fails. Each value's check is ``fed`` every piece as it lands, while the server
+    sends the next."""
     if not keys:
         return []
     with _connection(client) as (conn, replies):
         conn.send_packed_command([b"".join(get_frame(k) for k in keys)])
         out = []
         for position in range(len(keys)):
-            value = replies.bulk(buffers, max_bytes)
-            out.append(check(position, value) if isinstance(value, memoryview) else value)
+            checker = check(position)
+            value = replies.bulk(buffers, max_bytes, checker)
+            out.append(checker.done(value) if isinstance(value, memoryview) else value)
         return out
 
 
@@ -230,7 +242,9 @@ class _Replies:
         self.sock = sock
         self.pending = bytearray()  # received, not yet consumed
 
-    def bulk(self, buffers: ReadBuffers, max_bytes: int | None = None) -> memoryview | None | Exception:
+    def bulk(
+        self, buffers: ReadBuffers, max_bytes: int | None = None, checker: ValueCheck | None = None
+    ) -> memoryview | None | Exception:
         line = self._line()
         kind = line[:1]
         if kind == b"$":
@@ -243,7 +257,7 @@ class _Replies:
                 self._skip(size + 2)
                 return ChunkCorrupt(f"a value of {size} bytes, larger than any chunk record")
             view = buffers.take(size + 2)
-            self._fill(view[: size + 2])
+            self._fill(view[: size + 2], size, checker)
             if view[size : size + 2] != _CRLF:
                 raise InvalidResponse("a value did not end where its length said")
             return view[:size].toreadonly()
@@ -275,11 +289,15 @@ class _Replies:
             start = max(len(self.pending) - 1, 0)
             self.pending += self._recv(_LINE_READ)
 
-    def _fill(self, target: memoryview) -> None:
+    def _fill(self, target: memoryview, size: int, checker: ValueCheck | None) -> None:
+        """Read ``target`` whole; ``checker`` is fed its first ``size`` bytes as they land."""
         have = min(len(self.pending), target.nbytes)
         target[:have] = self.pending[:have]
         del self.pending[:have]
+        value = target[:size]
         while have < target.nbytes:
+            if checker is not None:
+                checker.fed(value, min(have, size))
             got = _io(self.sock.recv_into, target[have:])
             if not got:
                 raise RedisConnectionError("Connection closed by server.")
