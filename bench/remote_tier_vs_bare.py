@@ -1,15 +1,18 @@
 """The remote tier against a bare client on the same redis-server: loads and stores, side by side.
 
     .venv/bin/python bench/remote_tier_vs_bare.py [--quick] [--rounds N] [--out results.json]
-                                                  [--url redis://host:port/0]
+                                                  [--url redis://host:port/0] [--references]
+                                                  [--sizes 4,1]
 
 Without --url a private redis-server is started on a free loopback port (no persistence) and
 stopped at the end. Per chunk size (4 MiB and 1 MiB, in batches of 8), each round runs every
 mode over the same keys, batch by batch: each batch is read (or written) by every mode in turn,
 the order rotating, so that the modes share the machine's load. The modes:
 
-- ``bare GET``: the reference reader. One socket, the batch's GETs pipelined, each value read
-  with ``recv_into`` into one buffer allocated once. No checks.
+- ``bare GET``: the reference reader (``BareClient``), the fastest we could write: one socket,
+  the batch's GETs pipelined, each reply's header line and the value's first bytes read with one
+  ``recv_into`` into the start of one buffer allocated once, the header parsed there by hand and
+  the rest of the value read right behind it. No checks.
 - ``tier get_many``: ``RedisTier.get_many`` (record header and xxh3 checksum checked), and what
   the worker does next: each payload viewed as a KV payload by ``BlockCopier.payload_view`` and
   checked by ``check_payload``. The views are dropped after the batch, as the worker drops them
@@ -18,15 +21,25 @@ the order rotating, so that the modes share the machine's load. The modes:
   worker calls it.
 - ``redis-py GET``: redis-py's own pipeline (hiredis if installed), values decoded and checksummed:
   what the tier did before it read values itself.
-- ``bare SET``: the reference writer. One socket, the batch's SETs pipelined, each value a ready
-  record (header and payload) sent as it is. No checksum.
+- ``bare SET``: the reference writer. One socket, the batch's SETs pipelined, each one
+  ``sendmsg`` of its RESP head, a ready record (header and payload, a memoryview, uncopied) and
+  the CRLF; the ``+OK`` replies read at the end. No checksum.
 - ``tier put_many``: ``RedisTier.put_many`` (the header and checksum computed per chunk).
 - ``background put``: ``BackgroundTier.put`` per chunk, then waiting until written, as the
   worker's stores go.
 
+With ``--references`` the bare clients the reference was chosen over run beside it, each as a
+load and a store mode ("bare GET, <name>", a ratio above 1 would mean a faster reference
+exists): the previous reference (header lines through a 4 KiB ``recv``, a SET in three
+``sendall`` calls, a blocking socket) and the same on a socket with a timeout, the reference on a
+blocking socket, a blocking socket with ``MSG_WAITALL`` reads and one ``sendmsg`` per batch, and
+hiredis's reader over a raw socket when hiredis is importable (redis-py uses it for ``redis-py
+GET`` then too).
+
 Throughput is payload bytes per second; a ratio is the tier's over the bare client's in the same
-round, and the table shows the median over rounds. The goal (issue 19) is >= 0.7x for loads and
-stores. --quick runs in seconds (CI keeps the script working).
+round, and the table shows the median over rounds. The goal (issue 28) is >= 0.8x for loads and
+stores. The load average before and after is printed and kept in --out: the figures mean little
+on a busy machine. --quick runs in seconds (CI keeps the script working).
 """
 
 from __future__ import annotations
@@ -133,12 +146,13 @@ def _sendmsg_all(sock: socket.socket, pieces: list) -> None:
 class BareClient:
     """The reference: the fastest bare RESP client we could write for this job in Python.
 
-    One socket with a timeout, as redis-py's. GETs: the batch's commands in one send; each reply's first read lands at
-    the start of one buffer allocated once (its header line and the value's first bytes), the
-    header is parsed in place and the rest of the value is read with ``recv_into`` right behind
-    it. SETs: each command is one ``sendmsg`` of its RESP head, the value (a memoryview, never
-    copied) and the CRLF; the batch's ``+OK`` replies are read at the end into the same buffer.
-    No checks. ``--references`` runs it beside the alternatives it was chosen over.
+    One socket with a timeout, as redis-py's. GETs: the batch's commands in one send; each
+    reply's first read lands at the start of one buffer allocated once (its header line and the
+    value's first bytes), the header is parsed in place and the rest of the value is read with
+    ``recv_into`` right behind it. SETs: each command is one ``sendmsg`` of its RESP head, the
+    value (a memoryview, never copied) and the CRLF; the batch's ``+OK`` replies are read at the
+    end into the same buffer. No checks. ``--references`` runs it beside the alternatives it
+    was chosen over.
     """
 
     def __init__(self, host: str, port: int, max_value: int) -> None:
