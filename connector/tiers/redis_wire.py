@@ -9,9 +9,12 @@ into one new ``bytes``, a second copy of the value.
 
 So a batch of GETs goes out on a connection from the client's own pool (connected, authenticated,
 TLS, the Sentinel's master, a Cluster node: as redis-py set it up) and each reply is read from its
-socket with ``recv_into`` straight into a reused buffer (``ReadBuffers``). A SET is sent as the
-RESP frame around the caller's pieces (the record's header, then the payload itself), so the
-payload is never copied into a record first. Only the reply types these commands have are read
+socket with ``recv_into`` straight into a reused buffer (``ReadBuffers``); the value's check
+(``codec.RecordCheck``) is fed each piece as it lands, so the checksum reads bytes still in the
+CPU's cache. A SET is sent as the RESP frame around the caller's pieces (the record's header, then
+the payload itself) with ``sendmsg``, so the payload is never copied into a record first; frames
+may be made as they go out, so the next record's checksum is computed while the server reads the
+one before. Only the reply types these commands have are read
 here: a bulk string or nil, a status, an error (classed as redis-py classes it). Anything else, a
 closed socket or a timeout breaks the connection off (it is disconnected, never reused out of
 step) and fails the batch with redis-py's own ``ConnectionError``/``TimeoutError``.
