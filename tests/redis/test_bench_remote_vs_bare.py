@@ -53,5 +53,10 @@ def test_quick_references_run_the_alternatives_beside_the_reference(tmp_path):
     assert len(report["load_average"]["before"]) == 3
     (result,) = report["results"]
     for kind in ("GET", "SET"):
-        for alternative in ("previous reference", "WAITALL, one sendmsg", "timeout socket"):
+        for alternative in (
+            "previous reference",
+            "previous, timeout socket",
+            "blocking socket",
+            "blocking, WAITALL, one sendmsg",
+        ):
             assert f"bare {kind}, {alternative}" in result["ratio_to_bare"]
