@@ -30,12 +30,13 @@ from dataclasses import dataclass
 import xxhash
 
 from .base import ChunkCorrupt
-from .record_trust import MAX_HEADER_BYTES, OPEN, XXH3, Digests, RecordTrust, digests_of
+from .record_trust import MAX_HEADER_BYTES, OPEN, XXH3, Digests, RecordTrust, WholeState, digests_of
 
 MAGIC = b"KVLENS1\n"
 _LEN = struct.Struct("<I")
 PREFIX_BYTES = len(MAGIC) + _LEN.size  # what precedes the JSON header
 HEADER_PEEK_BYTES = MAX_HEADER_BYTES  # enough to read a whole header of any record KVLens writes
+_SUM_PIECE = 64 * 1024  # RecordCheck adds arrived payload to its checksum in pieces of at least this
 
 
 def checksum(payload: memoryview | bytes) -> str:
@@ -184,6 +185,57 @@ def decode(record: bytearray | memoryview, name: str, layout: str, trust: Record
     if header.digests.whole(payload) != header.whole:
         raise ChunkCorrupt(f"{name}: checksum mismatch")
     return payload
+
+
+class RecordCheck:
+    """``decode`` of one record whose bytes arrive in pieces (a socket's reads): the header is
+    checked as soon as it is in and each piece of payload is added to its checksum right after
+    it landed, while it is still in the CPU's cache. ``payload`` then answers exactly as
+    ``decode`` of the whole record would (the same errors, in the same order)."""
+
+    __slots__ = ("name", "layout", "trust", "_header", "_state", "_summed", "_failed")
+
+    def __init__(self, name: str, layout: str, trust: RecordTrust = OPEN) -> None:
+        self.name, self.layout, self.trust = name, layout, trust
+        self._header: CheckedHeader | None = None
+        self._state: WholeState | None = None
+        self._summed = 0  # bytes of the record up to which the payload is in the checksum
+        self._failed = False  # the header was refused: ``payload`` finds why on the whole record
+
+    def fed(self, record: memoryview, have: int) -> None:
+        """``record[:have]`` is in (``record``: the buffer the whole record is read into)."""
+        if self._failed:
+            return
+        if self._header is None:
+            if have < PREFIX_BYTES:
+                return
+            end = PREFIX_BYTES + _LEN.unpack(record[len(MAGIC) : PREFIX_BYTES])[0]
+            if have < min(end, MAX_HEADER_BYTES):  # longer ones are refused by check_header
+                return
+            try:
+                self._header = check_header(record[:have], self.name, self.layout, self.trust)
+            except ChunkCorrupt:
+                self._failed = True
+                return
+            self._state = self._header.digests.whole_state()
+            self._summed = self._header.end
+        if have - self._summed >= _SUM_PIECE:
+            assert self._state is not None
+            self._state.update(record[self._summed : have])
+            self._summed = have
+
+    def payload(self, record: memoryview) -> memoryview:
+        """The payload of the whole ``record`` (the bytes ``fed`` saw), checked as ``decode``."""
+        header, state = self._header, self._state
+        if header is None or state is None:
+            return decode(record, self.name, self.layout, self.trust)
+        payload = record[header.end :]
+        if payload.nbytes != header.nbytes:
+            raise ChunkCorrupt(f"{self.name}: payload is {payload.nbytes} bytes, expected {header.nbytes}")
+        state.update(record[self._summed :])
+        if state.hexdigest() != header.whole:
+            raise ChunkCorrupt(f"{self.name}: checksum mismatch")
+        return payload
 
 
 def _parse(raw: memoryview, what: str) -> dict:

@@ -8,7 +8,12 @@ Nobody hands a buffer back: the worker copies a loaded chunk into vLLM's KV tens
 copy thread reads it until the step ends, a promotion may keep it in the CPU tier or queue it for
 the disk tier, the CLI may hold it. A buffer is reused only when no view of it is alive anywhere
 (no ``memoryview``, no tensor made by ``torch.frombuffer``, which holds one). Python knows that
-exactly: a ``bytearray`` with exported views refuses to change size, so ``_unexported`` asks it to.
+exactly: a buffer with exported views refuses to change size, so ``_unexported`` asks it to.
+
+Buffers are anonymous memory maps marked for transparent huge pages (``MADV_HUGEPAGE``, where the
+kernel has them; ``bytearray`` elsewhere): a batch lands in several buffers, one per value, and
+with 4 KiB pages the socket's copy into them ran at about 0.75x its speed into one buffer used
+over and over; with huge pages at about 0.9x (8 buffers of 4 MiB, loopback Redis).
 
 Buffers are whole pages (one kept by the CPU tier holds less than a page beyond its record) and
 kept per size, at most ``max_bytes`` of them, least recently lent first, so a take usually finds
@@ -19,6 +24,7 @@ its own that is freed when its last view goes. Idle, the pool holds at most ``ma
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections import OrderedDict
 
@@ -29,7 +35,7 @@ DEFAULT_MAX_BYTES = 128 * 1024**2
 class _Kept:
     __slots__ = ("buffer", "lent_at")
 
-    def __init__(self, buffer: bytearray, lent_at: int) -> None:
+    def __init__(self, buffer: Buffer, lent_at: int) -> None:
         self.buffer = buffer
         self.lent_at = lent_at  # the take that last lent it
 
@@ -94,17 +100,51 @@ class ReadBuffers:
         return self.bytes + size <= self.max_bytes
 
 
-def _new(size: int) -> bytearray:
-    buffer = bytearray(size + 1)
-    del buffer[-1]  # a spare byte allocated: _unexported's append never moves the buffer
-    return buffer
+Buffer = mmap.mmap | bytearray
 
 
-def _unexported(buffer: bytearray) -> bool:
-    """True when no view of ``buffer`` is alive (growing it by one byte is refused otherwise)."""
+def _new(size: int) -> Buffer:
+    if _MAPPED:
+        buffer = mmap.mmap(-1, size)
+        if _HUGE is not None:
+            buffer.madvise(_HUGE)
+        return buffer
+    array = bytearray(size + 1)
+    del array[-1]  # a spare byte allocated: _unexported's append never moves the buffer
+    return array
+
+
+def _unexported(buffer: Buffer) -> bool:
+    """True when no view of ``buffer`` is alive (resizing it is refused otherwise: a map to its
+    own size, a bytearray by one byte)."""
     try:
-        buffer.append(0)
+        if isinstance(buffer, mmap.mmap):
+            buffer.resize(len(buffer))
+        else:
+            buffer.append(0)
+            del buffer[-1]
     except BufferError:
         return False
-    del buffer[-1]
     return True
+
+
+def _maps_work() -> bool:
+    """Whether anonymous maps can be resized here (and so tell whether they are viewed)."""
+    try:
+        probe = mmap.mmap(-1, mmap.PAGESIZE)
+        view = memoryview(probe)
+        try:
+            probe.resize(len(probe))
+            return False  # resized under a live view: no way to tell
+        except BufferError:
+            pass
+        view.release()
+        probe.resize(len(probe))
+        probe.close()
+        return True
+    except (OSError, ValueError, SystemError, AttributeError):
+        return False
+
+
+_HUGE = getattr(mmap, "MADV_HUGEPAGE", None)
+_MAPPED = _maps_work()

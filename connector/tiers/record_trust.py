@@ -25,6 +25,7 @@ import hmac
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import blake3
 import xxhash
@@ -47,6 +48,10 @@ class Digests:
     def layer(self, data: memoryview | bytes) -> str:
         return xxhash.xxh3_64_hexdigest(data)
 
+    def whole_state(self) -> WholeState:
+        """``whole`` of bytes fed one piece after another (``update``, then ``hexdigest``)."""
+        return xxhash.xxh3_128()
+
     def layer_of(self, parts: Iterable[memoryview]) -> str:
         """``layer`` of the parts' bytes one after the other."""
         state = xxhash.xxh3_64()
@@ -67,11 +72,32 @@ class Blake3Digests(Digests):
     def layer(self, data: memoryview | bytes) -> str:
         return blake3.blake3(data).hexdigest(DIGEST_BYTES)
 
+    def whole_state(self) -> WholeState:
+        return _Blake3State()
+
     def layer_of(self, parts: Iterable[memoryview]) -> str:
         state = blake3.blake3()
         for part in parts:
             state.update(part)
         return state.hexdigest(DIGEST_BYTES)
+
+
+class WholeState(Protocol):
+    def update(self, data: memoryview | bytes, /) -> object: ...
+    def hexdigest(self) -> str: ...
+
+
+class _Blake3State:
+    __slots__ = ("_state",)
+
+    def __init__(self) -> None:
+        self._state = blake3.blake3()
+
+    def update(self, data: memoryview | bytes) -> None:
+        self._state.update(data)
+
+    def hexdigest(self) -> str:
+        return self._state.hexdigest(DIGEST_BYTES)
 
 
 XXH3 = Digests()

@@ -43,16 +43,12 @@ class NodeBatches:
 
         def send(client: Redis, indices: list[int]) -> list[Any]:
             if self._direct(client):
-
-                def check(j: int, record: memoryview) -> memoryview | ChunkCorrupt:
-                    return self.payload(names[indices[j]], record)
-
                 try:
                     return redis_wire.get_many(
                         client,
                         [keys[i].encode() for i in indices],
                         self.buffers,
-                        check,
+                        lambda j: _Check(names[indices[j]], self.layout, self.trust),
                         self.trust.max_record_bytes,
                     )
                 except redis_wire.NoSocket as e:
@@ -65,22 +61,25 @@ class NodeBatches:
 
         return send
 
-    def sets(self, keys: list[str], headers: list[bytes], payloads: list[memoryview]) -> Exchange:
-        """Replies: True (stored) or an error reply."""
+    def sets(
+        self, keys: list[str], header_of: Callable[[int], bytes], payloads: list[memoryview]
+    ) -> Exchange:
+        """Replies: True (stored) or an error reply. ``header_of(i)``: item i's record header,
+        made as the item is sent (its checksum overlaps the server reading the item before)."""
 
         def send(client: Redis, indices: list[int]) -> list[Any]:
             if self._direct(client):
-                frames = [
-                    redis_wire.set_frame(keys[i].encode(), headers[i], payloads[i], self.ttl_s)
+                frames = (
+                    redis_wire.set_frame(keys[i].encode(), header_of(i), payloads[i], self.ttl_s)
                     for i in indices
-                ]
+                )
                 try:
                     return redis_wire.set_many(client, frames)
                 except redis_wire.NoSocket as e:
                     self._no_socket(e)
             expiry = () if self.ttl_s is None else ("EX", self.ttl_s)
             return pipeline(
-                client, [("SET", keys[i], record(headers[i], payloads[i]), *expiry) for i in indices]
+                client, [("SET", keys[i], record(header_of(i), payloads[i]), *expiry) for i in indices]
             )
 
         return send
@@ -106,6 +105,18 @@ class NodeBatches:
                 error,
                 redis.__version__,
             )
+
+
+class _Check(codec.RecordCheck):
+    """A record checked as it arrives: its payload, or the ChunkCorrupt saying why not."""
+
+    __slots__ = ()
+
+    def done(self, value: memoryview) -> memoryview | ChunkCorrupt:
+        try:
+            return self.payload(value)
+        except ChunkCorrupt as e:
+            return e
 
 
 def commands(command: str, keys: list[str]) -> Exchange:

@@ -150,7 +150,7 @@ class RedisTier:
         """Store ``payload`` under ``name``; returns the bytes of the record written."""
         header = codec.encode_header(name, self.layout, payload, namespace, trust=self.trust)
         keys = [self.key(name)]
-        (reply,) = self._run("put", keys, self._batches.sets(keys, [header], [payload]))
+        (reply,) = self._run("put", keys, self._batches.sets(keys, lambda _: header, [payload]))
         _raise_if_error(self._stored(reply, "put"))
         return len(header) + payload.nbytes
 
@@ -192,13 +192,21 @@ class RedisTier:
         ``namespaces``: per item, as in ``put`` (none given: "").
         """
         spaces = namespaces or [""] * len(items)
-        headers = [
-            codec.encode_header(name, self.layout, payload, ns, trust=self.trust)
-            for (name, payload), ns in zip(items, spaces, strict=True)
-        ]
+        if len(spaces) != len(items):
+            raise ValueError(f"{len(items)} items, {len(spaces)} namespaces")
+        headers: dict[int, bytes] = {}  # made as each item is sent, kept should it be sent again
+
+        def header_of(i: int) -> bytes:
+            header = headers.get(i)
+            if header is None:
+                name, payload = items[i]
+                header = codec.encode_header(name, self.layout, payload, spaces[i], trust=self.trust)
+                headers[i] = header
+            return header
+
         keys = [self.key(name) for name, _ in items]
         replies = self._run(
-            "put_many", keys, self._batches.sets(keys, headers, [payload for _, payload in items])
+            "put_many", keys, self._batches.sets(keys, header_of, [payload for _, payload in items])
         )
         return [self._stored(reply, "put_many") for reply in replies]
 

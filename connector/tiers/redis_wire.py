@@ -9,9 +9,12 @@ into one new ``bytes``, a second copy of the value.
 
 So a batch of GETs goes out on a connection from the client's own pool (connected, authenticated,
 TLS, the Sentinel's master, a Cluster node: as redis-py set it up) and each reply is read from its
-socket with ``recv_into`` straight into a reused buffer (``ReadBuffers``). A SET is sent as the
-RESP frame around the caller's pieces (the record's header, then the payload itself), so the
-payload is never copied into a record first. Only the reply types these commands have are read
+socket with ``recv_into`` straight into a reused buffer (``ReadBuffers``); the value's check
+(``codec.RecordCheck``) is fed each piece as it lands, so the checksum reads bytes still in the
+CPU's cache. A SET is sent as the RESP frame around the caller's pieces (the record's header, then
+the payload itself) with ``sendmsg``, so the payload is never copied into a record first; frames
+may be made as they go out, so the next record's checksum is computed while the server reads the
+one before. Only the reply types these commands have are read
 here: a bulk string or nil, a status, an error (classed as redis-py classes it). Anything else, a
 closed socket or a timeout breaks the connection off (it is disconnected, never reused out of
 step) and fails the batch with redis-py's own ``ConnectionError``/``TimeoutError``.
@@ -25,9 +28,10 @@ from __future__ import annotations
 
 import inspect
 import socket
-from collections.abc import Callable, Iterator, Sequence
+import ssl
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from redis import Redis
 from redis._parsers import BaseParser
@@ -44,7 +48,9 @@ Frame = list[bytes | memoryview]  # one command's bytes, in order
 _CRLF = b"\r\n"
 _LINE_READ = 4096  # bytes asked for when a reply's first line is incomplete
 _MAX_LINE = 64 * 1024
-_JOIN = 64 * 1024  # pieces under this are joined into one send
+_JOIN = 64 * 1024  # TLS: pieces under this are joined into one send
+_SEND_AT = 256 * 1024  # frames gathered up to this many bytes go out in one sendmsg
+_MAX_PIECES = 512  # pieces in one sendmsg (the kernel takes at most IOV_MAX, 1024)
 # A value longer than any record is read past in pieces of this size, never into one buffer; one
 # longer than Redis's default limit of a value (proto-max-bulk-len) breaks the connection off.
 _SKIP_PIECE = 64 * 1024
@@ -85,35 +91,51 @@ def fast_path(client: Redis) -> bool:
     return str(protocol) == "2" and getattr(pool, "cache", None) is None
 
 
+class ValueCheck(Protocol):
+    """Checks one value while it arrives (``codec.RecordCheck`` is one)."""
+
+    def fed(self, value: memoryview, have: int) -> None:
+        """``value[:have]`` is in; ``value`` is the view the whole value is read into."""
+
+    def done(self, value: memoryview) -> Any:
+        """What the caller gets for the whole ``value`` (a read-only view)."""
+
+
 def get_many(
     client: Redis,
     keys: Sequence[bytes],
     buffers: ReadBuffers,
-    check: Callable[[int, memoryview], Any],
+    check: Callable[[int], ValueCheck],
     max_bytes: int | None = None,
 ) -> list[Any]:
-    """Per key: ``check(position, value)`` of its value (a read-only view in a reused buffer), None
-    (no such key), the error reply, or ChunkCorrupt for a value over ``max_bytes`` (read past,
-    never into memory). Raises redis-py's ``ConnectionError``/``TimeoutError`` when the batch
-    fails. Each value is checked as soon as it is in, while the next one arrives."""
+    """Per key: ``check(position).done(value)`` of its value (a read-only view in a reused
+    buffer), None (no such key), the error reply, or ChunkCorrupt for a value over ``max_bytes``
+    (read past, never into memory). Raises redis-py's ``ConnectionError``/``TimeoutError`` when
+    the batch fails. Each value's check is ``fed`` every piece as it lands, while the server
+    sends the next."""
     if not keys:
         return []
     with _connection(client) as (conn, replies):
         conn.send_packed_command([b"".join(get_frame(k) for k in keys)])
         out = []
         for position in range(len(keys)):
-            value = replies.bulk(buffers, max_bytes)
-            out.append(check(position, value) if isinstance(value, memoryview) else value)
+            checker = check(position)
+            value = replies.bulk(buffers, max_bytes, checker)
+            out.append(checker.done(value) if isinstance(value, memoryview) else value)
         return out
 
 
-def set_many(client: Redis, frames: Sequence[Frame]) -> list[Any]:
-    """Per frame: True (stored) or the error reply; raises like ``get_many``."""
-    if not frames:
+def set_many(client: Redis, frames: Iterable[Frame]) -> list[Any]:
+    """Per frame: True (stored) or the error reply; raises like ``get_many``.
+
+    ``frames`` may be made as they are sent (a generator): each is sent before the next one is
+    made, so a record's checksum is computed while the server reads the record before it.
+    """
+    if isinstance(frames, Sequence) and not frames:
         return []
-    with _connection(client) as (conn, replies):
-        conn.send_packed_command(_coalesced(frames))
-        return [replies.status() for _ in frames]
+    with _connection(client) as (_, replies):
+        count = _send_frames(replies.sock, frames)
+        return [replies.status() for _ in range(count)]
 
 
 @contextmanager
@@ -143,6 +165,46 @@ def _socket_of(conn: Any) -> socket.socket | None:
     return sock if isinstance(sock, socket.socket) else None
 
 
+def _send_frames(sock: socket.socket, frames: Iterable[Frame]) -> int:
+    """Send the frames in order (a payload is never copied); returns how many were sent.
+
+    Pieces are gathered until ``_SEND_AT`` bytes, then go out in one ``sendmsg``: a large
+    payload leaves as soon as its frame is made, small frames travel together. TLS sockets have
+    no ``sendmsg``: their small pieces are joined up to ``_JOIN`` bytes and sent one by one.
+    """
+    send = _sendall if isinstance(sock, ssl.SSLSocket) else _sendmsg
+    pending: list[bytes | memoryview] = []
+    size = count = 0
+    for frame in frames:
+        count += 1
+        for piece in frame:
+            pending.append(piece)
+            size += piece.nbytes if isinstance(piece, memoryview) else len(piece)
+        if size >= _SEND_AT or len(pending) >= _MAX_PIECES:
+            send(sock, pending)
+            pending, size = [], 0
+    if pending:
+        send(sock, pending)
+    return count
+
+
+def _sendmsg(sock: socket.socket, pieces: list[bytes | memoryview]) -> None:
+    views = [memoryview(p).cast("B") for p in pieces]
+    first = 0
+    while first < len(views):
+        sent = _io(sock.sendmsg, views[first : first + _MAX_PIECES])
+        while first < len(views) and sent >= views[first].nbytes:
+            sent -= views[first].nbytes
+            first += 1
+        if sent:
+            views[first] = views[first][sent:]
+
+
+def _sendall(sock: socket.socket, pieces: list[bytes | memoryview]) -> None:
+    for piece in _coalesced([pieces]):
+        _io(sock.sendall, piece)
+
+
 def _coalesced(frames: Sequence[Frame]) -> list[bytes | memoryview]:
     """The frames' pieces, neighbouring small ones joined up to ``_JOIN`` bytes (fewer sends;
     only small payloads are copied)."""
@@ -165,14 +227,27 @@ def _coalesced(frames: Sequence[Frame]) -> list[bytes | memoryview]:
     return out
 
 
+def _io(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on the socket, its failures as redis-py's (the batch fails, the connection
+    is broken off)."""
+    try:
+        return fn(*args)
+    except TimeoutError:
+        raise RedisTimeoutError("Timeout on the socket") from None
+    except OSError as e:
+        raise RedisConnectionError(f"Error on the socket: {e}") from None
+
+
 class _Replies:
     """Reads replies off one socket: first lines through a small buffer, values with recv_into."""
 
     def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
+        self.sock = sock
         self.pending = bytearray()  # received, not yet consumed
 
-    def bulk(self, buffers: ReadBuffers, max_bytes: int | None = None) -> memoryview | None | Exception:
+    def bulk(
+        self, buffers: ReadBuffers, max_bytes: int | None = None, checker: ValueCheck | None = None
+    ) -> memoryview | None | Exception:
         line = self._line()
         kind = line[:1]
         if kind == b"$":
@@ -185,7 +260,7 @@ class _Replies:
                 self._skip(size + 2)
                 return ChunkCorrupt(f"a value of {size} bytes, larger than any chunk record")
             view = buffers.take(size + 2)
-            self._fill(view[: size + 2])
+            self._fill(view[: size + 2], size, checker)
             if view[size : size + 2] != _CRLF:
                 raise InvalidResponse("a value did not end where its length said")
             return view[:size].toreadonly()
@@ -217,12 +292,16 @@ class _Replies:
             start = max(len(self.pending) - 1, 0)
             self.pending += self._recv(_LINE_READ)
 
-    def _fill(self, target: memoryview) -> None:
+    def _fill(self, target: memoryview, size: int, checker: ValueCheck | None) -> None:
+        """Read ``target`` whole; ``checker`` is fed its first ``size`` bytes as they land."""
         have = min(len(self.pending), target.nbytes)
         target[:have] = self.pending[:have]
         del self.pending[:have]
+        value = target[:size]
         while have < target.nbytes:
-            got = self._io(self._sock.recv_into, target[have:])
+            if checker is not None:
+                checker.fed(value, min(have, size))
+            got = _io(self.sock.recv_into, target[have:])
             if not got:
                 raise RedisConnectionError("Connection closed by server.")
             have += got
@@ -233,25 +312,16 @@ class _Replies:
         del self.pending[:have]
         scratch = memoryview(bytearray(min(_SKIP_PIECE, nbytes)))
         while have < nbytes:
-            got = self._io(self._sock.recv_into, scratch[: min(scratch.nbytes, nbytes - have)])
+            got = _io(self.sock.recv_into, scratch[: min(scratch.nbytes, nbytes - have)])
             if not got:
                 raise RedisConnectionError("Connection closed by server.")
             have += got
 
     def _recv(self, nbytes: int) -> bytes:
-        data = self._io(self._sock.recv, nbytes)
+        data = _io(self.sock.recv, nbytes)
         if not data:
             raise RedisConnectionError("Connection closed by server.")
         return data
-
-    @staticmethod
-    def _io(fn: Any, arg: Any) -> Any:
-        try:
-            return fn(arg)
-        except TimeoutError:
-            raise RedisTimeoutError("Timeout reading from the socket") from None
-        except OSError as e:
-            raise RedisConnectionError(f"Error while reading from the socket: {e}") from None
 
 
 def _int(line: bytes) -> int:

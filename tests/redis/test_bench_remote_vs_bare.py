@@ -29,3 +29,34 @@ def test_quick_side_by_side_prints_ratios_for_loads_and_stores_of_both_sizes(tmp
             "background put",
         }
         assert all(rate > 0 for rate in result["gb_per_s"].values())
+
+
+def test_quick_references_run_the_alternatives_beside_the_reference(tmp_path):
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "remote_tier_vs_bare.py"),
+            "--quick",
+            "--references",
+            "--sizes",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert len(report["load_average"]["before"]) == 3
+    (result,) = report["results"]
+    for kind in ("GET", "SET"):
+        for alternative in (
+            "previous reference",
+            "previous, timeout socket",
+            "blocking socket",
+            "blocking, WAITALL, one sendmsg",
+        ):
+            assert f"bare {kind}, {alternative}" in result["ratio_to_bare"]

@@ -78,15 +78,16 @@ def test_exists_many_on_present_and_absent_names(url, tier_factory):
 
 
 def _count_sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts packed writes to any connection: one per round trip of a pipeline."""
+    """Counts connections taken from any pool: one per round trip of a batch (a redis-py
+    pipeline, or the GETs and SETs ``redis_wire`` writes to a connection's socket itself)."""
     sends = [0]
-    original = redis.connection.AbstractConnection.send_packed_command
+    original = redis.connection.ConnectionPool.get_connection
 
-    def counting(self, command, check_health=True):
+    def counting(self, *args, **kwargs):
         sends[0] += 1
-        return original(self, command, check_health)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
+    monkeypatch.setattr(redis.connection.ConnectionPool, "get_connection", counting)
     return sends
 
 

@@ -4,6 +4,7 @@ connection out of step; RESP3 connections still go through redis-py."""
 
 from __future__ import annotations
 
+import socket
 import time
 import tracemalloc
 import warnings
@@ -11,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from connector.tiers import redis_wire
+from connector.tiers import codec, redis_wire
 from connector.tiers.base import ChunkCorrupt, ChunkMissing
 from connector.tiers.redis_tier import RemoteUnavailable
 
@@ -31,7 +32,11 @@ def test_loads_reuse_their_buffers_once_the_payloads_are_dropped(redis_server, t
     tier = tier_factory(redis_server.url)
     names = [name(i) for i in range(4)]
     tier.put_many([(n, payload(MB, i)) for i, n in enumerate(names)])
-    assert all(isinstance(v, memoryview) for v in tier.get_many(names))  # buffers exist, all dropped
+    first = tier.get_many(names)
+    assert all(isinstance(v, memoryview) for v in first)
+    buffers = {id(v.obj) for v in first}
+    del first  # buffers exist, all dropped
+    held = tier.read_buffers.bytes
     tracemalloc.start()
     try:
         got = tier.get_many(names)
@@ -39,7 +44,8 @@ def test_loads_reuse_their_buffers_once_the_payloads_are_dropped(redis_server, t
     finally:
         tracemalloc.stop()
     assert got == [payload(MB, i) for i in range(4)]
-    assert peak < MB / 4  # 4 MiB read, none of it into new memory
+    assert peak < MB / 4  # 4 MiB read, none of it into new memory (Python's allocator)...
+    assert {id(v.obj) for v in got} == buffers and tier.read_buffers.bytes == held  # ...nor maps
 
 
 def test_a_payload_still_viewed_is_never_overwritten_by_later_loads(redis_server, tier_factory):
@@ -134,6 +140,59 @@ def test_resp3_connections_go_through_redis_py_and_still_check_records(redis_ser
 def test_resp2_connections_take_the_direct_path(redis_server, tier_factory):
     (client,) = tier_factory(redis_server.url)._nodes.masters()
     assert redis_wire.fast_path(client)
+
+
+class _WatchedSocket(socket.socket):
+    """A connection's socket that notes the bytes sent through it."""
+
+    sent: list[int]
+
+    def sendmsg(self, buffers, *args):  # noqa: ANN001, ANN201
+        n = super().sendmsg(buffers, *args)
+        self.sent.append(n)
+        return n
+
+    def sendall(self, data, *args):  # noqa: ANN001, ANN201
+        super().sendall(data, *args)
+        self.sent.append(memoryview(data).nbytes)
+
+
+def _watch_sends(client) -> list[int]:  # noqa: ANN001
+    """Replace the socket of ``client``'s one pooled connection by one that notes its sends."""
+    pool = client.connection_pool
+    conn = pool.get_connection("SET") if redis_wire._NAMED else pool.get_connection()
+    try:
+        old = conn._sock
+        watched = _WatchedSocket(old.family, old.type, old.proto, fileno=old.detach())
+        watched.settimeout(old.gettimeout())
+        watched.sent = []
+        conn._sock = watched
+        conn._parser.on_connect(conn)  # redis-py's reader of the connection reads the new socket
+    finally:
+        pool.release(conn)
+    return watched.sent
+
+
+def test_put_many_sends_each_record_before_checksumming_the_next(redis_server, tier_factory, monkeypatch):
+    """A record's header (its payload's checksum) is made while the server reads the record
+    before it, not all headers before the first byte goes out."""
+    tier = tier_factory(redis_server.url)
+    tier.put(name(9), payload(100))  # the pool holds one connection
+    (client,) = tier._nodes.masters()
+    sent = _watch_sends(client)
+    sent_at_header: list[int] = []
+    original = codec.encode_header
+
+    def encode_header(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        sent_at_header.append(sum(sent))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(codec, "encode_header", encode_header)
+    items = [(name(i), payload(MB, i)) for i in range(4)]
+    assert tier.put_many(items) == [None] * 4
+    assert len(sent_at_header) == 4
+    assert all(sent_at_header[i] >= i * MB for i in range(4)), sent_at_header
+    assert tier.get_many([n for n, _ in items]) == [p for _, p in items]
 
 
 def test_small_pieces_go_out_joined_and_large_payloads_as_they_are():
