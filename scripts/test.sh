@@ -45,13 +45,23 @@ if [ "$split" != 1 ]; then
     exit "$rc"
 fi
 
+# The integration tests themselves run as pytest-xdist workers side by side, a test file at a
+# time each (--dist loadfile: a module's shared engine stays in one worker), one worker per core
+# up to KVLENS_TEST_WORKERS (default 2: a test may run three engines, 24 GB holds two such tests).
+# Each worker's engines get a core of their own (tests/conftest.py). KVLENS_TEST_WORKERS=1: one.
+cores="$("$PY" -c 'import os; print(len(os.sched_getaffinity(0)))')"
+workers="${KVLENS_TEST_WORKERS:-2}"
+[ "$workers" -gt "$cores" ] && workers="$cores"
+xdist=()
+[ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadfile)
+
 beside_dir="$(mktemp -d "${TMPDIR:-/tmp}/kvlens-tests-beside.XXXXXX")"
 echo "[test] python -m pytest tests -q -m 'not integration' $* (beside, output below)"
 "$PY" -m pytest tests -q --durations=10 -m "not integration" -p no:cacheprovider --basetemp "$beside_dir/tmp" "$@" \
     >"$beside_dir/output.txt" 2>&1 &
 beside=$!
-echo "[test] python -m pytest tests -q -m integration $*"
-"$PY" -m pytest tests -q --durations=10 -m integration "$@"
+echo "[test] python -m pytest tests -q -m integration ${xdist[*]:+${xdist[*]} }$*"
+"$PY" -m pytest tests -q --durations=10 -m integration "${xdist[@]}" "$@"
 rc_integration=$?
 wait "$beside"
 rc_beside=$?
