@@ -53,7 +53,7 @@ cores="$("$PY" -c 'import os; print(len(os.sched_getaffinity(0)))')"
 workers="${KVLENS_TEST_WORKERS:-2}"
 [ "$workers" -gt "$cores" ] && workers="$cores"
 xdist=()
-[ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadfile)
+[ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadgroup)
 
 beside_dir="$(mktemp -d "${TMPDIR:-/tmp}/kvlens-tests-beside.XXXXXX")"
 echo "[test] python -m pytest tests -q -m 'not integration' $* (beside, output below)"

@@ -1,16 +1,29 @@
-"""Settings every test process needs, in one place: where each process's vLLM workers run.
+"""How the test processes that ``scripts/test.sh`` runs side by side share the machine.
 
-``scripts/test.sh`` runs the real-vLLM tests as pytest-xdist workers side by side, one test
-file at a time each (``--dist loadfile``, so a module's shared engine stays in one process).
-vLLM-CPU pins a worker's threads to cores chosen from ``VLLM_CPU_OMP_THREADS_BIND``; with
-``auto`` every engine started by any process would pin its worker to the same core (core 0
-here) and two engines would share one core while the other idles. So each xdist worker gives
-its engines a core of their own, by its index, unless the caller chose a binding.
+``scripts/test.sh`` runs the real-vLLM tests as pytest-xdist workers side by side
+(``-n 2 --dist loadgroup``). Three rules, kept here:
+
+* **A test file is one unit of work**, so a module's shared engine (module-scoped fixtures)
+  lives in one worker. Modules that share an engine through a session fixture are marked
+  ``pytest.mark.xdist_group("NAME")`` and go to one worker together as one unit.
+* **The longest units start first**, by the seconds measured in ``durations.json`` (a unit not
+  listed there counts ``UNKNOWN_TEST_S`` per test), so that no long file is left to run alone
+  at the end. Refresh the file from ``--durations=0`` when files change much.
+* **Each worker's engines get a core of their own.** vLLM-CPU pins a worker's threads to the
+  cores in ``VLLM_CPU_OMP_THREADS_BIND``; with ``auto`` every engine of every process would pin
+  to the same core (core 0 here) while the other idles.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
+
+import pytest
+
+DURATIONS = Path(__file__).with_name("durations.json")
+UNKNOWN_TEST_S = 20.0  # a real-vLLM test not yet measured: about the median here
 
 
 def worker_cores(worker: str | None, allowed: set[int], chosen: str) -> str:
@@ -23,8 +36,58 @@ def worker_cores(worker: str | None, allowed: set[int], chosen: str) -> str:
     return str(cores[int(worker[2:]) % len(cores)])
 
 
-def pytest_configure(config) -> None:
+def unit_of_work(item: pytest.Item) -> str:
+    """The xdist group the test is marked with, else its file."""
+    for mark in item.iter_markers("xdist_group"):
+        return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    return item.nodeid.split("::", 1)[0]
+
+
+def longest_first(items: list[pytest.Item], measured: dict[str, float]) -> list[pytest.Item]:
+    """``items`` with the units of work in order of their expected seconds, longest first (the
+    tests of a unit keep their order)."""
+    units: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        units.setdefault(unit_of_work(item), []).append(item)
+
+    def expected_s(unit: str) -> float:
+        return measured.get(unit, UNKNOWN_TEST_S * len(units[unit]))
+
+    ordered = sorted(units, key=lambda unit: -expected_s(unit))  # stable: ties keep their order
+    return [item for unit in ordered for item in units[unit]]
+
+
+class FileOrGroupUnits:
+    """pytest-xdist's scheduler for ``--dist loadgroup``, with a file as the unit of work where
+    ``loadgroup`` alone would send each test of an unmarked file anywhere (a module's engine
+    would then start in every worker), and the units taken in the order collected."""
+
+    @staticmethod
+    def pytest_xdist_make_scheduler(config: pytest.Config, log):
+        if config.getvalue("dist") != "loadgroup":
+            return None
+        from xdist.scheduler import LoadGroupScheduling
+
+        class FileOrGroupScheduling(LoadGroupScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                if nodeid.rfind("@") > nodeid.rfind("]"):  # "path::test[params]@group"
+                    return nodeid.rsplit("@", 1)[-1]
+                return nodeid.split("::", 1)[0]
+
+        config.option.loadscopereorder = False  # keep the order collected (longest first)
+        return FileOrGroupScheduling(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist"):  # its hook exists only with the plugin
+        config.pluginmanager.register(FileOrGroupUnits(), "kvlens-file-or-group-units")
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
         chosen = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = worker_cores(worker, os.sched_getaffinity(0), chosen)
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # what each worker collects is the controller's queue
+        items[:] = longest_first(items, json.loads(DURATIONS.read_text()))
