@@ -24,7 +24,7 @@ done
 
 PY="$KVLENS_VENV/bin/python"
 # The whole suite (no test paths, no -m of the caller's) runs as two pytest processes side by
-# side: the tests marked integration (real vLLM) and the rest. vLLM's tests keep about one of
+# side: the tests marked integration (real vLLM; in workers, below) and the rest. vLLM's tests keep about one of
 # the two cores busy (its worker is pinned to one core; a start is mostly one process's imports),
 # so the other core runs the rest meanwhile, minutes off the suite's time. The second one's
 # output follows the first's. KVLENS_TEST_SPLIT=0 runs one process.
@@ -45,10 +45,11 @@ if [ "$split" != 1 ]; then
     exit "$rc"
 fi
 
-# The integration tests themselves run as pytest-xdist workers side by side, a test file at a
-# time each (--dist loadfile: a module's shared engine stays in one worker), one worker per core
-# up to KVLENS_TEST_WORKERS (default 2: a test may run three engines, 24 GB holds two such tests).
-# Each worker's engines get a core of their own (tests/conftest.py). KVLENS_TEST_WORKERS=1: one.
+# The integration tests themselves run as pytest-xdist workers side by side, one per core up to
+# KVLENS_TEST_WORKERS (default 2: a test may run three engines, 24 GB holds two such tests;
+# KVLENS_TEST_WORKERS=1: one process). tests/conftest.py keeps each test file (or xdist_group)
+# in one worker, so that a module's shared engine starts once, starts the longest files first
+# (tests/durations.json) and gives each worker's engines a core of their own.
 cores="$("$PY" -c 'import os; print(len(os.sched_getaffinity(0)))')"
 workers="${KVLENS_TEST_WORKERS:-2}"
 [ "$workers" -gt "$cores" ] && workers="$cores"
