@@ -24,10 +24,10 @@ done
 
 PY="$KVLENS_VENV/bin/python"
 # The whole suite (no test paths, no -m of the caller's) runs as two pytest processes side by
-# side: the tests marked integration (real vLLM; in workers, below) and the rest. vLLM's tests keep about one of
-# the two cores busy (its worker is pinned to one core; a start is mostly one process's imports),
-# so the other core runs the rest meanwhile, minutes off the suite's time. The second one's
-# output follows the first's. KVLENS_TEST_SPLIT=0 runs one process.
+# side: the tests marked integration (real vLLM; in xdist workers, below) and the rest. A vLLM
+# test keeps about one core busy (its worker is pinned to one core; a start is mostly one
+# process's imports), so each core runs one worker's engines, and the rest runs in the gaps.
+# The second one's output follows the first's. KVLENS_TEST_SPLIT=0 runs one process.
 split="${KVLENS_TEST_SPLIT:-1}"
 [ ${#targets[@]} -eq 0 ] && split=0
 for arg in "$@"; do
