@@ -4,8 +4,9 @@
 (``-n 2 --dist loadgroup``). Three rules, kept here:
 
 * **A test file is one unit of work**, so a module's shared engine (module-scoped fixtures)
-  lives in one worker. Modules that share an engine through a session fixture are marked
-  ``pytest.mark.xdist_group("NAME")`` and go to one worker together as one unit.
+  lives in one worker. Modules that share an engine through a session or package fixture go
+  to one worker together as one unit: those of a folder in ``ONE_UNIT_FOLDERS`` (tests/pd, whose
+  modules share one prefill/decode pair) and those marked ``pytest.mark.xdist_group("NAME")``.
 * **The longest units start first**, by the seconds measured in ``durations.json`` (a unit not
   listed there counts ``UNKNOWN_TEST_S`` per test), so that no long file is left to run alone
   at the end. Refresh the file from ``--durations=0`` when files change much.
@@ -24,6 +25,9 @@ import pytest
 
 DURATIONS = Path(__file__).with_name("durations.json")
 UNKNOWN_TEST_S = 20.0  # a real-vLLM test not yet measured: about the median here
+# Folders whose test files share engines through a package or session fixture: each runs in one
+# worker as one unit (as if its modules were marked ``xdist_group(folder)``).
+ONE_UNIT_FOLDERS = ("tests/pd/",)
 
 
 def worker_cores(worker: str | None, allowed: set[int], chosen: str) -> str:
@@ -36,11 +40,20 @@ def worker_cores(worker: str | None, allowed: set[int], chosen: str) -> str:
     return str(cores[int(worker[2:]) % len(cores)])
 
 
+def unit_of(nodeid: str) -> str:
+    """The unit of work of a test (its node id as xdist sends it: ``path::name[params]@group``
+    with ``--dist loadgroup`` for a test marked ``xdist_group``): the group, else the folder of
+    ``ONE_UNIT_FOLDERS`` it is in, else its file."""
+    if nodeid.rfind("@") > nodeid.rfind("]"):
+        return nodeid.rsplit("@", 1)[-1]
+    path = nodeid.split("::", 1)[0]
+    return next((folder for folder in ONE_UNIT_FOLDERS if path.startswith(folder)), path)
+
+
 def unit_of_work(item: pytest.Item) -> str:
-    """The xdist group the test is marked with, else its file."""
     for mark in item.iter_markers("xdist_group"):
         return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
-    return item.nodeid.split("::", 1)[0]
+    return unit_of(item.nodeid)
 
 
 def longest_first(items: list[pytest.Item], measured: dict[str, float]) -> list[pytest.Item]:
@@ -70,9 +83,7 @@ class FileOrGroupUnits:
 
         class FileOrGroupScheduling(LoadGroupScheduling):
             def _split_scope(self, nodeid: str) -> str:
-                if nodeid.rfind("@") > nodeid.rfind("]"):  # "path::test[params]@group"
-                    return nodeid.rsplit("@", 1)[-1]
-                return nodeid.split("::", 1)[0]
+                return unit_of(nodeid)
 
         config.option.loadscopereorder = False  # keep the order collected (longest first)
         return FileOrGroupScheduling(config, log)

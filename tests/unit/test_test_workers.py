@@ -3,7 +3,7 @@ their own (tests/conftest.py)."""
 
 import pytest
 
-from tests.conftest import longest_first, unit_of_work, worker_cores
+from tests.conftest import longest_first, unit_of, unit_of_work, worker_cores
 
 
 def test_each_xdist_worker_binds_its_engines_to_a_core_of_its_own():
@@ -47,3 +47,11 @@ def test_the_longest_files_and_groups_go_first_and_each_keeps_its_tests_together
         "tests/a.py::two",
     ]
     assert [unit_of_work(item) for item in items[:2]] == ["tests/a.py", "pd"]
+
+
+def test_the_modules_of_a_folder_that_shares_its_engines_are_one_unit():
+    assert (
+        unit_of("tests/pd/test_a.py::test_one") == unit_of("tests/pd/test_b.py::test_two[x]") == "tests/pd/"
+    )
+    assert unit_of("tests/redis/test_a.py::test_one[p@q]") == "tests/redis/test_a.py"
+    assert unit_of("tests/redis/test_a.py::test_one@shared") == "shared"
