@@ -125,7 +125,7 @@ else:
     if has("torch") != "2.13.0+cpu": bad.append("torch (want 2.13.0+cpu)")
 for name in ("torchvision", "torchaudio", "torchcodec"):
     if has(name): bad.append(f"{name} (must be removed)")
-for name in ("streamlit", "pandas", "redis", "pytest", "ruff", "opentelemetry-exporter-otlp-proto-http",
+for name in ("streamlit", "pandas", "redis", "pytest", "pytest-xdist", "ruff", "opentelemetry-exporter-otlp-proto-http",
              "altair", "prometheus-api-client", "selenium", "grafana-foundation-sdk", "hypothesis",
              "matplotlib"):
     if not has(name): bad.append(name)

