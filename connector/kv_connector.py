@@ -18,11 +18,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from telemetry import vllm_stats as telemetry
+from telemetry.metrics import merge_payload
+from telemetry.pd_recorder import pd_recorder
 
-from .config.loading import load_config
+from .config.loading import ConfigError, load_config
+from .config.pd import check_for_engine
 from .engine.jobs import CPU, DISK, REMOTE, StepPlan
+from .engine.outcomes import WorkerReport
 from .engine.snapshots import KnownLabels
 from .metadata import KVLensMetadata, KVLensWorkerMetadata
+from .pd_roles import SchedulerPD, WorkerPD
 from .scheduler.connector_scheduler import ConnectorScheduler
 from .vllm_compat import (
     attention_in_full_graph,
@@ -59,7 +64,7 @@ _HIT_SOURCE = {
     CPU: CacheHitSource.HOST,
     DISK: CacheHitSource.DISK,
     REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED,
-}  # vLLM files remote stores here
+}  # vLLM files remote stores here; PD transfers are P2P
 
 
 class KVLensConnector(KVConnectorBase_V1):
@@ -75,18 +80,35 @@ class KVLensConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:  # only the scheduler keys chunks
             identity = model_identity(vllm_config, config.extra_config.model_identity)
         facts = engine_facts(vllm_config, kv_cache_config, identity)
+        problems = check_for_engine(
+            config.pd,
+            facts.kv_role,
+            facts.world_size,
+            config.chunk_size,
+            facts.chunk_nbytes(config.chunk_size),
+        )
+        if problems:
+            raise ConfigError("KVLens cannot start with this configuration: " + "; ".join(problems))
         self._num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         self._scheduler_telemetry: Any = None
         self._worker_telemetry: Any = None
+        self._pd_scheduler: SchedulerPD | None = None
+        self._pd_worker: WorkerPD | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler(config, facts)
+            if config.pd.enabled:
+                self._pd_scheduler = SchedulerPD(
+                    config, facts, self._scheduler.state.hashers, pd_recorder(vllm_config)
+                )
             self._scheduler_telemetry = telemetry.scheduler_recorder(
                 vllm_config, facts.engine_id, facts.block_size, KnownLabels.for_tiers(config.tier_names())
             )
         elif role == KVConnectorRole.WORKER:
             self._worker = ConnectorWorker(config, facts, worker_rank())
+            if config.pd.enabled:
+                self._pd_worker = WorkerPD(config, facts, self._worker.rank)
             self._worker_telemetry = telemetry.worker_recorder(
                 vllm_config,
                 self._worker.rank,
@@ -94,7 +116,7 @@ class KVLensConnector(KVConnectorBase_V1):
                 self._worker.sizes,
                 self._worker.take_remote_calls,
             )
-        self._cache_hit_source = _HIT_SOURCE[config.tier_names()[0]]
+        self._cache_hit_source = _HIT_SOURCE[(config.tier_names() or (CPU,))[0]]
         self._load_started = 0.0
         self._closed = False
         _OPEN.add(self)  # threads stop (bounded) at exit even if vLLM never calls shutdown
@@ -109,16 +131,21 @@ class KVLensConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register(kv_caches, self._num_blocks)
 
-    def _plan(self) -> StepPlan:
+    def _meta(self) -> KVLensMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVLensMetadata)
-        return meta.plan
+        return meta
+
+    def _plan(self) -> StepPlan:
+        return self._meta().plan
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         self._load_started = self._worker_telemetry.now()
         layer_hooks = not attention_in_full_graph(forward_context)
         self._worker.start_load(self._plan(), layer_hooks)  # reads done; copies run beside the forward
+        if self._pd_worker is not None:  # the decoder's records, from the receive buffer, now
+            self._pd_worker.load(self._meta().pd_loads, self._worker.copier, self._worker.failed_blocks)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self._worker is not None
@@ -136,6 +163,9 @@ class KVLensConnector(KVConnectorBase_V1):
         self._worker_telemetry.loaded(plan, self._worker.finish_load(), self._load_started)
         started = self._worker_telemetry.now()
         self._worker_telemetry.saved(plan, started, self._worker.save(plan))
+        if self._pd_worker is not None:  # the prefiller's prompts, gathered now, sent on a thread
+            failed = self._worker.failed_blocks | self._worker.step_failed
+            self._pd_worker.send(self._meta().pd_sends, self._worker.copier, failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests vLLM finished (their store records close) and asynchronous loads that did."""
@@ -159,6 +189,10 @@ class KVLensConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         assert self._worker is not None
         report = self._worker.take_report()
+        if self._pd_worker is not None:
+            loads, sends = self._pd_worker.take()
+            if loads or sends:
+                return KVLensWorkerMetadata(report if report is not None else WorkerReport(), loads, sends)
         return KVLensWorkerMetadata(report) if report is not None else None
 
     # ---- scheduler side -----------------------------------------------------------------
@@ -169,11 +203,19 @@ class KVLensConnector(KVConnectorBase_V1):
         rid = request.request_id
         with self._scheduler_telemetry.lookup(rid):
             need = self._scheduler.lookup(request, num_computed_tokens)
+        if self._pd_scheduler is not None:  # the PD receive buffer first (its load is in the step)
+            pd_need = self._pd_scheduler.lookup(request, num_computed_tokens, need)
+            if pd_need is not None:
+                return pd_need, False
         return need, need > 0 and self._scheduler.loads_async(rid)
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         block_ids = block_ids_of(blocks) if num_external_tokens > 0 else None
+        if self._pd_scheduler is not None and self._pd_scheduler.after_alloc(
+            request, num_external_tokens, block_ids
+        ):
+            num_external_tokens, block_ids = 0, None  # PD's tokens: the tiers' lookup loads none
         outcome = self._scheduler.after_alloc(request, num_external_tokens, block_ids)
         self._scheduler_telemetry.lookup_final(outcome)
 
@@ -181,17 +223,27 @@ class KVLensConnector(KVConnectorBase_V1):
         self, request: Request, num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
         assert self._scheduler is not None
+        if self._pd_scheduler is not None and self._pd_scheduler.hit_tokens(request.request_id):
+            return {CacheHitSource.P2P: num_external_tokens}
         by_tier = self._scheduler.external_tokens_by_tier(request.request_id, num_external_tokens)
         return {_HIT_SOURCE[tier]: n for tier, n in by_tier.items() if n}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return KVLensMetadata(self._scheduler.build_plan(scheduler_output))
+        plan = self._scheduler.build_plan(scheduler_output)
+        if self._pd_scheduler is None:
+            return KVLensMetadata(plan)
+        state = self._scheduler.state
+        sends, loads, failed = self._pd_scheduler.plan(scheduler_output, state.trackers, state.unfinished)
+        plan.fail_blocks += failed
+        return KVLensMetadata(plan, sends, loads)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
         self._scheduler.step_done()
         meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVLensWorkerMetadata) and self._pd_scheduler is not None:
+            self._pd_scheduler.on_worker_meta(meta.pd_loads, meta.pd_sends)
         if isinstance(meta, KVLensWorkerMetadata):
             report = meta.report
             recomputed = self._scheduler.on_worker_report(report)
@@ -212,11 +264,15 @@ class KVLensConnector(KVConnectorBase_V1):
         result = self._scheduler.finish(request)
         self._scheduler_telemetry.finished(request.request_id, result.unscheduled_lookup)
         self._scheduler_telemetry.requests_done(self._scheduler.take_done())
+        if self._pd_scheduler is not None:
+            return False, self._pd_scheduler.finish(request, result.params)
         return False, result.params
 
     def has_pending_push_work(self) -> bool:
         """Background writes still landing, or what-if references to publish: keep stepping."""
         sched = self._scheduler
+        if self._pd_scheduler is not None and self._pd_scheduler.pending():
+            return True  # sends' ends (and the proxy's notices) and expiry happen in steps
         return sched is not None and (sched.has_pending_work() or sched.insight_behind())
 
     def reset_cache(self) -> bool | None:
@@ -231,8 +287,12 @@ class KVLensConnector(KVConnectorBase_V1):
         _OPEN.discard(self)
         if self._scheduler is not None:
             self._scheduler.shutdown()
+        if self._pd_scheduler is not None:
+            self._pd_scheduler.shutdown()
         if self._worker is not None:
             self._worker.shutdown()
+        if self._pd_worker is not None:
+            self._pd_worker.shutdown()
         for part in (self._scheduler_telemetry, self._worker_telemetry):
             if part is not None:
                 part.shutdown()
@@ -249,6 +309,10 @@ class KVLensConnector(KVConnectorBase_V1):
                 sched.take_saved_seconds(),
                 sched.take_tenant_usage(),
             )
+            if self._pd_scheduler is not None:
+                pd = self._pd_scheduler.stats()
+                if pd is not None:
+                    data = merge_payload(data or {}, pd)
         else:
             data = self._worker_telemetry.stats()
         return telemetry.wrap(data)

@@ -442,8 +442,72 @@ _DEFINITIONS += (
         domains=("tenant_refusal_reasons",),
     ),
 )
+# prefill/decode disaggregation (connector/pd/, telemetry/pd_recorder.py): the scheduler of a
+# prefiller (side "send") or of a decoder (side "receive") reports these; buffer_* are the
+# decoder's receive buffer over every rank (entries is the leak gauge: 0 when idle)
+_OWN_DOMAINS["pd_sides"] = ("send", "receive")
+_OWN_DOMAINS["pd_outcomes"] = ("ok", "failed")
+_DEFINITIONS += (
+    Metric("pd_sent_bytes", COUNTER, "Record bytes PD transfers delivered to decoders (every rank)."),
+    Metric(
+        "pd_received_bytes", COUNTER, "Record bytes the decoder's PD receive buffer indexed (every rank)."
+    ),
+    Metric(
+        "pd_send_seconds", HISTOGRAM, "Seconds per PD transfer on a prefiller rank.", buckets=SECONDS_BUCKETS
+    ),
+    Metric(
+        "pd_receive_seconds",
+        HISTOGRAM,
+        "Seconds per PD transfer on a decoder rank, first chunk byte to last.",
+        buckets=SECONDS_BUCKETS,
+    ),
+    Metric(
+        "pd_notify_wait_seconds",
+        HISTOGRAM,
+        "Seconds from a decoder's records being indexed to the lookup of the request that loaded them.",
+        buckets=SECONDS_BUCKETS,
+    ),
+    Metric(
+        "pd_transfers",
+        COUNTER,
+        "PD transfers that ended, by side and outcome (one per rank).",
+        ("side", "outcome"),
+        domains=("pd_sides", "pd_outcomes"),
+    ),
+    Metric(
+        "pd_failed_transfers",
+        COUNTER,
+        "PD transfers that failed or were refused, by side and reason (buffer_full, too_large, mismatch, "
+        "unreachable, timeout, peer_closed, checksum, shutdown; spec_refused:<why>, load_failed, ...).",
+        ("side", "reason"),
+        domains=None,
+    ),
+    Metric(
+        "pd_transfers_in_flight",
+        GAUGE,
+        "PD transfers handed over and not ended yet, by side.",
+        ("side",),
+        domains=("pd_sides",),
+    ),
+    Metric("pd_buffer_used_bytes", GAUGE, "Bytes of the decoder's PD receive buffer held (every rank)."),
+    Metric("pd_buffer_capacity_bytes", GAUGE, "Bytes of the decoder's PD receive buffer (every rank)."),
+    Metric(
+        "pd_buffer_entries",
+        GAUGE,
+        "Chunk records held in the decoder's PD receive buffer (received, not yet loaded and released, "
+        "nor expired): back to 0 when idle.",
+    ),
+    Metric(
+        "pd_loads",
+        COUNTER,
+        "Decoder requests by what PD gave them: loaded, failed (recomputed), expired (records unclaimed).",
+        ("outcome",),
+        domains=None,
+    ),
+)
 _NOT_IN_LOG_LINE = ("info", "whatif_hit_ratio")  # labels, not amounts: kept out of vLLM's log line
 _NOT_IN_LOG_LINE += ("tenant_bytes",)  # a value per tenant and tier: too many for one line
+_NOT_IN_LOG_LINE += ("pd_buffer_capacity_bytes",)  # a setting, not an amount
 
 METRICS: dict[str, Metric] = {m.key: m for m in _DEFINITIONS}
 NAMES = frozenset(m.name for m in _DEFINITIONS)

@@ -54,6 +54,12 @@ UNUSED: dict[str, str] = {
         max_hidden_state_cpu_size hidden_state_layers hidden_states_retrieve_mode""".split(),
         "",
     ),
+    # Keys of LMCache's early versions (0.1-0.3: its v1 "experimental" switch, v0's error
+    # handling flag), still in its benchmark and example configs.
+    **dict.fromkeys(
+        """use_experimental error_handling""".split(),
+        "",
+    ),
     "pre_caching_hash_algorithm": "KVLens keys chunks by BLAKE2b over the tokens and the model's identity",
     "blocking_timeout_secs": "extra_config.tier_timeout_s bounds a slow disk or remote read",
     "lookup_timeout_ms": "extra_config.remote_lookup_timeout_ms bounds a lookup's remote round trip",

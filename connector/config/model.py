@@ -14,12 +14,14 @@ from pydantic import (
     Field,
     PrivateAttr,
     SecretStr,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from ..engine.eviction import POLICIES
 from ..tiers.remote_url import RemoteURL
+from .pd import PDConfig
 
 GB = 1024**3
 MB = 1024**2
@@ -227,6 +229,7 @@ class KVLensConfig(BaseModel):
     _remote: RemoteURL | None = PrivateAttr(None)
     _store_auth_key: bytes | None = PrivateAttr(None)
     _unused: tuple[str, ...] = PrivateAttr(())
+    _pd: PDConfig = PrivateAttr(default_factory=PDConfig)
 
     @field_validator("local_disk")
     @classmethod
@@ -263,13 +266,19 @@ class KVLensConfig(BaseModel):
         """LMCache settings accepted at load and not used, each with where it came from."""
         return self._unused
 
+    @property
+    def pd(self) -> PDConfig:
+        """Prefill/decode disaggregation: off, a prefiller (sender) or a decoder (receiver)."""
+        return self._pd
+
     @model_validator(mode="after")
-    def _budgets_are_possible(self) -> KVLensConfig:
+    def _budgets_are_possible(self, info: ValidationInfo) -> KVLensConfig:
         if self.local_cpu and self.max_local_cpu_size <= 0:
             raise ValueError("max_local_cpu_size must be > 0 when local_cpu is true")
         if self.local_disk and self.max_local_disk_size <= 0:
             raise ValueError("max_local_disk_size must be > 0 when local_disk is set")
-        if not self.local_cpu and not self.local_disk and not self.remote_url:
+        pd = bool(info.context and info.context.get("pd"))
+        if not self.local_cpu and not self.local_disk and not self.remote_url and not pd:
             raise ValueError("no storage tier: set local_cpu: true, local_disk or remote_url")
         return self
 

@@ -33,6 +33,8 @@ from .keys import (
     nearest,
 )
 from .model import ConfigError, ExtraConfig, KVLensConfig
+from .pd import PD_KEYS
+from .pd import read as read_pd
 from .sentences import describe, short
 
 logger = logging.getLogger("vllm.kvlens")
@@ -48,7 +50,7 @@ LMCACHE_VLLM_LEVEL = ("lmcache_rpc_port",)
 FIELDS = frozenset(KVLensConfig.model_fields) - {"extra_config"}
 EXTRA_FIELDS = frozenset(ExtraConfig.model_fields)
 BOOL_FIELDS = frozenset(n for n, f in KVLensConfig.model_fields.items() if f.annotation in (bool, "bool"))
-KNOWN = sorted(FIELDS | set(UNUSED) | set(FEATURES) | set(ALIASES) | {"extra_config"})
+KNOWN = sorted(FIELDS | set(UNUSED) | set(FEATURES) | set(ALIASES) | PD_KEYS | {"extra_config"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,15 +63,28 @@ class Setting:
     hint: str | None = None  # an LMCACHE_* variable that is not a key: the key's variable it resembles
 
 
+# LMCache process switches read only from the environment (LMCACHE_USE_EXPERIMENTAL): not keys
+# there, so not read; in a file they are keys of its early versions (one warning).
+ENV_PROCESS_FLAGS = frozenset({"use_experimental"})
+
+
 def reads_env_key(key: str) -> bool:
     """Whether ``LMCACHE_<KEY>`` is read: only for keys KVLens or LMCache knows, as LMCache does."""
-    return key == "extra_config" or key.startswith("extra_config.") or key in FIELDS or lmcache_knows(key)
+    if key.startswith("ec_") or key in ENV_PROCESS_FLAGS:  # not configuration keys there
+        return False
+    return (
+        key == "extra_config"
+        or key.startswith("extra_config.")
+        or key in FIELDS
+        or lmcache_knows(key)
+        or canonical(key) in PD_KEYS
+    )
 
 
 def near_env_key(key: str) -> str | None:
     """The key whose variable ``LMCACHE_<KEY>`` resembles; LMCache's own LMCACHE_EC_* overrides
     (the encoder cache's copy of the config) are not typos."""
-    if key.startswith("ec_"):
+    if key.startswith("ec_") or key in ENV_PROCESS_FLAGS:
         return None
     return nearest(key, KNOWN, cutoff=0.85)
 
@@ -107,6 +122,7 @@ class _Verdict:
         self.unknown: list[str] = []
         self.invalid: list[str] = []
         self.has_remote = False  # remote_url is set (remote_serde matters only then)
+        self.pd: dict[str, tuple[Any, str, str]] = {}  # PD keys: (value, source, key as written)
 
     def refuse(self, label: str, source: str, feature: Feature, verb: str = "turns on") -> None:
         self.refused.append(
@@ -130,9 +146,14 @@ def build(layers: list[list[Setting]], env: Mapping[str, str]) -> KVLensConfig:
         _check_top(key, s, v)
     for key in list(v.extra):
         _check_extra(key, v)
+    pd = read_pd(v.pd)
+    v.refused += pd.refused
+    v.invalid += pd.invalid
+    v.unused += pd.unused
     config = None
     try:
-        config = KVLensConfig.model_validate({**v.values, "extra_config": v.extra})
+        context = {"pd": pd.config.enabled}  # a PD engine may keep no tier of its own
+        config = KVLensConfig.model_validate({**v.values, "extra_config": v.extra}, context=context)
     except ValidationError as e:
         # Without a refused or unknown key the whole may be fine ("no storage tier" while the
         # refused remote_url is the tier): say only what is wrong with the values themselves.
@@ -147,6 +168,7 @@ def build(layers: list[list[Setting]], env: Mapping[str, str]) -> KVLensConfig:
         raise ConfigError("KVLens cannot start with this configuration: " + "; ".join(v.problems()))
     assert config is not None
     config._unused = tuple(v.unused)
+    config._pd = pd.config
     if v.unused:
         logger.warning("KVLens accepts and does not use these LMCache settings: %s", "; ".join(v.unused))
     return config
@@ -183,6 +205,14 @@ def _place(s: Setting, top: dict[str, Setting], v: _Verdict) -> None:
 
 def _check_top(key: str, s: Setting, v: _Verdict) -> None:
     name = canonical(key)
+    if name in PD_KEYS:
+        v.pd[name] = (_lmcache_text(s), s.source, key)
+        return
+    if name.startswith("ec_") and (lmcache_knows(name[3:]) or name[3:] in FIELDS):
+        v.unused.append(
+            f"{key} (from {s.source}; LMCache's override for its encoder cache, which KVLens has not)"
+        )
+        return
     if key in FIELDS:
         value = _field_value(key, s, v)
         if value is not _REFUSED:

@@ -33,6 +33,8 @@ ALLOWED_LABELS = {
     "storage",
     "tenant",
     "retention",
+    "side",  # PD: send | receive
+    "outcome",  # PD: ok | failed; loaded | failed | expired
 }
 # The info metric's labels are fixed for the life of the engine: one series per instance.
 INFO_LABELS = {

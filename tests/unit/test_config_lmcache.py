@@ -34,10 +34,14 @@ def refused(extra=None, env=None, tmp_path=None, yaml_text=None) -> str:
         (
             {},
             {"LMCACHE_ENABLE_PD": "True"},
-            ["enable_pd = 'True' (from env LMCACHE_ENABLE_PD)", "NixlConnector"],
+            ["enable_pd = 'True' (from env LMCACHE_ENABLE_PD)", "transfer_channel: tcp"],
         ),
-        ({"lmcache.enable_xpyd": True}, {}, ["enable_xpyd = True", "disaggregated prefill"]),
-        ({"lmcache.enable_nixl": True}, {}, ["enable_nixl", "NIXL"]),
+        (
+            {"lmcache.enable_xpyd": True},
+            {},
+            ["enable_xpyd = True", "transfer channel", "transfer_channel: tcp"],
+        ),
+        ({"lmcache.enable_nixl": True}, {}, ["enable_nixl", "NIXL", "transfer_channel: tcp"]),
         ({}, {"LMCACHE_ENABLE_P2P": "1"}, ["enable_p2p", "P2P sharing", "remote_url: redis://"]),
         ({"lmcache.enable_controller": "true"}, {}, ["enable_controller", "controller"]),
         ({"lmcache.enable_hidden_state_cache": True}, {}, ["enable_hidden_state_cache"]),

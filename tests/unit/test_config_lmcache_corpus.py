@@ -41,7 +41,7 @@ def refused(*words: str) -> Expect:
     return Expect("refused", words)
 
 
-PD = "disaggregated prefill (PD transfer over NIXL), which is not supported by KVLens"
+PD = "nixl transfer channel is not supported by KVLens; instead: transfer_channel: tcp"
 P2P = "enable_p2p = 'True' (from env LMCACHE_ENABLE_P2P) turns on P2P sharing"
 CONTROLLER = "turns on the LMCache controller"
 LM = "remote_url lm://... (from LMCACHE_CONFIG_FILE"
@@ -72,13 +72,15 @@ EXPECTED: dict[str, Expect] = {
     "ci_p2p": refused(P2P, CONTROLLER),
     "ci_p2p_with_v3": refused(P2P, CONTROLLER),
     "ci_pd_prefiller": refused("enable_pd = 'True' (from env LMCACHE_ENABLE_PD)", PD),
-    "ci_pd_decoder": refused("enable_pd = 'True' (from env LMCACHE_ENABLE_PD)", PD),
+    "ci_pd_decoder": refused(
+        "enable_pd = 'True' (from env LMCACHE_ENABLE_PD)", PD, "pd_role receiver needs pd_peer_init_port"
+    ),
     # examples/
     "ex_blend_kv_v1": refused("enable_blending = True", "CacheBlend"),
     "ex_cache_by_tags": warns("local_device"),
     "ex_cache_controller": refused("enable_controller = True", CONTROLLER),
     "ex_caching_switch": warns("local_device"),
-    "ex_disagg_1p1d_decoder": refused("enable_nixl = True", "NIXL KV transfer"),
+    "ex_disagg_1p1d_decoder": refused("enable_nixl = True", "NIXL transfer channel", "transfer_channel: tcp"),
     "ex_disagg_1p1d_prefiller": refused("enable_pd = True", PD),
     "ex_disagg_1p1d_decoder_with_remote": refused(LM, "remote_serde = 'cachegen'", "enable_pd = True"),
     "ex_disk_offline_inference": warns("local_device", "pipelined_backend"),

@@ -1,0 +1,271 @@
+"""PD (prefill/decode disaggregation) beside the two halves: what the facade calls when
+``enable_pd`` is on. It builds the data plane's objects (connector/pd/) for the role and the
+half, with identities from the engine's facts, and keeps the facade's hooks one line each.
+
+- ``SchedulerPD``: the prefiller's send planning (``PDPrefiller``), the decoder's receiver and
+  lookup-first claims (``PDDecoder``), the response fields and the counters for /metrics.
+- ``WorkerPD``: the rank's sender and proxy notifier (``PDSends``) or buffer loads (``PDLoads``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .config.model import KVLensConfig
+from .config.pd import PDConfig
+from .engine.facts import EngineFacts
+from .engine.keys import key_fingerprint
+from .engine.pd_jobs import PDLoadResult, PDSendReport
+from .engine.policy import trace_headers
+from .pd.identity import PeerIdentity
+from .scheduler.pd_decoder import PDDecoder
+from .scheduler.pd_prefiller import PDPrefiller
+from .worker.pd_worker import PDLoads, PDSends
+
+logger = logging.getLogger("vllm.kvlens")
+
+RECORD_FORMAT = (
+    "kvlens-record-1"  # a rank's chunk bytes: [layers, blocks, block bytes], as the CPU tier holds
+)
+
+
+def record_layout(facts: EngineFacts) -> str:
+    """What one rank's record bytes hold, equal on a prefiller and a decoder that can pair."""
+    return f"{RECORD_FORMAT}|{facts.dtype}|{facts.num_layers}x{facts.block_bytes}|{facts.kv_layout}"
+
+
+def identity(key_space: str, facts: EngineFacts, chunk_size: int, rank: int) -> PeerIdentity:
+    return PeerIdentity(key_space, facts.world_size, rank, facts.block_size, chunk_size, record_layout(facts))
+
+
+def key_space(facts: EngineFacts) -> str:
+    """The digest of what every chunk key depends on besides tokens (the scheduler's facts)."""
+    return key_fingerprint(facts.namespace())
+
+
+IDLE_STEP_S = 0.005  # an engine stepping only for PD (sends ending, records to expire) paces itself
+STALE_SEND_S = 120.0  # a send whose end never came back (a worker gone) stops keeping the engine busy
+
+
+@dataclass(slots=True)
+class _Sending:
+    trace_context: dict[str, str] | None
+    tokens: int
+    ranks_left: int
+    planned_at: float
+
+
+class SchedulerPD:
+    def __init__(
+        self, config: KVLensConfig, facts: EngineFacts, hashers: dict[str, Any], recorder: Any
+    ) -> None:
+        pd: PDConfig = config.pd
+        self.pd, self._hashers, self.recorder = pd, hashers, recorder
+        self._world = facts.world_size
+        space = key_space(facts)
+        self.prefiller = PDPrefiller(pd, facts, space) if pd.sender else None
+        self.decoder: PDDecoder | None = None
+        self._sending: dict[str, _Sending] = {}  # prefiller: requests whose transfers have not all ended
+        self._traces: dict[str, dict[str, str] | None] = {}  # decoder: claimed requests' trace headers
+        self._seen_outcomes: dict[str, int] = {}  # the receiver's totals already counted
+        self._seen_failures: dict[str, int] = {}
+        self._seen_expired = 0
+        if pd.receiver:
+            from .pd.receiver import PDReceiver
+
+            receiver = PDReceiver(
+                [identity(space, facts, config.chunk_size, r) for r in range(facts.world_size)],
+                pd.peer_host or "127.0.0.1",
+                pd.peer_init_ports,
+                pd.peer_alloc_ports,
+                pd.buffer_size,
+                pd.transfer_timeout_s,
+                pd.unclaimed_timeout_s,
+            )
+            receiver.start()
+            self.decoder = PDDecoder(receiver, facts.block_size, time.monotonic)
+            logger.info(
+                "KVLens PD receiver listening on %s ports %s (alloc %s), %d bytes per rank",
+                pd.peer_host,
+                list(pd.peer_init_ports),
+                list(pd.peer_alloc_ports),
+                pd.buffer_size,
+            )
+
+    # ---- lookup ---------------------------------------------------------------------------
+    def lookup(self, request: Any, num_computed: int, tier_need: int) -> int | None:
+        """The request's PD tokens when they beat the tiers' (None: the tiers' lookup stands)."""
+        if self.prefiller is not None:
+            self.prefiller.note(request)
+        if self.decoder is None:
+            return None
+        hasher = self._hashers.get(request.request_id)
+        need = self.decoder.lookup(request, num_computed, hasher)
+        return need if need > tier_need else None
+
+    def after_alloc(self, request: Any, num_external: int, block_ids: list[int] | None) -> bool:
+        """True when the request's external tokens are PD's (the tiers' lookup gets 0)."""
+        if self.decoder is None or not self.decoder.holds(request.request_id):
+            return False
+        claimed = self.decoder.after_alloc(request, num_external, block_ids)
+        if claimed:
+            self._traces[request.request_id] = trace_headers(request)
+        return claimed
+
+    def hit_tokens(self, request_id: str) -> int:
+        return self.decoder.tokens(request_id) if self.decoder is not None else 0
+
+    # ---- plan and reports -------------------------------------------------------------------
+    def plan(self, scheduler_output: Any, trackers: dict[str, Any], unfinished: dict[str, Any]) -> tuple:
+        """(send jobs, load jobs, blocks to report failed) of this step."""
+        sends = self.prefiller.plan(trackers, unfinished) if self.prefiller is not None else []
+        for job in sends:
+            tokens = sum(c.num_tokens for c in job.chunks)
+            self._sending[job.request_id] = _Sending(job.trace_context, tokens, self._world, time.monotonic())
+        if not getattr(scheduler_output, "total_num_scheduled_tokens", 1) and self.pending():
+            time.sleep(IDLE_STEP_S)  # nothing computes: a step only to hear of PD's ends
+        if self.decoder is None:
+            return sends, [], []
+        loads = self.decoder.plan(scheduler_output)
+        self.decoder.step()
+        self._loads_reported()  # loads that failed at planning
+        return sends, loads, self.decoder.take_fail_blocks()
+
+    def on_worker_meta(self, loads: dict[str, PDLoadResult], sends: list[PDSendReport]) -> None:
+        if self.decoder is not None and loads:
+            self.decoder.on_results(loads)
+            self._loads_reported()
+        for report in sends:
+            sending = self._sending.get(report.request_id)
+            trace, tokens = (sending.trace_context, sending.tokens) if sending is not None else (None, 0)
+            self.recorder.send_ended(
+                trace,
+                report.req_id,
+                report.ok,
+                report.reason,
+                report.bytes,
+                tokens,
+                report.seconds,
+                report.peer,
+                report.rank,
+            )
+            if sending is not None:
+                sending.ranks_left -= 1
+                if sending.ranks_left <= 0:
+                    del self._sending[report.request_id]
+
+    def _loads_reported(self) -> None:
+        assert self.decoder is not None
+        for rid, out in self.decoder.take_reported():
+            self.recorder.load_reported(self._traces.pop(rid, None), out.as_params())
+
+    @property
+    def sends_in_flight(self) -> int:
+        """Transfers handed to the workers' senders whose end is not reported yet (every rank)."""
+        now = time.monotonic()
+        for rid in [r for r, s in self._sending.items() if now - s.planned_at > STALE_SEND_S]:
+            logger.warning("KVLens PD: the end of %s's transfer was never reported", rid[:64])
+            del self._sending[rid]
+        return sum(s.ranks_left for s in self._sending.values())
+
+    def pending(self) -> bool:
+        """PD needs more engine steps: sends whose end (and notice) is not reported yet."""
+        return self.sends_in_flight > 0
+
+    def stats(self) -> dict[str, Any] | None:
+        """This step's PD payload for /metrics (gauges sampled each call)."""
+        if self.prefiller is not None:
+            for reason, n in self.prefiller.take_refusals().items():
+                for _ in range(n):
+                    self.recorder.spec_refused(reason)
+        receiver_stats = None
+        if self.decoder is not None:
+            receiver_stats = self.decoder.receiver.stats()
+            outcomes = _grown(receiver_stats.transfers, self._seen_outcomes)
+            failures = _grown(receiver_stats.failed, self._seen_failures)
+            self.recorder.received(self.decoder.receiver.take_finished(), outcomes, failures)
+            expired = receiver_stats.expired - self._seen_expired  # the receiver expires on its own
+            self._seen_expired = receiver_stats.expired
+            if expired > 0:
+                self.recorder.expired(expired)
+        self.recorder.sample(receiver_stats, self.sends_in_flight if self.prefiller is not None else None)
+        return self.recorder.take()
+
+    def finish(self, request: Any, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The response's kv_transfer_params with PD's fields added."""
+        extra: dict[str, Any] = {}
+        pd: dict[str, Any] | None = None
+        if self.prefiller is not None:
+            sent = self.prefiller.finish(request)
+            if "first_tok" in sent:
+                extra["first_tok"] = sent["first_tok"]
+            pd = sent.get("pd")
+        if self.decoder is not None:
+            pd = self.decoder.finish(request.request_id)
+        if not extra and pd is None:
+            return params
+        out = dict(params or {})
+        out.update(extra)
+        if pd is not None:
+            out["kvlens"] = {**out.get("kvlens", {}), "pd": pd}
+        return out
+
+    def shutdown(self) -> None:
+        if self.decoder is not None:
+            self.decoder.receiver.close(self.pd.shutdown_timeout_s)
+
+
+def _grown(totals: dict[str, int], seen: dict[str, int]) -> dict[str, int]:
+    """What each total grew by since ``seen`` (updated)."""
+    out = {k: v - seen.get(k, 0) for k, v in totals.items() if v > seen.get(k, 0)}
+    seen.update(totals)
+    return out
+
+
+class WorkerPD:
+    def __init__(self, config: KVLensConfig, facts: EngineFacts, rank: int) -> None:
+        pd = config.pd
+        self.pd = pd
+        self.sends: PDSends | None = None
+        self.loads: PDLoads | None = None
+        local = rank % max(facts.world_size, 1)
+        if pd.sender:
+            from .pd.proxy_notice import ProxyNotifier
+            from .pd.sender import PDSender, Transfer
+
+            notifier = None
+            if pd.notifies_proxy:
+                assert pd.proxy_host is not None and pd.proxy_port is not None
+                notifier = ProxyNotifier(pd.proxy_host, pd.proxy_port)
+            timeout = pd.transfer_timeout_s
+
+            def make_sender(space: str) -> PDSender:
+                return PDSender(identity(space, facts, config.chunk_size, local), min(timeout, 5.0), timeout)
+
+            self.sends = PDSends(local, make_sender, Transfer, notifier, pd.buffer_size)
+        if pd.receiver:
+            from .pd.receive_buffer import attach
+
+            self.loads = PDLoads(local, attach)
+
+    def load(self, jobs: list, copier: Any, failed_blocks: set[int]) -> None:
+        if self.loads is not None and jobs and copier is not None:
+            failed_blocks |= self.loads.run(jobs, copier)
+
+    def send(self, jobs: list, copier: Any, failed_blocks: set[int]) -> None:
+        if self.sends is not None and jobs and copier is not None:
+            self.sends.run(jobs, copier.gather, failed_blocks)
+
+    def take(self) -> tuple[dict[str, PDLoadResult], list[PDSendReport]]:
+        loads = self.loads.take_results() if self.loads is not None else {}
+        sends = self.sends.take_reports() if self.sends is not None else []
+        return loads, sends
+
+    def shutdown(self) -> None:
+        if self.sends is not None:
+            self.sends.close(self.pd.shutdown_timeout_s)
+        if self.loads is not None:
+            self.loads.close()

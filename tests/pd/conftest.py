@@ -1,0 +1,182 @@
+"""One 1P1D pair of real ``vllm serve`` engines (tiny model, default settings besides PD) on
+loopback, shared by every PD test module, a plain instance (no connector) for reference outputs,
+and a minimal in-test proxy speaking LMCache's example proxy's protocol (tokens in, max_tokens 1
+with the disagg_spec to the prefiller, wait for its ZMQ ProxyNotif, decode on the decoder).
+
+Every engine start costs 30-90 s here, so the session starts the three at once and shares them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from tests.telemetry.otlp_receiver import OtlpReceiver
+from tests.telemetry.serve import VllmServer, base_env, free_port, sum_samples, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+CHUNK = 256  # KVLens's default chunk_size
+TOKEN_BYTES = 4 * 2 * 2 * 64 * 2  # the tiny model: layers x (K, V) x kv heads x head size x bf16
+DECODER_BUFFER = 4 * CHUNK * TOKEN_BYTES  # the decoder holds one prompt of up to 4 chunks at a time
+UNCLAIMED_S = 15.0  # the decoder's pd_unclaimed_timeout_sec (default 60: too long for a test)
+NOTIFY_WAIT_S = 60.0  # the in-test proxy's bound (LMCache's waits forever)
+
+
+def pd_kv_config(role: str, **pd: Any) -> dict[str, Any]:
+    kv_role = "kv_producer" if role == "sender" else "kv_consumer"
+    # as LMCache's 1p1d example configurations: no CPU tier, the PD buffer is all there is
+    extra = {"local_cpu": False, "enable_pd": True, "transfer_channel": "tcp", "pd_role": role, **pd}
+    extra.setdefault("pd_buffer_device", "cpu")
+    return {
+        "kv_connector": "KVLensConnector",
+        "kv_connector_module_path": "connector",
+        "kv_role": kv_role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {f"lmcache.{k}": v for k, v in extra.items()},
+    }
+
+
+class _Notice(msgspec.Struct, tag="ProxyNotif"):
+    req_id: str
+
+
+@dataclass
+class PDPair:
+    prefiller: VllmServer
+    decoder: VllmServer
+    plain: VllmServer
+    init_ports: list[int]
+    alloc_ports: list[int]
+    notices: Any  # zmq PULL socket
+    spans: Any  # the OTLP receiver both engines export to
+    seen: set[str] = field(default_factory=set)
+
+    def wait_notice(self, req_id: str, timeout: float = NOTIFY_WAIT_S) -> float:
+        """Seconds until the prefiller's ProxyNotif for ``req_id`` came (TimeoutError past)."""
+        started = time.monotonic()
+        while req_id not in self.seen:
+            left = timeout - (time.monotonic() - started)
+            if left <= 0:
+                raise TimeoutError(f"no ProxyNotif for {req_id} within {timeout}s")
+            if self.notices.poll(int(left * 1000)):
+                msg = msgspec.msgpack.decode(self.notices.recv(), type=_Notice)
+                self.seen.add(msg.req_id)
+        return time.monotonic() - started
+
+    def spec(self, req_id: str, host: str = "127.0.0.1", init=None, alloc=None) -> dict[str, Any]:
+        return {
+            "req_id": req_id,
+            "receiver_host": host,
+            "receiver_init_port": list(init or self.init_ports),
+            "receiver_alloc_port": list(alloc or self.alloc_ports),
+        }
+
+    def run(
+        self, prompt: list[int], max_tokens: int, traceparent: str | None = None, **spec: Any
+    ) -> dict[str, Any]:
+        """One request through the in-test proxy (``traceparent`` passed to both sides): what each
+        side answered, and the tokens."""
+        req_id = f"pd-{uuid.uuid4().hex[:12]}"
+        prefill = self.prefiller.complete(
+            prompt,
+            max_tokens=1,
+            traceparent=traceparent,
+            kv_transfer_params={"ret_first_tok": True, "disagg_spec": self.spec(req_id, **spec)},
+            return_token_ids=True,
+        )
+        first = prefill["kv_transfer_params"]["first_tok"]
+        waited = self.wait_notice(req_id)
+        decode = self.decoder.complete(
+            prompt + [first], max_tokens=max_tokens - 1, traceparent=traceparent, return_token_ids=True
+        )
+        tokens = [first, *decode["choices"][0]["token_ids"]]
+        return {"req_id": req_id, "prefill": prefill, "decode": decode, "tokens": tokens, "waited_s": waited}
+
+    def idle(self) -> dict[str, float]:
+        """The leak gauges of both engines once nothing is held (waits, bounded, for them)."""
+        names = {
+            "entries": (self.decoder, "vllm:kvlens_pd_buffer_entries", {}),
+            "used": (self.decoder, "vllm:kvlens_pd_buffer_used_bytes", {}),
+            "receiving": (self.decoder, "vllm:kvlens_pd_transfers_in_flight", {"side": "receive"}),
+            "sending": (self.prefiller, "vllm:kvlens_pd_transfers_in_flight", {"side": "send"}),
+        }
+
+        def read() -> dict[str, float]:
+            return {
+                k: sum_samples(server.samples(), name, **labels)
+                for k, (server, name, labels) in names.items()
+            }
+
+        try:
+            return wait_until(
+                lambda: (lambda g: g if not any(g.values()) else None)(read()), timeout=30, what="idle"
+            )
+        except TimeoutError:
+            return read()
+
+    def plain_tokens(self, prompt: list[int], max_tokens: int) -> list[int]:
+        return self.plain.complete(prompt, max_tokens=max_tokens, return_token_ids=True)["choices"][0][
+            "token_ids"
+        ]
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    built = REPO / ".run" / "tiny-model"
+    if not (built / "config.json").exists():
+        pytest.skip("no tiny model in .run/tiny-model (scripts/setup.sh builds it)")
+    return str(built)
+
+
+@pytest.fixture(scope="session")
+def pd_pair(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pd")
+    context = zmq.Context()
+    notices = context.socket(zmq.PULL)
+    proxy_port = notices.bind_to_random_port("tcp://127.0.0.1")
+    init_ports, alloc_ports = [free_port()], [free_port()]
+    spans = OtlpReceiver().__enter__()
+    env = base_env(
+        PYTHONHASHSEED="0", OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf", OTEL_BSP_SCHEDULE_DELAY="200"
+    )
+    traced = ("--otlp-traces-endpoint", spans.endpoint)
+    prefiller = VllmServer(
+        tiny_model,
+        pd_kv_config("sender", pd_proxy_host="127.0.0.1", pd_proxy_port=proxy_port, pd_buffer_size=64 << 20),
+        tmp / "prefiller.log",
+        env,
+        traced,
+    )
+    decoder = VllmServer(
+        tiny_model,
+        pd_kv_config(
+            "receiver",
+            pd_peer_host="127.0.0.1",
+            pd_peer_init_port=init_ports,
+            pd_peer_alloc_port=alloc_ports,
+            pd_buffer_size=DECODER_BUFFER,
+            pd_unclaimed_timeout_sec=UNCLAIMED_S,
+        ),
+        tmp / "decoder.log",
+        env,
+        traced,
+    )
+    plain = VllmServer(tiny_model, None, tmp / "plain.log", env)
+    servers = (prefiller, decoder, plain)
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield PDPair(prefiller, decoder, plain, init_ports, alloc_ports, notices, spans)
+    finally:
+        for server in servers:
+            server.stop()
+        notices.close(linger=0)
+        context.term()
+        spans.__exit__(None, None, None)
