@@ -14,7 +14,7 @@ applies the clear between steps. The endpoint's token comes from ``--token-file`
 (``connector/scheduler/admin_token.py``). ``--json`` prints machine-readable output.
 
 ``kvlens pd-proxy [LMCache's proxy flags] [--notify-timeout S] ...`` serves the prefill/decode
-proxy (docs/pd-proxy.md).
+proxy (docs/disaggregation.md, "The proxy").
 """
 
 from __future__ import annotations

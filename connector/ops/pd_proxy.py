@@ -7,7 +7,7 @@ A request: tokenize at the prefiller (``/tokenize``), ask the prefiller for one 
 ``kv_transfer_params {ret_first_tok, disagg_spec}`` (the first token goes to a streaming client at
 once), wait until every decoder rank's ``ProxyNotif`` arrived or ``--notify-timeout`` passed, ask
 the decoder for the rest with ``prompt + [first token]`` (it loads the prompt's KV from its PD
-buffer, or recomputes what is not there). Details: docs/pd-proxy.md.
+buffer, or recomputes what is not there). Details: docs/disaggregation.md, "The proxy".
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ Every engine start costs 30-90 s here, so the session starts the three at once a
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +58,20 @@ class PDPair:
     alloc_ports: list[int]
     notices: Any  # zmq PULL socket
     spans: Any  # the OTLP receiver both engines export to
+    proxy_port: int = 0  # the prefiller's pd_proxy_port, where ``notices`` is bound
     seen: set[str] = field(default_factory=set)
+
+    @contextlib.contextmanager
+    def proxy_port_lent(self) -> Iterator[int]:
+        """Frees the prefiller's pd_proxy_port for another proxy (a subprocess) inside the block;
+        the in-test proxy binds it again after."""
+        context = self.notices.context
+        self.notices.close(linger=0)
+        try:
+            yield self.proxy_port
+        finally:
+            self.notices = context.socket(zmq.PULL)
+            self.notices.bind(f"tcp://127.0.0.1:{self.proxy_port}")
 
     def wait_notice(self, req_id: str, timeout: float = NOTIFY_WAIT_S) -> float:
         """Seconds until the prefiller's ProxyNotif for ``req_id`` came (TimeoutError past)."""
@@ -173,7 +188,9 @@ def pd_pair(tiny_model, tmp_path_factory):
     try:
         for server in servers:
             server.wait_ready()
-        yield PDPair(prefiller, decoder, plain, init_ports, alloc_ports, notices, spans)
+        pair = PDPair(prefiller, decoder, plain, init_ports, alloc_ports, notices, spans, proxy_port)
+        yield pair
+        notices = pair.notices  # bound again if it was lent
     finally:
         for server in servers:
             server.stop()
