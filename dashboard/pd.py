@@ -21,10 +21,10 @@ PHASE_COLUMNS = tuple(palette.PHASE_LABELS[p] for p in c.PD_PHASES)
 
 
 def has_pd(frame: pd.DataFrame) -> bool:
-    """Whether any engine exports PD series."""
-    return any(
-        not select(frame, n).empty for n in (c.PD_SENT_BYTES, c.PD_RECEIVED_BYTES, c.PD_BUFFER_CAPACITY)
-    )
+    """Whether any engine runs PD: it moved PD bytes or holds a receive buffer (every engine
+    exports the PD series, at 0 where PD is off)."""
+    names = (c.PD_SENT_BYTES, c.PD_RECEIVED_BYTES, c.PD_BUFFER_CAPACITY)
+    return any(bool((select(frame, n)["value"] > 0).any()) for n in names)
 
 
 def has_proxy(frame: pd.DataFrame) -> bool:

@@ -180,3 +180,16 @@ def test_each_phase_has_its_own_colour_everywhere():
         assert palette.colour(label) == palette.colour(name) == palette.PHASES[name]
     reasons = [palette.colour(r) for r in catalog.PD_REASONS]
     assert len(set(reasons)) == len(reasons)
+
+
+def test_pd_series_at_zero_are_not_pd():
+    """Every engine exports the PD series, at 0 where PD is off: the tab must not take that for PD."""
+    off = frame(
+        *series(catalog.PD_SENT_BYTES, [0.0, 0.0]),
+        *series(catalog.PD_RECEIVED_BYTES, [0.0, 0.0]),
+        *series(catalog.PD_BUFFER_CAPACITY, [0.0, 0.0]),
+    )
+    assert not pdv.has_pd(off)
+    decoder = frame(*series(catalog.PD_BUFFER_CAPACITY, [1 << 20], instance="d:8200"))
+    assert pdv.has_pd(pd.concat([off, decoder]))
+    assert pdv.has_pd(engines_frame())
