@@ -309,8 +309,8 @@ class StepPlanner:
             tier.pin(key.hex)
             held.append((tier, key.hex))
             written.append(tier.name)
-        if s.stores_remote and s.usable(REMOTE):  # no index: Redis holds what it holds
-            written.append(REMOTE)
+        if s.stores_remote:  # no index: Redis holds what it holds. Named even while it is skipped:
+            written.append(REMOTE)  # the worker counts it (tier_unhealthy) or writes it if back
         for name in written:  # a fresh copy replaces one whose load failed
             s.unreadable.discard(name, key.hex)
         return written

@@ -13,7 +13,7 @@ from connector.config.loading import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.jobs import CPU, REMOTE
 from connector.engine.keys import storage_name
-from connector.engine.outcomes import MissReason, TierState
+from connector.engine.outcomes import MissReason, TierState, WorkerReport
 from connector.scheduler.connector_scheduler import ConnectorScheduler
 from connector.tiers import codec
 from connector.worker.connector_worker import ConnectorWorker
@@ -199,6 +199,20 @@ def test_a_stopped_redis_costs_misses_and_recomputes_then_recovers(server_factor
     finally:
         a.close()
         b.close()
+
+
+def test_a_store_planned_while_redis_is_skipped_still_names_it_so_what_redis_lacks_is_counted(redis_server):
+    """The scheduler learns of a skipped Redis a step or more after the worker: a store planned
+    meanwhile must still name Redis, for the worker to write it (back already) or count it
+    (tier_unhealthy); leaving Redis out made those chunks vanish from every count."""
+    a = Engine(redis_server.url)
+    try:
+        a.sched.on_worker_report(WorkerReport(tier_states={REMOTE: TierState.SKIPPED}))
+        assert not a.sched.usable(REMOTE)
+        _, steps, _ = a.run(request("x", PROMPT), list(range(0, 5)))
+        assert steps.stores and all(REMOTE in job.tiers for job in steps.stores)
+    finally:
+        a.close()
 
 
 def corrupt_in_place(client, key: bytes) -> None:
