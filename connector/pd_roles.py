@@ -171,8 +171,7 @@ class SchedulerPD:
         """This step's PD payload for /metrics (gauges sampled each call)."""
         if self.prefiller is not None:
             for reason, n in self.prefiller.take_refusals().items():
-                for _ in range(n):
-                    self.recorder.spec_refused(reason)
+                self.recorder.spec_refused(reason, n)
         receiver_stats = None
         if self.decoder is not None:
             receiver_stats = self.decoder.receiver.stats()

@@ -72,8 +72,8 @@ class PDRecorder:
                 otlp_endpoint=self._settings.otlp_endpoint,
             )
 
-    def spec_refused(self, reason: str) -> None:
-        self._buffer.inc(wire_key("pd_failed_transfers", "send", "spec_refused:" + _reason(reason)))
+    def spec_refused(self, reason: str, count: int = 1) -> None:
+        self._buffer.inc(wire_key("pd_failed_transfers", "send", "spec_refused:" + _reason(reason)), count)
 
     # ---- decoder -----------------------------------------------------------------------------
     def received(self, finished: list[Any], outcomes: Mapping[str, int], failures: Mapping[str, int]) -> None:

@@ -8,7 +8,8 @@ of that prefix's unfull tail (the key the prefiller sent its last chunk under). 
 held on every rank load; the rest is computed. A claim pins its slots from ``update_state_after_
 alloc`` until the workers report the load (loaded or failed); a request aborted before its load
 was planned is released at once, one aborted after only when the report comes (the workers may be
-reading the slots). ``expire`` runs each step and frees what nobody claimed in time.
+reading the slots). What nobody claims in time the receiver frees on its own (its housekeeping,
+every second), idle engine or not.
 
 Pure: neither vLLM nor torch (the receiver is passed in).
 """
