@@ -3,10 +3,12 @@ reason within the sender's bounds, and closing the sender ends what is under way
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 
 from connector.pd import wire
@@ -169,26 +171,27 @@ def test_a_failing_on_done_does_not_stop_the_sender():
             tx.close()
 
 
-def test_a_decoder_whose_accept_queue_is_full_is_unreachable_after_the_connect_timeout():
-    with socket.socket() as full:
+@contextlib.contextmanager
+def unanswered_port() -> Iterator[int]:
+    """A port whose listener never accepts and whose accept queue is full: SYNs go unanswered."""
+    with socket.socket() as full, contextlib.ExitStack() as fillers:
         full.bind((HOST, 0))
-        full.listen(0)  # never accepts: once its queue is full, SYNs go unanswered
+        full.listen(0)
         port = full.getsockname()[1]
-        fillers = []
+        for _ in range(8):
+            s = fillers.enter_context(socket.socket())
+            s.setblocking(False)
+            s.connect_ex((HOST, port))
+        yield port
+
+
+def test_a_decoder_whose_accept_queue_is_full_is_unreachable_after_the_connect_timeout():
+    with unanswered_port() as port:
+        tx = PDSender(identity(), connect_timeout_s=0.5, io_timeout_s=5.0)
         try:
-            for _ in range(8):
-                s = socket.socket()
-                s.setblocking(False)
-                s.connect_ex((HOST, port))
-                fillers.append(s)
-            tx = PDSender(identity(), connect_timeout_s=0.5, io_timeout_s=5.0)
-            try:
-                outcome = send(tx, port, records(1, 100, 100))
-            finally:
-                tx.close()
+            outcome = send(tx, port, records(1, 100, 100))
         finally:
-            for s in fillers:
-                s.close()
+            tx.close()
     assert outcome.reason in ("unreachable", "timeout")
     assert outcome.seconds < 5.0  # bounded by the connect timeout (or the handshake's read)
 
@@ -303,30 +306,17 @@ def test_a_failed_transfers_slots_are_freed_only_after_their_checks_end(monkeypa
 
 
 def test_transfers_behind_an_unreachable_decoder_do_not_each_wait_out_the_connect_timeout():
-    with socket.socket() as full:
-        full.bind((HOST, 0))
-        full.listen(0)
-        port = full.getsockname()[1]
-        fillers = []
+    with unanswered_port() as port:
+        tx = PDSender(identity(), connect_timeout_s=1.0, io_timeout_s=5.0)
         try:
-            for _ in range(8):
-                s = socket.socket()
-                s.setblocking(False)
-                s.connect_ex((HOST, port))
-                fillers.append(s)
-            tx = PDSender(identity(), connect_timeout_s=1.0, io_timeout_s=5.0)
-            try:
-                pending = [transfer(port, records(1, 10, 10), req_id=f"r{i}") for i in range(6)]
-                start = time.monotonic()
-                for t, _ in pending:
-                    tx.send(t)
-                outcomes = [done.wait() for _, done in pending]
-                waited = time.monotonic() - start
-            finally:
-                tx.close()
+            pending = [transfer(port, records(1, 10, 10), req_id=f"r{i}") for i in range(6)]
+            start = time.monotonic()
+            for t, _ in pending:
+                tx.send(t)
+            outcomes = [done.wait() for _, done in pending]
+            waited = time.monotonic() - start
         finally:
-            for s in fillers:
-                s.close()
+            tx.close()
     assert [o.reason for o in outcomes] == ["unreachable"] * 6
     assert waited < 4.0  # one connect timeout (1 s), not six
     assert tx.stats().connections_opened == 0
