@@ -64,35 +64,36 @@ def writes_landed(srv) -> None:
     wait_until(lambda: sample(srv.samples(), "vllm:kvlens_pending_writes") == 0, what="remote writes landed")
 
 
-def test_a_prompt_served_by_one_instance_is_served_from_redis_by_another(
-    redis_server, redis_cluster, tiny_model, tmp_path
+def served_from_redis(srv, prompt, cold) -> None:
+    """``prompt`` asked of ``srv``, which never saw it: all its whole chunks come from Redis, the
+    output is what the instance that stored them computed, and /metrics says so."""
+    hit = srv.complete(prompt, max_tokens=8)
+    assert loaded(hit) == {"remote": 640} and text(hit) == text(cold)
+    s = srv.samples()
+    assert sum_samples(s, "vllm:kvlens_load_tokens_total", tier="remote") == 640
+    assert sum_samples(s, "vllm:kvlens_remote_seconds_count", operation="exists") >= 1
+    assert sum_samples(s, "vllm:kvlens_remote_seconds_count", operation="get") >= 1
+
+
+def test_a_prompt_served_by_one_instance_is_served_from_a_redis_cluster_by_another(
+    redis_cluster, tiny_model, tmp_path
 ):
-    """Through a single Redis and through a three-master cluster, side by side."""
-    backends = {"single": (redis_server.url, 11), "cluster": (redis_cluster.url, 12)}
-    prompts = {b: prompt_tokens(700, seed) for b, (_, seed) in backends.items()}
-    kvs = {b: remote_only(url) for b, (url, _) in backends.items()}
-    firsts = serve_together(tmp_path, *((f"first-{b}", tiny_model, kvs[b]) for b in backends))
-    colds = {}
+    """Through a three-master cluster. Through a single Redis: test_serve_two_hosts.py, with two
+    copies of the checkpoint as two hosts have them."""
+    prompt = prompt_tokens(700, 12)
+    kv = remote_only(redis_cluster.url)
+    first = serve(tiny_model, tmp_path, "first-cluster", kv)
     try:
-        for b, first in zip(backends, firsts, strict=True):
-            colds[b] = first.complete(prompts[b], max_tokens=8)
-            assert loaded(colds[b]) == {}, b
-            writes_landed(first)
+        cold = first.complete(prompt, max_tokens=8)
+        assert loaded(cold) == {}
+        writes_landed(first)
     finally:
-        for first in firsts:
-            first.stop()
-    seconds = serve_together(tmp_path, *((f"second-{b}", tiny_model, kvs[b]) for b in backends))
+        first.stop()
+    second = serve(tiny_model, tmp_path, "second-cluster", kv)
     try:
-        for b, second in zip(backends, seconds, strict=True):
-            hit = second.complete(prompts[b], max_tokens=8)
-            assert loaded(hit) == {"remote": 640} and text(hit) == text(colds[b]), b
-            s = second.samples()
-            assert sum_samples(s, "vllm:kvlens_load_tokens_total", tier="remote") == 640, b
-            assert sum_samples(s, "vllm:kvlens_remote_seconds_count", operation="exists") >= 1, b
-            assert sum_samples(s, "vllm:kvlens_remote_seconds_count", operation="get") >= 1, b
+        served_from_redis(second, prompt, cold)
     finally:
-        for second in seconds:
-            second.stop()
+        second.stop()
 
 
 @pytest.fixture(scope="module")
