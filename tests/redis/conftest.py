@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -113,6 +114,31 @@ def tier_factory() -> Iterator[Callable[..., RedisTier]]:
         tier.close()
 
 
+# What the socket timeouts of a tier with timeout_s=0.5 and connect_timeout_s=0.5 let one failing
+# call wait: about one connect plus one read timeout, twice where the call is retried once after a
+# failover (a re-read slot map, another sentinel answer).
+TIMEOUTS_BOUND_S = 2.0
+
+
+@pytest.fixture
+def call_bound_s(tier_factory) -> Callable[[str], float]:
+    """``bound(url)``: the seconds one failing call of such a tier may take on this machine, its
+    timeouts (``TIMEOUTS_BOUND_S``) plus ten times its own work, measured here against ``url``
+    while it is healthy (a new tier connects, reads a cluster's slot map or asks the sentinels,
+    and pings; the slowest of three). A slow or loaded CPU then does not pass for a hang, and a
+    call that waits past its timeouts or retries without end still fails the bound."""
+
+    def bound(url: str) -> float:
+        took = []
+        for _ in range(3):
+            start = time.monotonic()
+            tier_factory(url, timeout_s=0.5, connect_timeout_s=0.5).ping()
+            took.append(time.monotonic() - start)
+        return TIMEOUTS_BOUND_S + 10 * max(took)
+
+    return bound
+
+
 @pytest.fixture(scope="module")
 def server_factory_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., RedisServer]]:
     """Private servers shared by one module's tests (a vllm serve lives as long)."""
@@ -127,15 +153,3 @@ def server_factory_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     yield make
     for server in servers:
         server.kill()
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from pathlib import Path as _Path
-
-    built = _Path(__file__).resolve().parents[2] / ".run" / "tiny-model"
-    if (built / "model.safetensors").exists():
-        return str(built)
-    from ..telemetry.serve import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))

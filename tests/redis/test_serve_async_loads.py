@@ -78,15 +78,17 @@ def test_a_load_that_outlasts_the_tier_timeout_is_recomputed_and_the_batch_goes_
     decoded: list[dict] = []
     try:
         waiter = threading.Thread(target=lambda: decoded.append(srv.complete(prompt, max_tokens=8)))
+        load_asked = time.monotonic()
         waiter.start()
         time.sleep(1.0)
-        started = time.monotonic()
         beside = srv.complete(other, max_tokens=16)  # runs while the first waits for its KV
-        beside_s = time.monotonic() - started
+        beside_done = time.monotonic()
         waiter.join(60)
     finally:
         proxy.delay_s = 0.0
-    assert beside["choices"][0]["text"] is not None and beside_s < 4.0
+    # the batch went on: the other request finished before the stalled load's tier timeout (5 s,
+    # the default) ran out, so nothing waited for it (a bound of the load's, not of this CPU's)
+    assert beside["choices"][0]["text"] is not None and beside_done < load_asked + 5.0
     (out,) = decoded
     assert text(out) == text(cold)
     usage = out["kv_transfer_params"]["kvlens"]
