@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 DURATIONS = Path(__file__).with_name("durations.json")
+BUILT_TINY_MODEL = Path(__file__).resolve().parents[1] / ".run" / "tiny-model"  # scripts/setup.sh
 UNKNOWN_TEST_S = 20.0  # a real-vLLM test not yet measured: about the median here
 # Folders whose test files share engines through a package or session fixture: each runs in one
 # worker as one unit (as if its modules were marked ``xdist_group(folder)``).
@@ -102,3 +105,16 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):  # what each worker collects is the controller's queue
         items[:] = longest_first(items, json.loads(DURATIONS.read_text()))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """The tiny local model every real-vLLM test serves: the one scripts/setup.sh built (or
+    ``KVLENS_TINY_MODEL``), else one built for this test process."""
+    built = Path(os.environ.get("KVLENS_TINY_MODEL", BUILT_TINY_MODEL))
+    if (built / "model.safetensors").exists() and (built / "config.json").exists():
+        return str(built)
+    out = tmp_path_factory.mktemp("tiny-model")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "tiny_model.py"
+    subprocess.run([sys.executable, str(script), str(out)], check=True, capture_output=True, timeout=300)
+    return str(out)

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -27,7 +26,6 @@ from tests.telemetry.serve import (
     REPO,
     VllmServer,
     base_env,
-    build_tiny_model,
     free_port,
     kv_transfer_config,
     wait_until,
@@ -59,13 +57,6 @@ KV_CONFIG = kv_transfer_config(
 RATE_INTERVAL = "5m"  # covers the whole workload when the queries run
 
 
-def tiny_model(tmp_path_factory) -> str:
-    built = Path(os.environ.get("KVLENS_TINY_MODEL", REPO / ".run" / "tiny-model"))
-    if (built / "model.safetensors").exists():
-        return str(built)
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
-
-
 def scrape_configs(vllm: str, dead: str) -> list[dict]:
     return [
         # KVLens's vLLM, and a target where nothing listens (VLLMTargetDown).
@@ -83,13 +74,11 @@ def scrape_configs(vllm: str, dead: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
+def live(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("live")
     kv = json.loads(json.dumps(KV_CONFIG).replace("{tmp}", str(tmp)))
     events = tmp / "events.jsonl"
-    server = VllmServer(
-        tiny_model(tmp_path_factory), kv, tmp / "serve.log", base_env(KVLENS_EVENT_LOG=str(events))
-    )
+    server = VllmServer(tiny_model, kv, tmp / "serve.log", base_env(KVLENS_EVENT_LOG=str(events)))
     prom = None
     try:
         server.wait_ready()

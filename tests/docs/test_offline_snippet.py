@@ -21,16 +21,6 @@ def offline_snippets() -> list[md.Block]:
     return [b for b in md.all_blocks() if b.lang == "python" and "LLM(" in b.text]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    built = md.REPO / ".run" / "tiny-model"
-    if (built / "model.safetensors").exists() and (built / "config.json").exists():
-        return str(built)
-    out = tmp_path_factory.mktemp("tiny-model")
-    subprocess.run([sys.executable, str(md.REPO / "scripts" / "tiny_model.py"), str(out)], check=True)
-    return str(out)
-
-
 def test_the_docs_show_one_offline_snippet():
     assert [b.path for b in offline_snippets()] == [md.README]
 

@@ -17,16 +17,6 @@ REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("run_engine.py")
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    built = REPO / ".run" / "tiny-model"
-    if (built / "model.safetensors").exists() and (built / "config.json").exists():
-        return str(built)
-    out = tmp_path_factory.mktemp("tiny-model")
-    subprocess.run([sys.executable, str(REPO / "scripts" / "tiny_model.py"), str(out)], cwd=REPO, check=True)
-    return str(out)
-
-
 def disk_kv(directory: str, **extra) -> dict:
     """KVLens extra config for a disk-only tier in ``directory`` (plus ``lmcache.*`` overrides)."""
     kv = {

@@ -143,14 +143,6 @@ class PDPair:
 
 
 @pytest.fixture(scope="session")
-def tiny_model() -> str:
-    built = REPO / ".run" / "tiny-model"
-    if not (built / "config.json").exists():
-        pytest.skip("no tiny model in .run/tiny-model (scripts/setup.sh builds it)")
-    return str(built)
-
-
-@pytest.fixture(scope="session")
 def pd_pair(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd")
     context = zmq.Context()

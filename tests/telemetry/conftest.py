@@ -11,8 +11,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from telemetry import tracing
 
-from .serve import build_tiny_model
-
 _EXPORTER = InMemorySpanExporter()
 
 
@@ -38,11 +36,6 @@ def spans():
     yield _Spans()
     tracing.drain()
     _EXPORTER.clear()
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(scope="module")

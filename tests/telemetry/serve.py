@@ -42,17 +42,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_tiny_model(out: Path) -> str:
-    subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "tiny_model.py"), str(out)],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return str(out)
-
-
 def base_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVLENS_", "LMCACHE_"))}
     env.update(
