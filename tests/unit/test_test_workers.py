@@ -55,3 +55,28 @@ def test_the_modules_of_a_folder_that_shares_its_engines_are_one_unit():
     )
     assert unit_of("tests/redis/test_a.py::test_one[p@q]") == "tests/redis/test_a.py"
     assert unit_of("tests/redis/test_a.py::test_one@shared") == "shared"
+
+
+def test_durations_are_summed_per_unit_from_the_integration_report_only():
+    from scripts.durations import unit_seconds
+
+    report = [
+        "============ slowest durations ============",
+        "120.50s setup    tests/pd/test_pd_failures.py::test_down",
+        "10.00s call     tests/pd/test_pd_serve.py::test_equal[tail]",
+        "30.00s call     tests/redis/test_serve_remote.py::test_a",
+        "2.50s teardown tests/redis/test_serve_remote.py::test_a",
+        "not a duration line 5.00s call tests/x.py::y",
+        "[test] ---- tests not marked integration (ran beside the above) ----",
+        "99.00s call     tests/unit/test_whatif.py::test_w",
+    ]
+    assert unit_seconds(report) == {"tests/pd/": 130.5, "tests/redis/test_serve_remote.py": 32.5}
+
+
+def test_every_unit_in_durations_json_is_a_test_file_or_folder_here():
+    import json
+
+    from tests.conftest import DURATIONS
+
+    root = DURATIONS.parents[1]
+    assert all((root / unit).exists() for unit in json.loads(DURATIONS.read_text()))
