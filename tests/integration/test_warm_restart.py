@@ -1,13 +1,20 @@
-"""A ``vllm serve`` killed with SIGKILL (API server, engine core and workers at once) right after
-a burst of requests, while disk writes may still be queued, then started again on the same
-``local_disk``: what was stored before the kill is served from disk with the cold outputs, and
-whatever the kill left half-written is never read (no load fails, outputs identical)."""
+"""A ``vllm serve`` at KVLens's default settings with a disk tier, killed with SIGKILL (API
+server, engine core and workers at once) right after a burst of requests, while disk writes may
+still be queued, then started again on the same ``local_disk``. What was stored before the kill
+is served from disk with the cold outputs, and whatever the kill left half-written is never read
+(no load fails, outputs identical). On the restarted engine every request hits, so no step is a
+cold prefill: it still measures what a prefill token costs (checked against the wall clock), and
+the bytes it reads from disk match vLLM's own count of disk-cached tokens and the chunk files.
+One killed-and-restarted pair serves every test here (two vLLM starts)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import struct
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -29,11 +36,15 @@ pytestmark = pytest.mark.integration
 ARGS = ("--dtype", "float32")  # greedy outputs compared bit for bit
 STORED = [prompt_tokens(700, 400 + i) for i in range(3)]  # 2 chunks + a 128-token block: 640
 BURST = [prompt_tokens(900, 500 + i) for i in range(8)]
+CHUNK = 256  # KVLens's default chunk_size
+PREFIXES = [prompt_tokens(CHUNK * (2 + i % 2), 700 + i) for i in range(14)]  # 2 or 3 whole chunks
+MAGIC, LEN = b"KVLENS1\n", struct.Struct("<I")
+PER_TOKEN = "vllm:kvlens_prefill_seconds_per_token"
 
 
 def serve(tiny_model: str, disk: Path, log: Path) -> VllmServer:
-    kv = kv_transfer_config(chunk_size=256, local_cpu=False, local_disk=str(disk), max_local_disk_size=0.5)
-    srv = VllmServer(tiny_model, kv, log, base_env(), ARGS)
+    kv = kv_transfer_config(local_disk=str(disk), max_local_disk_size=1)  # defaults besides the disk
+    srv = VllmServer(tiny_model, kv, log, base_env(KVLENS_EVENT_LOG=str(log.parent / "events.jsonl")), ARGS)
     srv.wait_ready()
     return srv
 
@@ -71,6 +82,8 @@ def restarted(tiny_model, tmp_path_factory):
     first = serve(tiny_model, disk, tmp / "first.log")
     try:
         cold = [text(first.complete(p, max_tokens=8)) for p in STORED]
+        for p in PREFIXES:
+            first.complete(p, max_tokens=1)
         wait_until(lambda: sample(first.samples(), "vllm:kvlens_pending_writes") == 0, what="writes landed")
         burst_cold = burst(first)
         os.killpg(first.proc.pid, signal.SIGKILL)  # no shutdown: queued writes die with it
@@ -93,6 +106,8 @@ def restarted(tiny_model, tmp_path_factory):
             "burst_warm": burst_warm,
             "samples": second.samples(),
             "files_before": files_before,
+            "server": second,
+            "disk": disk,
         }
     finally:
         second.stop()
@@ -116,3 +131,101 @@ def test_what_the_kill_left_half_written_is_never_read(restarted):
     assert sum_samples(s, "vllm:kvlens_failed_blocks_total") == 0
     assert sum_samples(s, "vllm:kvlens_failed_load_requests_total") == 0
     assert sum_samples(s, "vllm:kvlens_failed_chunks_total", operation="load") == 0
+
+
+def whole_chunk_bytes(disk) -> int:
+    """The payload a whole chunk's record on disk declares (the largest record's)."""
+    sizes = []
+    for path in disk.rglob("*.kvlens"):  # records lie in subdirectories
+        record = path.read_bytes()
+        (hlen,) = LEN.unpack(record[len(MAGIC) : len(MAGIC) + LEN.size])
+        start = len(MAGIC) + LEN.size
+        sizes.append(json.loads(record[start : start + hlen])["nbytes"])
+    return max(sizes)
+
+
+def plain_read_speed(disk) -> float:
+    """Bytes per second reading every chunk file whole, best of three passes (page cache warm)."""
+    files = list(disk.rglob("*.kvlens"))
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        nbytes = sum(len(f.read_bytes()) for f in files)
+        best = min(best, time.perf_counter() - started)
+    return nbytes / best
+
+
+def cold_seconds_per_token(srv) -> float:
+    """The wall clock's marginal cost of a prefill token: the latency difference between new
+    prompts of two lengths (client overhead cancels), best of three each."""
+    best = {}
+    for n in (400, 1600):
+        times = []
+        for k in range(3):
+            started = time.monotonic()
+            srv.complete(prompt_tokens(n, 5000 + 10 * n + k), max_tokens=1)
+            times.append(time.monotonic() - started)
+        best[n] = min(times)
+    return (best[1600] - best[400]) / 1200
+
+
+def grew(after, before, name: str, **labels) -> float:
+    """How much a counter (summed over its series with ``labels``) grew between two scrapes."""
+    return sum_samples(after, name, **labels) - sum_samples(before, name, **labels)
+
+
+def test_every_request_of_a_warm_restart_hits_and_the_prefill_cost_is_still_measured(restarted):
+    """Runs after the checks above: counts are taken over its own requests."""
+    srv = restarted["server"]
+    before = srv.samples()
+    started = time.monotonic()
+    loaded = 0
+    # What each hit's loaded tokens were worth at the cost per token the engine had measured
+    # before and after it (its /metrics): the bounds of the price it put on them. The cost moves
+    # with the machine's load, so the final estimate alone does not price every hit.
+    worth_low = worth_high = 0.0
+    cost = sample(srv.samples(), PER_TOKEN) or 0.0
+    for i, prefix in enumerate(PREFIXES):  # each hits its prefix and computes a new tail
+        tail = prompt_tokens(100 + (113 * i) % 1300, 900 + i)
+        out = srv.complete(prefix + tail, max_tokens=4)["kv_transfer_params"]["kvlens"]
+        assert out["loaded_tokens"] == {"disk": len(prefix)}
+        loaded += len(prefix)
+        cost_after = sample(srv.samples(), PER_TOKEN) or 0.0
+        if cost > 0:  # priced: the cost was known before this hit
+            worth_low += len(prefix) * min(cost, cost_after)
+        worth_high += len(prefix) * max(cost, cost_after)
+        cost = cost_after
+    wall = time.monotonic() - started
+
+    def measured():  # a cost, not the 0 a series existing from start-up would show
+        s = srv.samples()
+        return s if (sample(s, PER_TOKEN) or 0) > 0 else None
+
+    s = wait_until(measured, what="a prefill cost measured from steps that all loaded")
+    estimate = sample(s, PER_TOKEN)
+    saved = grew(s, before, "vllm:kvlens_prefill_seconds_saved_total", tier="disk")
+    assert worth_low > 0, "no hit came after the cost was known"
+    assert worth_low / 1.5 <= saved <= worth_high * 1.5, (worth_low, saved, worth_high)  # priced once known
+    # against the wall clock: new prompts' latency grows by about the estimate per token
+    measured_cost = cold_seconds_per_token(srv)
+    assert measured_cost / 3 < estimate < measured_cost * 3, (estimate, measured_cost)
+
+    # the bytes read from disk and copied into vLLM: vLLM's own disk-cached tokens, in records
+    per_token = whole_chunk_bytes(restarted["disk"]) / CHUNK
+    disk_tokens = grew(s, before, "vllm:prompt_tokens_cached_by_source_total", source="disk")
+    assert disk_tokens == loaded
+    for stage in ("read", "copy"):
+        assert (
+            grew(s, before, "vllm:kvlens_transfer_bytes_total", stage=stage, tier="disk")
+            == loaded * per_token
+        )
+        assert 0 < grew(s, before, "vllm:kvlens_transfer_seconds_total", stage=stage, tier="disk") < wall
+
+    # the read speed it reports is no faster than reading the same files plainly (and no crawl)
+    read_speed = (
+        loaded * per_token / grew(s, before, "vllm:kvlens_transfer_seconds_total", stage="read", tier="disk")
+    )
+    plain = plain_read_speed(restarted["disk"])
+    assert plain / 50 < read_speed < 2 * plain, (read_speed, plain)
+    print(f"prefill s/token: estimate {estimate:.3g}, wall clock {measured_cost:.3g}")
+    print(f"disk read: {read_speed / 1e6:.0f} MB/s; plain reads of the files {plain / 1e6:.0f} MB/s")
