@@ -16,6 +16,7 @@ from ..telemetry.serve import (
     sum_samples,
     wait_until,
 )
+from .servers import RedisClusterProcs
 
 pytestmark = pytest.mark.integration
 
@@ -75,21 +76,33 @@ def served_from_redis(srv, prompt, cold) -> None:
     assert sum_samples(s, "vllm:kvlens_remote_seconds_count", operation="get") >= 1
 
 
+@pytest.fixture(scope="module")
+def cluster_first(tiny_model, tmp_path_factory):
+    """A first instance on a three-master cluster of this module's own: it stores what another
+    instance then loads (the first test), and later loses a master (the last test)."""
+    tmp = tmp_path_factory.mktemp("cluster-first")
+    cluster = RedisClusterProcs(tmp / "cluster").start()
+    try:
+        srv = serve(tiny_model, tmp, "first", remote_only(cluster.url))
+        try:
+            yield cluster, srv
+        finally:
+            srv.stop()
+    finally:
+        cluster.kill()
+
+
 def test_a_prompt_served_by_one_instance_is_served_from_a_redis_cluster_by_another(
-    redis_cluster, tiny_model, tmp_path
+    cluster_first, tiny_model, tmp_path
 ):
     """Through a three-master cluster. Through a single Redis: test_serve_two_hosts.py, with two
     copies of the checkpoint as two hosts have them."""
+    cluster, first = cluster_first
     prompt = prompt_tokens(700, 12)
-    kv = remote_only(redis_cluster.url)
-    first = serve(tiny_model, tmp_path, "first-cluster", kv)
-    try:
-        cold = first.complete(prompt, max_tokens=8)
-        assert loaded(cold) == {}
-        writes_landed(first)
-    finally:
-        first.stop()
-    second = serve(tiny_model, tmp_path, "second-cluster", kv)
+    cold = first.complete(prompt, max_tokens=8)
+    assert loaded(cold) == {}
+    writes_landed(first)
+    second = serve(tiny_model, tmp_path, "second-cluster", remote_only(cluster.url))
     try:
         served_from_redis(second, prompt, cold)
     finally:
@@ -184,30 +197,28 @@ def test_redis_evicting_under_maxmemory_costs_misses_never_errors(faulty):
         client.config_set("maxmemory", "0")
 
 
-def test_a_cluster_node_killed_keeps_requests_completing(private_cluster, tiny_model, tmp_path):
-    srv = serve(tiny_model, tmp_path, "cluster-faults", remote_only(private_cluster.url))
-    try:
-        prompts = [prompt_tokens(700, 50 + i) for i in range(3)]
-        colds = [srv.complete(p, max_tokens=8) for p in prompts]
-        writes_landed(srv)
-        private_cluster.wait_replicated()
-        private_cluster.live()[0].kill()  # a master: its replica takes over
-        for p, cold in zip(prompts, colds, strict=True):
-            out = _cold(srv, p)
-            assert text(out) == text(cold)
-        fresh = prompt_tokens(700, 60)
-        deadline = time.monotonic() + 90
-        while True:  # after the failover the tier stores and serves again by itself
-            fresh_cold = _cold(srv, fresh)
-            try:
-                writes_landed(srv)
-            except TimeoutError:  # a batch still queued for the dead master: ask again next round
-                pass
-            hit = _cold(srv, fresh)
-            assert text(hit) == text(fresh_cold)
-            if loaded(hit) == {"remote": 640} or time.monotonic() > deadline:
-                break
-            fresh = prompt_tokens(700, 61 + int(time.monotonic()) % 1000)
-        assert loaded(hit) == {"remote": 640}
-    finally:
-        srv.stop()
+def test_a_cluster_node_killed_keeps_requests_completing(cluster_first):
+    """The last user of ``cluster_first``: a master of its cluster is killed."""
+    cluster, srv = cluster_first
+    prompts = [prompt_tokens(700, 50 + i) for i in range(3)]
+    colds = [srv.complete(p, max_tokens=8) for p in prompts]
+    writes_landed(srv)
+    cluster.wait_replicated()
+    cluster.live()[0].kill()  # a master: its replica takes over
+    for p, cold in zip(prompts, colds, strict=True):
+        out = _cold(srv, p)
+        assert text(out) == text(cold)
+    fresh = prompt_tokens(700, 60)
+    deadline = time.monotonic() + 90
+    while True:  # after the failover the tier stores and serves again by itself
+        fresh_cold = _cold(srv, fresh)
+        try:
+            writes_landed(srv)
+        except TimeoutError:  # a batch still queued for the dead master: ask again next round
+            pass
+        hit = _cold(srv, fresh)
+        assert text(hit) == text(fresh_cold)
+        if loaded(hit) == {"remote": 640} or time.monotonic() > deadline:
+            break
+        fresh = prompt_tokens(700, 61 + int(time.monotonic()) % 1000)
+    assert loaded(hit) == {"remote": 640}
