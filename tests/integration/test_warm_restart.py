@@ -174,27 +174,52 @@ def grew(after, before, name: str, **labels) -> float:
     return sum_samples(after, name, **labels) - sum_samples(before, name, **labels)
 
 
+class CostWatch:
+    """Within ``with``: every positive cost per token ``srv`` publishes on /metrics (``costs``),
+    read every 50 ms on a thread of its own."""
+
+    def __init__(self, srv: VllmServer) -> None:
+        self.srv, self.costs = srv, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.05):
+            cost = sample(self.srv.samples(), PER_TOKEN) or 0.0
+            if cost > 0:
+                self.costs.append(cost)
+
+    def __enter__(self) -> CostWatch:
+        self.costs.append(sample(self.srv.samples(), PER_TOKEN) or 0.0)
+        self.costs[:] = [c for c in self.costs if c > 0]
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
 def test_every_request_of_a_warm_restart_hits_and_the_prefill_cost_is_still_measured(restarted):
     """Runs after the checks above: counts are taken over its own requests."""
     srv = restarted["server"]
     before = srv.samples()
     started = time.monotonic()
     loaded = 0
-    # What each hit's loaded tokens were worth at the cost per token the engine had measured
-    # before and after it (its /metrics): the bounds of the price it put on them. The cost moves
-    # with the machine's load, so the final estimate alone does not price every hit.
-    worth_low = worth_high = 0.0
-    cost = sample(srv.samples(), PER_TOKEN) or 0.0
-    for i, prefix in enumerate(PREFIXES):  # each hits its prefix and computes a new tail
-        tail = prompt_tokens(100 + (113 * i) % 1300, 900 + i)
-        out = srv.complete(prefix + tail, max_tokens=4)["kv_transfer_params"]["kvlens"]
-        assert out["loaded_tokens"] == {"disk": len(prefix)}
-        loaded += len(prefix)
-        cost_after = sample(srv.samples(), PER_TOKEN) or 0.0
-        if cost > 0:  # priced: the cost was known before this hit
-            worth_low += len(prefix) * min(cost, cost_after)
-        worth_high += len(prefix) * max(cost, cost_after)
-        cost = cost_after
+    # The engine prices each hit at the cost per token it has measured by then; the cost moves
+    # with the machine's load (a fit over its steps), also within one request, so the final
+    # estimate alone does not price every hit. Every estimate it publishes (its gauges, sampled
+    # at most every 0.1 s while requests run) is watched: the hits were priced within them.
+    seen = CostWatch(srv)
+    priced = 0  # tokens of hits asked for once a cost was known
+    with seen:
+        for i, prefix in enumerate(PREFIXES):  # each hits its prefix and computes a new tail
+            known = bool(seen.costs)
+            tail = prompt_tokens(100 + (113 * i) % 1300, 900 + i)
+            out = srv.complete(prefix + tail, max_tokens=4)["kv_transfer_params"]["kvlens"]
+            assert out["loaded_tokens"] == {"disk": len(prefix)}
+            loaded += len(prefix)
+            priced += len(prefix) if known else 0
     wall = time.monotonic() - started
 
     def measured():  # a cost, not the 0 a series existing from start-up would show
@@ -204,8 +229,10 @@ def test_every_request_of_a_warm_restart_hits_and_the_prefill_cost_is_still_meas
     s = wait_until(measured, what="a prefill cost measured from steps that all loaded")
     estimate = sample(s, PER_TOKEN)
     saved = grew(s, before, "vllm:kvlens_prefill_seconds_saved_total", tier="disk")
-    assert worth_low > 0, "no hit came after the cost was known"
-    assert worth_low / 1.5 <= saved <= worth_high * 1.5, (worth_low, saved, worth_high)  # priced once known
+    costs = seen.costs or [estimate]
+    assert priced > 0, "no hit came after the cost was known"
+    low, high = priced * min(costs) / 1.5, loaded * max(costs) * 1.5
+    assert low <= saved <= high, (low, saved, high)  # every hit priced once the cost was known
     # against the wall clock: new prompts' latency grows by about the estimate per token
     measured_cost = cold_seconds_per_token(srv)
     assert measured_cost / 3 < estimate < measured_cost * 3, (estimate, measured_cost)

@@ -43,7 +43,8 @@ def serve_stack(request, tiny_model, tmp_path_factory):
     """One ``vllm serve`` with KVLens plus a real OTLP/HTTP receiver, shared by a test module.
 
     The module sets ``KV_CONFIG`` (the --kv-transfer-config dict, ``{tmp}`` is replaced by a
-    temporary directory) and may set ``SERVE_ARGS`` and ``SERVE_ENV`` (environment, ``{tmp}`` too).
+    temporary directory) and may set ``SERVE_ARGS``, ``SERVE_ENV`` (environment, ``{tmp}`` too)
+    and ``EVENT_STREAM = True`` (vLLM's KV events to ``events``, an EventStream bound first).
     """
     import json
     from types import SimpleNamespace
@@ -53,6 +54,13 @@ def serve_stack(request, tiny_model, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("serve")
     kv_config = json.loads(json.dumps(request.module.KV_CONFIG).replace("{tmp}", str(tmp)))
+    events = None
+    if getattr(request.module, "EVENT_STREAM", False):  # bound before vLLM is told its port
+        from .test_serve_insight import EventStream
+
+        events = EventStream()
+        endpoint = f"tcp://127.0.0.1:{events.port}"
+        kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
     with OtlpReceiver() as receiver:
         env = base_env(
             OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
@@ -61,9 +69,15 @@ def serve_stack(request, tiny_model, tmp_path_factory):
             **{k: v.replace("{tmp}", str(tmp)) for k, v in getattr(request.module, "SERVE_ENV", {}).items()},
         )
         args = ("--otlp-traces-endpoint", receiver.endpoint, *getattr(request.module, "SERVE_ARGS", ()))
+        if events is not None:
+            args += ("--kv-events-config", json.dumps(kv_events))
         server = VllmServer(tiny_model, kv_config, tmp / "serve.log", env, args)
         try:
             server.wait_ready()
-            yield SimpleNamespace(server=server, receiver=receiver, tmp=tmp, kv_config=kv_config)
+            yield SimpleNamespace(
+                server=server, receiver=receiver, tmp=tmp, kv_config=kv_config, events=events
+            )
         finally:
             server.stop()
+            if events is not None:
+                events.close()

@@ -13,15 +13,13 @@ import time
 
 import pytest
 
-from .serve import free_port, kv_transfer_config, prompt_tokens, sample, sum_samples, wait_until
+from .serve import kv_transfer_config, prompt_tokens, sample, sum_samples, wait_until
 
 pytestmark = pytest.mark.integration
 
 KV_CONFIG = kv_transfer_config(chunk_size=256, max_local_cpu_size=1)
 SERVE_ENV = {"KVLENS_REQUEST_LOG": "{tmp}/requests.jsonl"}
-EVENTS_PORT = free_port()
-KV_EVENTS = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{EVENTS_PORT}"}
-SERVE_ARGS = ("--kv-events-config", json.dumps(KV_EVENTS))
+EVENT_STREAM = True  # serve_stack binds an EventStream first and points vLLM's publisher at it
 FACTORS = ("0.125", "0.25", "0.5", "1", "2", "4", "8", "16")
 
 
@@ -122,7 +120,9 @@ class EventStream:
     vLLM's publisher connects to a ``tcp://host:port`` endpoint (it binds only wildcards), so the
     subscriber binds on loopback and the publisher finds it by itself (ZMQ reconnects)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int = 0) -> None:
+        """Bound to ``port``, or with 0 to a free port it keeps (``self.port``): pass that to vLLM,
+        and no other process can take it between the choice and the bind."""
         import msgspec
         import zmq
         from vllm.distributed.kv_events import KVEventBatch
@@ -131,7 +131,9 @@ class EventStream:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sock.bind(f"tcp://127.0.0.1:{port}")
+        if port:
+            self._sock.bind(f"tcp://127.0.0.1:{port}")
+        self.port = port or self._sock.bind_to_random_port("tcp://127.0.0.1")
         self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
         self.events: list = []
 
@@ -154,25 +156,23 @@ def test_kvlens_stores_and_evictions_reach_vllms_kv_event_stream(serve_stack):
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
     srv = serve_stack.server
-    stream = EventStream(EVENTS_PORT)
-    try:
-        stream.drain(2.0)  # the publisher has connected before the first event
-        p = prompt_tokens(600, 4242)
-        srv.complete(p, max_tokens=2)
-        events = stream.drain(3.0)
-        stored = [e for e in events if isinstance(e, BlockStored)]
-        ours = [e for e in stored if e.medium == "cpu"]
-        vllms = [e for e in stored if e.medium != "cpu"]
-        # KVLens's two chunks, by the same block hashes vLLM itself published for these tokens
-        assert [len(e.block_hashes) for e in ours] == [2, 2]
-        assert [list(e.token_ids) for e in ours] == [p[:256], p[256:512]]
-        assert ours[1].parent_block_hash == ours[0].block_hashes[-1] and ours[0].parent_block_hash is None
-        vllm_hashes = [h for e in vllms for h in e.block_hashes]
-        assert [h for e in ours for h in e.block_hashes] == vllm_hashes[:4]
+    stream = serve_stack.events
+    stream.drain(2.0)  # the publisher has connected before the first event
+    stream.events.clear()  # what earlier tests of the module published
+    p = prompt_tokens(600, 4242)
+    srv.complete(p, max_tokens=2)
+    events = stream.drain(3.0)
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    ours = [e for e in stored if e.medium == "cpu"]
+    vllms = [e for e in stored if e.medium != "cpu"]
+    # KVLens's two chunks, by the same block hashes vLLM itself published for these tokens
+    assert [len(e.block_hashes) for e in ours] == [2, 2]
+    assert [list(e.token_ids) for e in ours] == [p[:256], p[256:512]]
+    assert ours[1].parent_block_hash == ours[0].block_hashes[-1] and ours[0].parent_block_hash is None
+    vllm_hashes = [h for e in vllms for h in e.block_hashes]
+    assert [h for e in ours for h in e.block_hashes] == vllm_hashes[:4]
 
-        srv.post("/reset_prefix_cache?reset_external=true")  # vLLM's cache and KVLens's
-        srv.complete(prompt_tokens(8, 2), max_tokens=1)  # events go out with the next step
-        removed = [e for e in stream.drain(3.0) if isinstance(e, BlockRemoved) and e.medium == "cpu"]
-        assert {h for e in removed for h in e.block_hashes} >= {h for e in ours for h in e.block_hashes}
-    finally:
-        stream.close()
+    srv.post("/reset_prefix_cache?reset_external=true")  # vLLM's cache and KVLens's
+    srv.complete(prompt_tokens(8, 2), max_tokens=1)  # events go out with the next step
+    removed = [e for e in stream.drain(3.0) if isinstance(e, BlockRemoved) and e.medium == "cpu"]
+    assert {h for e in removed for h in e.block_hashes} >= {h for e in ours for h in e.block_hashes}
