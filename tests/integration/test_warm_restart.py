@@ -9,16 +9,15 @@ One killed-and-restarted pair serves every test here (two vLLM starts)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import struct
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from connector.tiers import codec
 from connector.tiers.disk import chunk_files
 
 from ..telemetry.serve import (
@@ -38,7 +37,6 @@ STORED = [prompt_tokens(700, 400 + i) for i in range(3)]  # 2 chunks + a 128-tok
 BURST = [prompt_tokens(900, 500 + i) for i in range(8)]
 CHUNK = 256  # KVLens's default chunk_size
 PREFIXES = [prompt_tokens(CHUNK * (2 + i % 2), 700 + i) for i in range(14)]  # 2 or 3 whole chunks
-MAGIC, LEN = b"KVLENS1\n", struct.Struct("<I")
 PER_TOKEN = "vllm:kvlens_prefill_seconds_per_token"
 
 
@@ -135,13 +133,7 @@ def test_what_the_kill_left_half_written_is_never_read(restarted):
 
 def whole_chunk_bytes(disk) -> int:
     """The payload a whole chunk's record on disk declares (the largest record's)."""
-    sizes = []
-    for path in disk.rglob("*.kvlens"):  # records lie in subdirectories
-        record = path.read_bytes()
-        (hlen,) = LEN.unpack(record[len(MAGIC) : len(MAGIC) + LEN.size])
-        start = len(MAGIC) + LEN.size
-        sizes.append(json.loads(record[start : start + hlen])["nbytes"])
-    return max(sizes)
+    return max(codec.read_header(path.read_bytes()).nbytes for path in disk.rglob("*.kvlens"))
 
 
 def plain_read_speed(disk) -> float:
@@ -183,15 +175,16 @@ class CostWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
+    def _read(self) -> None:
+        if (cost := sample(self.srv.samples(), PER_TOKEN) or 0.0) > 0:
+            self.costs.append(cost)
+
     def _watch(self) -> None:
         while not self._stop.wait(0.05):
-            cost = sample(self.srv.samples(), PER_TOKEN) or 0.0
-            if cost > 0:
-                self.costs.append(cost)
+            self._read()
 
     def __enter__(self) -> CostWatch:
-        self.costs.append(sample(self.srv.samples(), PER_TOKEN) or 0.0)
-        self.costs[:] = [c for c in self.costs if c > 0]
+        self._read()
         self._thread.start()
         return self
 
