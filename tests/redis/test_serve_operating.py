@@ -35,7 +35,8 @@ def stack(server_factory_module, tiny_model, tmp_path_factory):
 
     redis = server_factory_module()
     tmp = tmp_path_factory.mktemp("operating")
-    admin_port, events_port = free_port(), free_port()
+    admin_port = free_port()
+    stream = EventStream()  # bound before vLLM is told its port
     kv = kv_transfer_config(
         chunk_size=256,
         max_local_cpu_size=1,
@@ -47,7 +48,7 @@ def stack(server_factory_module, tiny_model, tmp_path_factory):
     events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://127.0.0.1:{events_port}",
+        "endpoint": f"tcp://127.0.0.1:{stream.port}",
     }
     args = ("--dtype", "float32", "--kv-events-config", json.dumps(events))
     srv = VllmServer(tiny_model, kv, tmp / "serve.log", base_env(), args)
@@ -58,10 +59,11 @@ def stack(server_factory_module, tiny_model, tmp_path_factory):
             redis=redis,
             disk=str(tmp / "disk"),
             admin=f"http://127.0.0.1:{admin_port}",
-            events_port=events_port,
+            events=stream,
         )
     finally:
         srv.stop()
+        stream.close()
 
 
 def kvlens(capsys, *argv) -> dict:
@@ -183,14 +185,11 @@ def test_clearing_everything_through_the_server_tells_routers_without_another_re
     srv = stack.srv
     srv.complete(prompt_tokens(600, 21), max_tokens=2)
     settled(srv)
-    stream = EventStream(stack.events_port)
-    try:
-        stream.drain(2.0)  # the publisher has connected (and sent what it queued meanwhile)
-        stream.events.clear()
-        result = kvlens(capsys, "clear", stack.admin, "--all")
-        events = stream.drain(3.0)  # the endpoint woke the idle engine, which published
-    finally:
-        stream.close()
+    stream = stack.events
+    stream.drain(2.0)  # the publisher has connected (and sent what it queued meanwhile)
+    stream.events.clear()
+    result = kvlens(capsys, "clear", stack.admin, "--all")
+    events = stream.drain(3.0)  # the endpoint woke the idle engine, which published
     assert any(isinstance(e, AllBlocksCleared) for e in events)
     assert any(isinstance(e, BlockRemoved) and e.medium == "cpu" for e in events)
     assert result["disk"]["chunks"] >= 2 and result["remote"]["chunks"] >= 2
@@ -205,15 +204,12 @@ def test_vllms_reset_with_reset_external_is_announced_by_kvlens_too(stack):
 
     srv = stack.srv
     srv.complete(prompt_tokens(600, 31), max_tokens=2)
-    stream = EventStream(stack.events_port)
-    try:
-        stream.drain(2.0)
-        stream.events.clear()
-        srv.post("/reset_prefix_cache?reset_external=true")
-        srv.complete(prompt_tokens(8, 32), max_tokens=1)  # vLLM publishes with its next step
-        cleared = [e for e in stream.drain(3.0) if isinstance(e, AllBlocksCleared)]
-    finally:
-        stream.close()
+    stream = stack.events
+    stream.drain(2.0)
+    stream.events.clear()
+    srv.post("/reset_prefix_cache?reset_external=true")
+    srv.complete(prompt_tokens(8, 32), max_tokens=1)  # vLLM publishes with its next step
+    cleared = [e for e in stream.drain(3.0) if isinstance(e, AllBlocksCleared)]
     assert len(cleared) == 2  # vLLM's own prefix cache, and KVLens's tiers
 
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from ..telemetry.serve import VllmServer, base_env, free_port, kv_transfer_config, prompt_tokens, wait_until
+from ..telemetry.serve import VllmServer, base_env, kv_transfer_config, prompt_tokens, wait_until
 from ..telemetry.test_serve_insight import EventStream
 from .test_serve_remote import writes_landed
 
@@ -67,16 +67,15 @@ def test_a_second_instance_explains_misses_by_namespace_and_announces_promotions
     for path in _chunk_files(disk) - before:  # the disk let IN_REDIS go: only Redis holds it
         os.unlink(path)
 
-    events_port = free_port()
+    stream = EventStream()  # bound before vLLM is told its port
     events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://127.0.0.1:{events_port}",
+        "endpoint": f"tcp://127.0.0.1:{stream.port}",
     }
     env = base_env(KVLENS_REQUEST_LOG=str(tmp_path / "requests.jsonl"))
     args = ("--dtype", "float32", "--kv-events-config", json.dumps(events))
     second = VllmServer(tiny_model, kv, tmp_path / "b.log", env, args)
-    stream = None
     try:
         second.wait_ready()
         salted = _kvlens(second.complete(SALTED, max_tokens=2, cache_salt="tenant-y-secret"))
@@ -86,7 +85,6 @@ def test_a_second_instance_explains_misses_by_namespace_and_announces_promotions
         for usage in (salted, tagged):  # a client never learns another tenant stored its prompt
             assert usage["miss_reason"] == "not_stored" and "miss_detail" not in usage
 
-        stream = EventStream(events_port)
         stream.drain(2.0)  # the publisher has connected
         stream.events.clear()
         assert _kvlens(second.complete(ON_DISK, max_tokens=2))["loaded_tokens"] == {"disk": 512}
@@ -111,8 +109,7 @@ def test_a_second_instance_explains_misses_by_namespace_and_announces_promotions
         assert "Missed: other_namespace" in shown and "cache_salt" in shown, shown
     finally:
         log = tmp_path / "requests.jsonl"
-        if stream is not None:
-            stream.close()
+        stream.close()
         second.stop()
     dump = b"".join(open(p, "rb").read() for p in _all_files(disk))
     dump += b"".join(
