@@ -96,15 +96,26 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
         server.kill()
 
 
+# The socket timeouts of the tiers of tests that are not about time.
+UNTIMED_S = 10.0
+
+
 @pytest.fixture
 def tier_factory() -> Iterator[Callable[..., RedisTier]]:
-    """Tiers with a key prefix of their own, closed after the test."""
+    """Tiers with a key prefix of their own, closed after the test.
+
+    A test about timeouts passes its own (``timeout_s=0.5``, the product's default, and
+    ``call_bound_s``); the others get ``UNTIMED_S``: on a slow CPU busy with two engines beside
+    them a local Redis call once took longer than 0.5 s, and an eviction or a password test
+    must not fail for the machine's speed."""
     tiers: list[RedisTier] = []
 
     def make(
         url: str, layout: str = LAYOUT, environ: dict[str, str] | None = None, **kwargs: object
     ) -> RedisTier:
         kwargs.setdefault("key_prefix", f"t{next(_prefixes)}")
+        kwargs.setdefault("timeout_s", UNTIMED_S)
+        kwargs.setdefault("connect_timeout_s", UNTIMED_S)
         tier = RedisTier(parse_remote_url(url, environ=environ or {}), layout, **kwargs)  # type: ignore[arg-type]
         tiers.append(tier)
         return tier
