@@ -19,19 +19,23 @@ Python only, no dependency: it runs before the virtualenv exists.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 import time
 
 PERIOD_S = 0.010
+PR_SET_PDEATHSIG = 1  # prctl: a signal for this process when its parent dies
 DEFAULT_SHARE = 0.34
 
 
-def burn(core: int, share: float) -> None:
-    """Busy for ``share`` of every period of CLOCK_MONOTONIC, on ``core``, real-time, until the
-    process that started it is gone (killed too: a burner is never left behind)."""
-    parent = os.getppid()
+def burn(core: int, share: float, parent: int) -> None:
+    """Busy for ``share`` of every period of CLOCK_MONOTONIC, on ``core``, real-time, until
+    ``parent``, the script that started it, is gone (killed too, also before this process got
+    this far: a burner is never left behind)."""
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the kernel's notice
     os.sched_setaffinity(0, {core})
     os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
     busy = PERIOD_S * share
@@ -45,8 +49,11 @@ def burn(core: int, share: float) -> None:
 def start_burners(share: float) -> list[subprocess.Popen]:
     """A burner per core this process may use; SystemExit if one cannot run (no RT priority)."""
     cores = sorted(os.sched_getaffinity(0))
-    me = os.path.abspath(__file__)
-    burners = [subprocess.Popen([sys.executable, me, "--burn", str(c), "--share", str(share)]) for c in cores]
+    me, parent = os.path.abspath(__file__), str(os.getpid())
+    burners = [
+        subprocess.Popen([sys.executable, me, "--burn", str(c), "--share", str(share), "--parent", parent])
+        for c in cores
+    ]
     time.sleep(0.2)
     if any(b.poll() is not None for b in burners):
         stop(burners)
@@ -94,12 +101,14 @@ def main() -> int:
     p.add_argument("--share", type=float, default=DEFAULT_SHARE, help="of every core (default %(default)s)")
     p.add_argument("--check", action="store_true", help="measure the slowdown of a busy loop and exit")
     p.add_argument("--burn", type=int, help=argparse.SUPPRESS)  # one burner, on this core
+    p.add_argument("--parent", type=int, help=argparse.SUPPRESS)  # ... while this process lives
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the command to run slowed")
     a = p.parse_args()
     if not 0 < a.share < 0.9:
         p.error("--share must be in (0, 0.9)")
     if a.burn is not None:
-        burn(a.burn, a.share)
+        burn(a.burn, a.share, a.parent)
+        return 0
     if a.check:
         return check(a.share)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
