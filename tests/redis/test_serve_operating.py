@@ -45,12 +45,7 @@ def stack(server_factory_module, tiny_model, tmp_path_factory):
         remote_url=redis.url,
         extra_config={"remote_key_prefix": PREFIX, "admin_port": admin_port},
     )
-    events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://127.0.0.1:{stream.port}",
-    }
-    args = ("--dtype", "float32", "--kv-events-config", json.dumps(events))
+    args = ("--dtype", "float32", *stream.vllm_args())
     srv = VllmServer(tiny_model, kv, tmp / "serve.log", base_env(), args)
     try:
         srv.wait_ready()

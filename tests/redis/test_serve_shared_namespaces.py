@@ -68,13 +68,8 @@ def test_a_second_instance_explains_misses_by_namespace_and_announces_promotions
         os.unlink(path)
 
     stream = EventStream()  # bound before vLLM is told its port
-    events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://127.0.0.1:{stream.port}",
-    }
     env = base_env(KVLENS_REQUEST_LOG=str(tmp_path / "requests.jsonl"))
-    args = ("--dtype", "float32", "--kv-events-config", json.dumps(events))
+    args = ("--dtype", "float32", *stream.vllm_args())
     second = VllmServer(tiny_model, kv, tmp_path / "b.log", env, args)
     try:
         second.wait_ready()

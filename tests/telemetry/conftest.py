@@ -59,8 +59,6 @@ def serve_stack(request, tiny_model, tmp_path_factory):
         from .test_serve_insight import EventStream
 
         events = EventStream()
-        endpoint = f"tcp://127.0.0.1:{events.port}"
-        kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
     with OtlpReceiver() as receiver:
         env = base_env(
             OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
@@ -70,7 +68,7 @@ def serve_stack(request, tiny_model, tmp_path_factory):
         )
         args = ("--otlp-traces-endpoint", receiver.endpoint, *getattr(request.module, "SERVE_ARGS", ()))
         if events is not None:
-            args += ("--kv-events-config", json.dumps(kv_events))
+            args += events.vllm_args()
         server = VllmServer(tiny_model, kv_config, tmp / "serve.log", env, args)
         try:
             server.wait_ready()

@@ -120,9 +120,9 @@ class EventStream:
     vLLM's publisher connects to a ``tcp://host:port`` endpoint (it binds only wildcards), so the
     subscriber binds on loopback and the publisher finds it by itself (ZMQ reconnects)."""
 
-    def __init__(self, port: int = 0) -> None:
-        """Bound to ``port``, or with 0 to a free port it keeps (``self.port``): pass that to vLLM,
-        and no other process can take it between the choice and the bind."""
+    def __init__(self) -> None:
+        """Bound to a free port it keeps (``self.port``) before vLLM is told it
+        (``vllm_args``): no other process can take it between the choice and the bind."""
         import msgspec
         import zmq
         from vllm.distributed.kv_events import KVEventBatch
@@ -131,11 +131,15 @@ class EventStream:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        if port:
-            self._sock.bind(f"tcp://127.0.0.1:{port}")
-        self.port = port or self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.port = self._sock.bind_to_random_port("tcp://127.0.0.1")
         self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
         self.events: list = []
+
+    def vllm_args(self) -> tuple[str, str]:
+        """The ``vllm serve`` arguments that point vLLM's KV event publisher here."""
+        endpoint = f"tcp://127.0.0.1:{self.port}"
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+        return ("--kv-events-config", json.dumps(config))
 
     def drain(self, seconds: float) -> list:
         poller = self._zmq.Poller()
