@@ -289,7 +289,7 @@ class Soak(ServedBenchmark):
         workload = Workload(self.work["docs"], self.work["chat_docs"], self.work["max_tokens"])
         probes = workload.probes()
         reference, rec["reference_errors"] = ask_probes(port, probes, None)
-        pgid = lm.server.proc.pid
+        pgid = lm.server.pid
         rss_at_start = {k: round(v / 2**20) for k, v in rss_by_process(pgid).items()}
         rss = [tree_rss_bytes(pgid)]  # every sample, to tell growth that levels off from a leak
         sampler = Repeat(lambda: rss.append(tree_rss_bytes(pgid)), 0.5)
@@ -348,7 +348,7 @@ class Soak(ServedBenchmark):
         rec["peak_rss_mb"] = round(max(rss) / 2**20)
         rec["rss_growth_mb"] = rec["peak_rss_mb"] - rec["rss_at_start_mb"]
         rec["rss_by_process_mb_at_end"] = {
-            k: round(v / 2**20) for k, v in rss_by_process(lm.server.proc.pid).items()
+            k: round(v / 2**20) for k, v in rss_by_process(lm.server.pid).items()
         }
 
 

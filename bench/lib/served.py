@@ -33,7 +33,8 @@ from .modes import (
 )
 from .paths import RUN_DIR, peers_tmp
 from .runner import Benchmark, Option, SideFailed
-from .servers import LMCACHE_ENV, LMCacheServer, VllmServer, server_env
+from .server_pool import PooledServer, ServerPool, pgid_alive, signature
+from .servers import LMCACHE_ENV, LMCacheServer, ManagedProcess, VllmServer, http_ok, server_env
 
 GB = 1e9
 SERVER_FOOTPRINT_GB = 2.6  # API server + engine core + worker processes, measured idle (RSS)
@@ -56,9 +57,10 @@ class LiveMode:
     """A mode with its running server."""
 
     mode: Mode
-    server: VllmServer
+    server: VllmServer | ReusedServer
     client: Client
     sidecar: LMCacheServer | None = None
+    pooled: PooledServer | None = None  # with --server-pool: left running there at the end
 
     @property
     def name(self) -> str:
@@ -91,6 +93,7 @@ class ServedBenchmark(Benchmark):
             lmcache_venv=args.lmcache_venv,
         )
         self._lmcache_checked = False
+        self.pool = ServerPool(args.server_pool) if args.server_pool else None
 
     def server_shape(self) -> ServerShape:
         raise NotImplementedError
@@ -127,7 +130,14 @@ class ServedBenchmark(Benchmark):
         return side.server.ready()
 
     def close_side(self, side: LiveMode) -> None:
-        side.server.stop()
+        if self.pool is not None and side.pooled is not None:
+            if side.server.ready():
+                self.pool.give_back(side.pooled)  # running, for the next run
+            else:
+                side.server.stop()
+                self.pool.drop(side.pooled)
+        else:
+            side.server.stop()
         if side.sidecar is not None:
             side.sidecar.stop()
 
@@ -206,6 +216,12 @@ class ServedBenchmark(Benchmark):
                     self.drop(live, lm, f"its vLLM server did not start ({str(e).splitlines()[0]})")
             names = ", ".join(lm.name for lm in live)
             print(f"   {len(live)} server(s) ready after {time.monotonic() - t0:.0f} s: {names}", flush=True)
+            reused = [lm.name for lm in live if isinstance(lm.server, ReusedServer)]
+            if reused:
+                self.note(
+                    f"servers reused from {self.pool.path}: {', '.join(reused)} (they keep what earlier "
+                    "runs stored, and count it)"
+                )
             yield live
         finally:
             for lm in reversed(live):
@@ -242,8 +258,18 @@ class ServedBenchmark(Benchmark):
         server = VllmServer(
             mode.name, python, self.model, shape.max_model_len, ktc, args, env, log, shape.dtype
         )
+        if self.pool is not None and sidecar is None:
+            sig, max_len = signature(server.cmd, server.env)
+            entry = self.pool.take(sig, max_len, lambda url: http_ok(url + "/health"))
+            if entry is not None:
+                reused = ReusedServer(mode.name, entry)
+                return LiveMode(mode, reused, Client(reused.url), pooled=entry)
         server.start()
-        return LiveMode(mode, server, Client(server.url), sidecar)
+        live = LiveMode(mode, server, Client(server.url), sidecar)
+        if self.pool is not None and sidecar is None:
+            live.pooled = PooledServer(sig, server.url, server.pid, max_len, str(log))
+            self.pool.add(live.pooled)
+        return live
 
     @classmethod
     def common_options(cls) -> dict[str, Option]:
@@ -268,7 +294,36 @@ class ServedBenchmark(Benchmark):
             ),
             "startup_timeout": Option(cls.startup_timeout_s, help="seconds for one server to start"),
             "keep_storage": Option(False, help="keep the disk tier and ExampleConnector files"),
+            "server_pool": Option(
+                None,
+                help="reuse servers an earlier run left in this file (started alike) and leave this run's "
+                "there, running (bench/lib/server_pool.py; for smoke tests: figures are not comparable)",
+                type=Path,
+            ),
         }
+
+
+class ReusedServer(ManagedProcess):
+    """A vLLM server an earlier run left in the pool: used as it is, never stopped here."""
+
+    def __init__(self, name: str, entry: PooledServer) -> None:
+        super().__init__([], {}, Path(entry.log))
+        self.url, self.pgid = entry.url, entry.pgid
+        self.port = int(entry.url.rsplit(":", 1)[1])
+        self.name = f"vLLM server ({name}, reused)"
+
+    @property
+    def pid(self) -> int:
+        return self.pgid
+
+    def alive(self) -> bool:
+        return pgid_alive(self.pgid)
+
+    def ready(self) -> bool:
+        return self.alive() and http_ok(self.url + "/health")
+
+    def stop(self, grace_s: float = 0.0) -> int | None:
+        return None  # the pool's owner stops it
 
 
 def _mem_available_gb() -> float:

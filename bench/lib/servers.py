@@ -113,6 +113,12 @@ class ManagedProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def pid(self) -> int:
+        """The leader's pid, which is also its process group's id."""
+        assert self.proc is not None, f"{self.name} was not started"
+        return self.proc.pid
+
     def wait_until(self, ready: Callable[[], bool], deadline: float) -> None:
         """Polls ``ready`` until it says yes; raises if the process exits or the deadline passes."""
         while time.monotonic() < deadline:
@@ -184,7 +190,7 @@ def _wait_group_gone(pgid: int, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def _http_ok(url: str) -> bool:
+def http_ok(url: str) -> bool:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
     try:
         with opener.open(url, timeout=2) as resp:
@@ -226,7 +232,7 @@ class VllmServer(ManagedProcess):
         self.name = f"vLLM server ({name})"
 
     def ready(self) -> bool:
-        return _http_ok(self.url + "/health")
+        return http_ok(self.url + "/health")
 
 
 class LMCacheServer(ManagedProcess):
@@ -251,7 +257,7 @@ class LMCacheServer(ManagedProcess):
         self.name = "LMCache server"
 
     def ready(self) -> bool:
-        return _http_ok(f"http://127.0.0.1:{self.http_port}/healthcheck")
+        return http_ok(f"http://127.0.0.1:{self.http_port}/healthcheck")
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
         code = super().stop(grace_s)

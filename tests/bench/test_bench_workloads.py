@@ -3,7 +3,10 @@ to end: real vLLM servers (tiny model, --quick), vllm bench serve, the chat user
 questions, the tables, the JSON file.
 Never a timing assertion: on a shared 2-core machine only the shape of the result is stable
 (and token counts, which do not depend on timing). A missing LMCache virtualenv must show as
-"unavailable", not as a crash."""
+"unavailable", not as a crash.
+
+The three --quick workloads need servers of one shape: the first script starts them and leaves
+them in a pool (--server-pool), the next two reuse them (and say so), and the module stops them."""
 
 from __future__ import annotations
 
@@ -31,17 +34,33 @@ FIGURES = ("total_token_throughput", "output_throughput", "request_throughput", 
 RATIOS = {"total_token_throughput", "p50_ttft_ms"}  # to the baselines, per repetition
 
 
-def run_quick(script: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
+@pytest.fixture(scope="module")
+def server_pool(tmp_path_factory):
+    from bench.lib.server_pool import ServerPool
+
+    pool = ServerPool(tmp_path_factory.mktemp("server-pool") / "pool.json")
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+
+
+def run_quick(script: str, tmp_path: Path, pool) -> tuple[subprocess.CompletedProcess, dict]:
     cmd = [sys.executable, str(REPO / "bench" / script), "--quick", "--modes", "none,kvlens,lmcache"]
     cmd += ["--kvlens-tiers", "cpu", "--lmcache-setup", "no"]
     cmd += ["--lmcache-venv", str(tmp_path / "no-venv-lmcache"), "--out", str(tmp_path)]
-    cmd += ["--startup-timeout", str(STARTUP_TIMEOUT_S)]
+    cmd += ["--startup-timeout", str(STARTUP_TIMEOUT_S), "--server-pool", str(pool.path)]
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     assert "unavailable: LMCache's virtualenv is not usable" in run.stdout
     data = json.loads((tmp_path / f"{Path(script).stem}.json").read_text())
     assert (tmp_path / f"{Path(script).stem}.png").exists()
     return run, data
+
+
+def reused(data: dict) -> bool:
+    """The run measured the servers an earlier run of this module left in the pool."""
+    return any(n.startswith("servers reused from") and "none, kvlens-cpu" in n for n in data["meta"]["notes"])
 
 
 def check_common_shape(data: dict, baselines: set[str]) -> dict:
@@ -70,32 +89,9 @@ def check_common_shape(data: dict, baselines: set[str]) -> dict:
     return summary
 
 
-def test_quick_prefix_repetition_reports_ratios_to_none_and_lmcache_unavailable(tmp_path):
-    _, data = run_quick("prefix_repetition.py", tmp_path)
-    summary = check_common_shape(data, {"ceiling", "none"})
-    assert data["workload"]["vllm_bench_serve"][:5] == ["vllm", "bench", "serve", "--backend", "openai"]
-    assert "prefix_repetition" in data["workload"]["vllm_bench_serve"]
-    # No ceiling in this run: ratios to none only, and the target cannot be judged.
-    assert set(data["ratios"]["all"]) == {"kvlens-cpu"}
-    assert set(data["ratios"]["all"]["kvlens-cpu"]) == {"none"}
-    assert set(data["ratios"]["all"]["kvlens-cpu"]["none"]) >= RATIOS | {"p99_ttft_ms"}
-    assert data["targets"] == []
-    # vllm bench serve sent the same data set to both modes.
-    none, kv = summary["none"], summary["kvlens-cpu"]
-    assert none["total_input_tokens"]["median"] == kv["total_input_tokens"]["median"] > 0
-
-
-def test_quick_multi_round_chat_reports_ratios_to_none_and_lmcache_unavailable(tmp_path):
-    _, data = run_quick("multi_round_chat.py", tmp_path)
-    check_common_shape(data, {"none"})
-    assert set(data["ratios"]["all"]) == {"kvlens-cpu"}
-    assert set(data["ratios"]["all"]["kvlens-cpu"]["none"]) >= RATIOS | {"p90_ttft_ms", "p99_ttft_ms"}
-    for recs in data["raw"]["all"].values():
-        assert all(r["errors"] == [] for r in recs)
-
-
-def test_quick_long_doc_qa_serves_every_question_from_a_cache(tmp_path):
-    _, data = run_quick("long_doc_qa.py", tmp_path)
+# First: its documents need the longest context (656 tokens), so its servers serve the others too.
+def test_quick_long_doc_qa_serves_every_question_from_a_cache(tmp_path, server_pool):
+    _, data = run_quick("long_doc_qa.py", tmp_path, server_pool)
     summary = check_common_shape(data, {"none"})
     assert set(data["ratios"]["all"]) == {"kvlens-cpu"}
     assert set(data["ratios"]["all"]["kvlens-cpu"]["none"]) >= RATIOS | {"p90_ttft_ms", "warmup_duration"}
@@ -111,3 +107,29 @@ def test_quick_long_doc_qa_serves_every_question_from_a_cache(tmp_path):
     kv, none = summary["kvlens-cpu"], summary["none"]
     assert kv["query_cached_tokens"]["min"] == queries * whole_blocks
     assert none["query_cached_tokens"]["max"] < queries * whole_blocks
+
+
+def test_quick_prefix_repetition_reports_ratios_to_none_and_lmcache_unavailable(tmp_path, server_pool):
+    _, data = run_quick("prefix_repetition.py", tmp_path, server_pool)
+    assert reused(data)
+    summary = check_common_shape(data, {"ceiling", "none"})
+    assert data["workload"]["vllm_bench_serve"][:5] == ["vllm", "bench", "serve", "--backend", "openai"]
+    assert "prefix_repetition" in data["workload"]["vllm_bench_serve"]
+    # No ceiling in this run: ratios to none only, and the target cannot be judged.
+    assert set(data["ratios"]["all"]) == {"kvlens-cpu"}
+    assert set(data["ratios"]["all"]["kvlens-cpu"]) == {"none"}
+    assert set(data["ratios"]["all"]["kvlens-cpu"]["none"]) >= RATIOS | {"p99_ttft_ms"}
+    assert data["targets"] == []
+    # vllm bench serve sent the same data set to both modes.
+    none, kv = summary["none"], summary["kvlens-cpu"]
+    assert none["total_input_tokens"]["median"] == kv["total_input_tokens"]["median"] > 0
+
+
+def test_quick_multi_round_chat_reports_ratios_to_none_and_lmcache_unavailable(tmp_path, server_pool):
+    _, data = run_quick("multi_round_chat.py", tmp_path, server_pool)
+    assert reused(data)
+    check_common_shape(data, {"none"})
+    assert set(data["ratios"]["all"]) == {"kvlens-cpu"}
+    assert set(data["ratios"]["all"]["kvlens-cpu"]["none"]) >= RATIOS | {"p90_ttft_ms", "p99_ttft_ms"}
+    for recs in data["raw"]["all"].values():
+        assert all(r["errors"] == [] for r in recs)
