@@ -94,6 +94,11 @@ class ServerPool:
             tmp.write_text(json.dumps([asdict(e) for e in entries], indent=1))
             os.replace(tmp, self.path)
 
+    def waiting(self) -> list[PooledServer]:
+        """The live servers no run is using."""
+        with self._entries() as entries:
+            return [e for e in entries if not e.in_use and pgid_alive(e.pgid)]
+
     def take(self, sig: str, max_model_len: int, healthy: Callable[[str], bool]) -> PooledServer | None:
         """A live, healthy server no run is using, with signature ``sig`` and a context of at
         least ``max_model_len``, now in use (``give_back`` frees it); dead ones are dropped."""

@@ -6,7 +6,8 @@ Never a timing assertion: on a shared 2-core machine only the shape of the resul
 "unavailable", not as a crash.
 
 The three --quick workloads need servers of one shape: the first script starts them and leaves
-them in a pool (--server-pool), the next two reuse them (and say so), and the module stops them."""
+them in a pool (--server-pool), the next two reuse them (and say so), and the module stops them.
+A test run alone starts its own."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def server_pool(tmp_path_factory):
 
 
 def run_quick(script: str, tmp_path: Path, pool) -> tuple[subprocess.CompletedProcess, dict]:
+    """The script's --quick run; it reuses the servers an earlier test left in ``pool``, if any."""
+    waiting = len(pool.waiting())
     cmd = [sys.executable, str(REPO / "bench" / script), "--quick", "--modes", "none,kvlens,lmcache"]
     cmd += ["--kvlens-tiers", "cpu", "--lmcache-setup", "no"]
     cmd += ["--lmcache-venv", str(tmp_path / "no-venv-lmcache"), "--out", str(tmp_path)]
@@ -55,12 +58,12 @@ def run_quick(script: str, tmp_path: Path, pool) -> tuple[subprocess.CompletedPr
     assert "unavailable: LMCache's virtualenv is not usable" in run.stdout
     data = json.loads((tmp_path / f"{Path(script).stem}.json").read_text())
     assert (tmp_path / f"{Path(script).stem}.png").exists()
+    reused = any(
+        n.startswith("servers reused from") and "none, kvlens-cpu" in n for n in data["meta"]["notes"]
+    )
+    assert reused == (waiting == 2), (waiting, data["meta"]["notes"])  # both servers, when they wait there
+    assert len(pool.waiting()) == 2  # and left there for the next test
     return run, data
-
-
-def reused(data: dict) -> bool:
-    """The run measured the servers an earlier run of this module left in the pool."""
-    return any(n.startswith("servers reused from") and "none, kvlens-cpu" in n for n in data["meta"]["notes"])
 
 
 def check_common_shape(data: dict, baselines: set[str]) -> dict:
@@ -111,7 +114,6 @@ def test_quick_long_doc_qa_serves_every_question_from_a_cache(tmp_path, server_p
 
 def test_quick_prefix_repetition_reports_ratios_to_none_and_lmcache_unavailable(tmp_path, server_pool):
     _, data = run_quick("prefix_repetition.py", tmp_path, server_pool)
-    assert reused(data)
     summary = check_common_shape(data, {"ceiling", "none"})
     assert data["workload"]["vllm_bench_serve"][:5] == ["vllm", "bench", "serve", "--backend", "openai"]
     assert "prefix_repetition" in data["workload"]["vllm_bench_serve"]
@@ -127,7 +129,6 @@ def test_quick_prefix_repetition_reports_ratios_to_none_and_lmcache_unavailable(
 
 def test_quick_multi_round_chat_reports_ratios_to_none_and_lmcache_unavailable(tmp_path, server_pool):
     _, data = run_quick("multi_round_chat.py", tmp_path, server_pool)
-    assert reused(data)
     check_common_shape(data, {"none"})
     assert set(data["ratios"]["all"]) == {"kvlens-cpu"}
     assert set(data["ratios"]["all"]["kvlens-cpu"]["none"]) >= RATIOS | {"p90_ttft_ms", "p99_ttft_ms"}

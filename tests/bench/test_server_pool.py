@@ -49,12 +49,15 @@ def test_a_free_healthy_server_started_alike_with_enough_context_is_taken_once(t
     pool.add(entry(me, max_len=656))
     healthy = lambda url: True  # noqa: E731
     assert pool.take("s", 648, healthy) is None  # its run has not given it back
+    assert pool.waiting() == []
     pool.give_back(entry(me, max_len=656))
+    assert [e.pgid for e in pool.waiting()] == [me]
     assert pool.take("other", 648, healthy) is None
     assert pool.take("s", 700, healthy) is None  # too short a context
     assert pool.take("s", 648, lambda url: False) is None  # not answering
     taken = pool.take("s", 648, healthy)
     assert taken is not None and taken.pgid == me and taken.in_use
+    assert pool.waiting() == []
     assert pool.take("s", 648, healthy) is None  # in use by the run that took it
 
 

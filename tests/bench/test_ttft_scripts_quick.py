@@ -5,7 +5,8 @@ LMCache virtualenv must show as "unavailable", not as a crash.
 
 Both scripts need servers of one shape (1 GiB of KV memory): prompt_scaling.py, whose longest
 prompt needs the longest context, starts them and leaves them in a pool (--server-pool),
-ttft_peers.py reuses them (and says so), and the module stops them."""
+ttft_peers.py reuses them (and says so), and the module stops them. A test run alone starts its
+own."""
 
 from __future__ import annotations
 
@@ -85,13 +86,17 @@ def test_quick_ttft_peers_writes_ratios_and_reports_lmcache_unavailable(tmp_path
     cmd += ["--modes", "none,kvlens,lmcache", "--kvlens-tiers", "cpu"]
     cmd += ["--lmcache-setup", "no", "--lmcache-venv", str(tmp_path / "no-venv-lmcache")]
     cmd += ["--out", str(tmp_path), "--server-pool", str(server_pool.path)]
+    waiting = len(server_pool.waiting())  # prompt_scaling's, unless this test runs alone
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
 
     assert "unavailable: LMCache's virtualenv is not usable" in run.stdout
     assert "target KVLens hit <= 1.01 x floor, kvlens-cpu:" in run.stdout
     data = json.loads((tmp_path / "ttft_peers.json").read_text())
-    assert any(n.startswith("servers reused from") and "none, kvlens-cpu" in n for n in data["meta"]["notes"])
+    reused = any(
+        n.startswith("servers reused from") and "none, kvlens-cpu" in n for n in data["meta"]["notes"]
+    )
+    assert reused == (waiting == 2), (waiting, data["meta"]["notes"])
     assert set(data) >= {"meta", "settings", "modes", "summary", "ratios", "targets", "unavailable", "raw"}
     assert data["meta"]["modes"] == ["none", "kvlens-cpu", "lmcache"]
     assert set(data["unavailable"]) == {"lmcache"}
