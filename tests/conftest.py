@@ -6,7 +6,8 @@
 * **A test file is one unit of work**, so a module's shared engine (module-scoped fixtures)
   lives in one worker. Modules that share an engine through a session or package fixture go
   to one worker together as one unit: those of a folder in ``ONE_UNIT_FOLDERS`` (tests/pd, whose
-  modules share one prefill/decode pair) and those marked ``pytest.mark.xdist_group("NAME")``.
+  modules share one prefill/decode pair; tests/telemetry/cpu_tier, one server) and those marked
+  ``pytest.mark.xdist_group("NAME")``.
 * **The longest units start first**, by the seconds measured in ``durations.json`` (a unit not
   listed there counts ``UNKNOWN_TEST_S`` per test), so that no long file is left to run alone
   at the end. Refresh the file when files change much: ``scripts/durations.py`` writes it from a
@@ -31,7 +32,7 @@ BUILT_TINY_MODEL = Path(__file__).resolve().parents[1] / ".run" / "tiny-model"  
 UNKNOWN_TEST_S = 20.0  # a real-vLLM test not yet measured: about the median here
 # Folders whose test files share engines through a package or session fixture: each runs in one
 # worker as one unit (as if its modules were marked ``xdist_group(folder)``).
-ONE_UNIT_FOLDERS = ("tests/pd/",)
+ONE_UNIT_FOLDERS = ("tests/pd/", "tests/telemetry/cpu_tier/")
 
 
 def worker_cores(worker: str | None, allowed: set[int], chosen: str) -> str:

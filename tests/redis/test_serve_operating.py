@@ -13,6 +13,7 @@ import pytest
 from connector.ops.cli import main
 
 from ..telemetry.serve import (
+    EventStream,
     VllmServer,
     base_env,
     free_port,
@@ -22,7 +23,7 @@ from ..telemetry.serve import (
     sum_samples,
     wait_until,
 )
-from ..telemetry.test_serve_insight import EventStream
+from .test_serve_remote import LOOKUP_BUDGET
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +44,7 @@ def stack(server_factory_module, tiny_model, tmp_path_factory):
         local_disk=str(tmp / "disk"),
         max_local_disk_size=1,
         remote_url=redis.url,
-        extra_config={"remote_key_prefix": PREFIX, "admin_port": admin_port},
+        extra_config={"remote_key_prefix": PREFIX, "admin_port": admin_port, **LOOKUP_BUDGET},
     )
     args = ("--dtype", "float32", *stream.vllm_args())
     srv = VllmServer(tiny_model, kv, tmp / "serve.log", base_env(), args)

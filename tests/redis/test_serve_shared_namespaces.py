@@ -10,9 +10,8 @@ import os
 
 import pytest
 
-from ..telemetry.serve import VllmServer, base_env, kv_transfer_config, prompt_tokens, wait_until
-from ..telemetry.test_serve_insight import EventStream
-from .test_serve_remote import writes_landed
+from ..telemetry.serve import EventStream, VllmServer, base_env, kv_transfer_config, prompt_tokens, wait_until
+from .test_serve_remote import LOOKUP_BUDGET, writes_landed
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +25,7 @@ def _kv(disk: str, redis_url: str) -> dict:
         local_disk=disk,
         max_local_disk_size=1,
         remote_url=redis_url,
-        extra_config={"remote_key_prefix": "shared-ns"},
+        extra_config={"remote_key_prefix": "shared-ns", **LOOKUP_BUDGET},
     )
 
 

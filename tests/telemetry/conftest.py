@@ -3,6 +3,8 @@ tiny model for the tests that run a real ``vllm serve``."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -46,27 +48,37 @@ def serve_stack(request, tiny_model, tmp_path_factory):
     temporary directory) and may set ``SERVE_ARGS``, ``SERVE_ENV`` (environment, ``{tmp}`` too)
     and ``EVENT_STREAM = True`` (vLLM's KV events to ``events``, an EventStream bound first).
     """
+    m = request.module
+    with running_stack(
+        tiny_model,
+        tmp_path_factory.mktemp("serve"),
+        m.KV_CONFIG,
+        getattr(m, "SERVE_ENV", {}),
+        getattr(m, "SERVE_ARGS", ()),
+        getattr(m, "EVENT_STREAM", False),
+    ) as stack:
+        yield stack
+
+
+@contextlib.contextmanager
+def running_stack(tiny_model, tmp, kv_config, serve_env, serve_args, event_stream):
+    """The server of ``serve_stack`` (and of the package fixture in ``cpu_tier/``)."""
     import json
     from types import SimpleNamespace
 
     from .otlp_receiver import OtlpReceiver
-    from .serve import VllmServer, base_env
+    from .serve import EventStream, VllmServer, base_env
 
-    tmp = tmp_path_factory.mktemp("serve")
-    kv_config = json.loads(json.dumps(request.module.KV_CONFIG).replace("{tmp}", str(tmp)))
-    events = None
-    if getattr(request.module, "EVENT_STREAM", False):  # bound before vLLM is told its port
-        from .test_serve_insight import EventStream
-
-        events = EventStream()
+    kv_config = json.loads(json.dumps(kv_config).replace("{tmp}", str(tmp)))
+    events = EventStream() if event_stream else None  # bound before vLLM is told its port
     with OtlpReceiver() as receiver:
         env = base_env(
             OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
             OTEL_BSP_SCHEDULE_DELAY="200",
             KVLENS_EVENT_LOG=str(tmp / "events.jsonl"),
-            **{k: v.replace("{tmp}", str(tmp)) for k, v in getattr(request.module, "SERVE_ENV", {}).items()},
+            **{k: v.replace("{tmp}", str(tmp)) for k, v in serve_env.items()},
         )
-        args = ("--otlp-traces-endpoint", receiver.endpoint, *getattr(request.module, "SERVE_ARGS", ()))
+        args = ("--otlp-traces-endpoint", receiver.endpoint, *serve_args)
         if events is not None:
             args += events.vllm_args()
         server = VllmServer(tiny_model, kv_config, tmp / "serve.log", env, args)

@@ -221,3 +221,45 @@ def prompt_tokens(n: int, seed: int) -> list[int]:
         x = (x * 1103515245 + 12345) % (2**31)
         out.append(20 + x % 1200)
     return out
+
+
+class EventStream:
+    """A subscriber to vLLM's KV event publisher (ZMQ PUB: topic, sequence, msgpack batch).
+
+    vLLM's publisher connects to a ``tcp://host:port`` endpoint (it binds only wildcards), so the
+    subscriber binds on loopback and the publisher finds it by itself (ZMQ reconnects)."""
+
+    def __init__(self) -> None:
+        """Bound to a free port it keeps (``self.port``) before vLLM is told it
+        (``vllm_args``): no other process can take it between the choice and the bind."""
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._zmq = zmq
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+        self.events: list = []
+
+    def vllm_args(self) -> tuple[str, str]:
+        """The ``vllm serve`` arguments that point vLLM's KV event publisher here."""
+        endpoint = f"tcp://127.0.0.1:{self.port}"
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+        return ("--kv-events-config", json.dumps(config))
+
+    def drain(self, seconds: float) -> list:
+        poller = self._zmq.Poller()
+        poller.register(self._sock, self._zmq.POLLIN)
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if poller.poll(int(left * 1000)):
+                *_, payload = self._sock.recv_multipart()
+                self.events.extend(self._decode(payload).events)
+        return self.events
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()

@@ -20,6 +20,7 @@ from connector.scheduler.shared_marks import MARK_KEY
 from connector.scheduler.tenant_id_key import KEY_NAME as TENANT_ID_KEY
 from connector.tiers.store_records import NAMESPACE_KEY
 from tests.redis.servers import REDIS_SERVER, RedisServer
+from tests.redis.test_serve_remote import LOOKUP_BUDGET
 
 from .serve import VllmServer, base_env, kv_transfer_config, prompt_tokens, sample, sum_samples, wait_until
 
@@ -43,7 +44,7 @@ def stack(tiny_model, tmp_path_factory):
         local_disk=str(tmp / "kv"),
         max_local_disk_size=1,
         remote_url=redis.url,
-        extra_config={"remote_key_prefix": PREFIX},
+        extra_config={"remote_key_prefix": PREFIX, **LOOKUP_BUDGET},
     )
     server = VllmServer(
         tiny_model, kv, tmp / "serve.log", base_env(KVLENS_EVENT_LOG=str(tmp / "events.jsonl"))

@@ -12,12 +12,10 @@ import pytest
 
 from telemetry.metrics import METRICS
 
-from .serve import kv_transfer_config, prompt_tokens, sample, sum_samples, traceparent, wait_until
+from ..serve import prompt_tokens, sample, sum_samples, traceparent, wait_until
 
 pytestmark = pytest.mark.integration
 
-KV_CONFIG = kv_transfer_config(chunk_size=256, max_local_cpu_size=1)
-SERVE_ARGS = ("--max-num-batched-tokens", "512")  # a 1,100-token prompt takes three steps
 CLIENT_SPAN = "00f067aa0ba902b7"
 KVLENS_SPANS = ("kvlens.lookup", "kvlens.load", "kvlens.store")
 UNFINISHED = re.compile(r"^vllm:kvlens_unfinished_requests\{[^}]*\} (\S+)$", re.M)
