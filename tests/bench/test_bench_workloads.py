@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from .server_pools import reused_modes
+
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
@@ -35,17 +37,6 @@ FIGURES = ("total_token_throughput", "output_throughput", "request_throughput", 
 RATIOS = {"total_token_throughput", "p50_ttft_ms"}  # to the baselines, per repetition
 
 
-@pytest.fixture(scope="module")
-def server_pool(tmp_path_factory):
-    from bench.lib.server_pool import ServerPool
-
-    pool = ServerPool(tmp_path_factory.mktemp("server-pool") / "pool.json")
-    try:
-        yield pool
-    finally:
-        pool.stop_all()
-
-
 def run_quick(script: str, tmp_path: Path, pool) -> tuple[subprocess.CompletedProcess, dict]:
     """The script's --quick run; it reuses the servers an earlier test left in ``pool``, if any."""
     waiting = len(pool.waiting())
@@ -58,10 +49,11 @@ def run_quick(script: str, tmp_path: Path, pool) -> tuple[subprocess.CompletedPr
     assert "unavailable: LMCache's virtualenv is not usable" in run.stdout
     data = json.loads((tmp_path / f"{Path(script).stem}.json").read_text())
     assert (tmp_path / f"{Path(script).stem}.png").exists()
-    reused = any(
-        n.startswith("servers reused from") and "none, kvlens-cpu" in n for n in data["meta"]["notes"]
-    )
-    assert reused == (waiting == 2), (waiting, data["meta"]["notes"])  # both servers, when they wait there
+    reused = reused_modes(data) == {"none", "kvlens-cpu"}
+    assert reused == (waiting == 2) and reused_modes(data) <= {"none", "kvlens-cpu"}, (
+        waiting,
+        data["meta"]["notes"],
+    )  # both servers, when they wait there
     assert len(pool.waiting()) == 2  # and left there for the next test
     return run, data
 

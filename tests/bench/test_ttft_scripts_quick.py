@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from .server_pools import reused_modes
+
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
@@ -26,17 +28,6 @@ pytestmark = [
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 420  # ~2-3 minutes here: two tiny-model servers starting together
 LENGTHS = ["500", "1500"]
-
-
-@pytest.fixture(scope="module")
-def server_pool(tmp_path_factory):
-    from bench.lib.server_pool import ServerPool
-
-    pool = ServerPool(tmp_path_factory.mktemp("server-pool") / "pool.json")
-    try:
-        yield pool
-    finally:
-        pool.stop_all()
 
 
 def test_quick_prompt_scaling_reports_every_length_and_kvlens_serves_the_hits(tmp_path, server_pool):
@@ -93,10 +84,11 @@ def test_quick_ttft_peers_writes_ratios_and_reports_lmcache_unavailable(tmp_path
     assert "unavailable: LMCache's virtualenv is not usable" in run.stdout
     assert "target KVLens hit <= 1.01 x floor, kvlens-cpu:" in run.stdout
     data = json.loads((tmp_path / "ttft_peers.json").read_text())
-    reused = any(
-        n.startswith("servers reused from") and "none, kvlens-cpu" in n for n in data["meta"]["notes"]
+    reused = reused_modes(data) == {"none", "kvlens-cpu"}
+    assert reused == (waiting == 2) and reused_modes(data) <= {"none", "kvlens-cpu"}, (
+        waiting,
+        data["meta"]["notes"],
     )
-    assert reused == (waiting == 2), (waiting, data["meta"]["notes"])
     assert set(data) >= {"meta", "settings", "modes", "summary", "ratios", "targets", "unavailable", "raw"}
     assert data["meta"]["modes"] == ["none", "kvlens-cpu", "lmcache"]
     assert set(data["unavailable"]) == {"lmcache"}
