@@ -16,6 +16,7 @@ rewritten under an exclusive lock.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import hashlib
@@ -147,10 +148,14 @@ class ServerPool:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] != "stop":
-        print("usage: python -m bench.lib.server_pool stop FILE", file=sys.stderr)
-        return 2
-    print(f"stopped {ServerPool(Path(argv[1])).stop_all()} server(s)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.lib.server_pool", description=__doc__.split("\n")[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    stop = sub.add_parser("stop", help="stop every server in the pool file")
+    stop.add_argument("file", type=Path)
+    args = parser.parse_args(argv)
+    print(f"stopped {ServerPool(args.file).stop_all()} server(s)")
     return 0
 
 
