@@ -33,8 +33,8 @@ from .modes import (
 )
 from .paths import RUN_DIR, peers_tmp
 from .runner import Benchmark, Option, SideFailed
-from .server_pool import PooledServer, ServerPool, pgid_alive, signature
-from .servers import LMCACHE_ENV, LMCacheServer, ManagedProcess, VllmServer, http_ok, server_env
+from .server_pool import PooledServer, ServerPool, signature
+from .servers import LMCACHE_ENV, LMCacheServer, ManagedProcess, VllmServer, group_alive, http_ok, server_env
 
 GB = 1e9
 SERVER_FOOTPRINT_GB = 2.6  # API server + engine core + worker processes, measured idle (RSS)
@@ -258,7 +258,8 @@ class ServedBenchmark(Benchmark):
         server = VllmServer(
             mode.name, python, self.model, shape.max_model_len, ktc, args, env, log, shape.dtype
         )
-        if self.pool is not None and sidecar is None:
+        pooled = self.pool is not None and sidecar is None  # LMCache's sidecar is not pooled
+        if pooled:
             sig, max_len = signature(server.cmd, server.env)
             entry = self.pool.take(sig, max_len, lambda url: http_ok(url + "/health"))
             if entry is not None:
@@ -266,7 +267,7 @@ class ServedBenchmark(Benchmark):
                 return LiveMode(mode, reused, Client(reused.url), pooled=entry)
         server.start()
         live = LiveMode(mode, server, Client(server.url), sidecar)
-        if self.pool is not None and sidecar is None:
+        if pooled:
             live.pooled = PooledServer(sig, server.url, server.pid, max_len, str(log))
             self.pool.add(live.pooled)
         return live
@@ -317,7 +318,7 @@ class ReusedServer(ManagedProcess):
         return self.pgid
 
     def alive(self) -> bool:
-        return pgid_alive(self.pgid)
+        return group_alive(self.pgid)
 
     def ready(self) -> bool:
         return self.alive() and http_ok(self.url + "/health")

@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from .servers import group_alive, signal_group
+
 # Options whose value differs between servers that are otherwise the same; the context length
 # is compared on its own (a longer one serves a shorter need).
 _VOLATILE = ("--port",)
@@ -67,14 +69,6 @@ def signature(cmd: Sequence[str], env: Mapping[str, str]) -> tuple[str, int]:
     return hashlib.sha256(blob.encode()).hexdigest()[:24], max_len
 
 
-def pgid_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
 class ServerPool:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -98,13 +92,13 @@ class ServerPool:
     def waiting(self) -> list[PooledServer]:
         """The live servers no run is using."""
         with self._entries() as entries:
-            return [e for e in entries if not e.in_use and pgid_alive(e.pgid)]
+            return [e for e in entries if not e.in_use and group_alive(e.pgid)]
 
     def take(self, sig: str, max_model_len: int, healthy: Callable[[str], bool]) -> PooledServer | None:
         """A live, healthy server no run is using, with signature ``sig`` and a context of at
         least ``max_model_len``, now in use (``give_back`` frees it); dead ones are dropped."""
         with self._entries() as entries:
-            entries[:] = [e for e in entries if pgid_alive(e.pgid)]
+            entries[:] = [e for e in entries if group_alive(e.pgid)]
             for i, e in enumerate(entries):
                 fits = e.signature == sig and e.max_model_len >= max_model_len
                 if fits and not e.in_use and healthy(e.url):
@@ -136,14 +130,12 @@ class ServerPool:
         with self._entries() as entries:
             pgids, entries[:] = [e.pgid for e in entries], []
         for pgid in pgids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGTERM)
+            signal_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while any(pgid_alive(p) for p in pgids) and time.monotonic() < deadline:
+        while any(group_alive(p) for p in pgids) and time.monotonic() < deadline:
             time.sleep(0.2)
         for pgid in pgids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
+            signal_group(pgid, signal.SIGKILL)
         return len(pgids)
 
 

@@ -158,10 +158,10 @@ class ManagedProcess:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                _signal_group(proc.pid, signal.SIGKILL)
+                signal_group(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=grace_s)
         _wait_group_gone(proc.pid, timeout_s=5.0)
-        _signal_group(proc.pid, signal.SIGKILL)  # stragglers (engine core, workers, trackers)
+        signal_group(proc.pid, signal.SIGKILL)  # stragglers (engine core, workers, trackers)
         return proc.returncode
 
     def log_tail(self, chars: int = 6000) -> str:
@@ -171,7 +171,8 @@ class ManagedProcess:
             return "(no log)"
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    """``sig`` to every process of group ``pgid`` (never to this process's own group)."""
     if pgid == os.getpgrp():
         return
     try:
@@ -180,13 +181,18 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         pass
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is left (a zombie counts until it is reaped)."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 def _wait_group_gone(pgid: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return
+    while time.monotonic() < deadline and group_alive(pgid):
         time.sleep(0.1)
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench.lib.server_pool import PooledServer, ServerPool, pgid_alive, signature  # noqa: E402
+from bench.lib.server_pool import PooledServer, ServerPool, signature  # noqa: E402
+from bench.lib.servers import group_alive  # noqa: E402
 
 CMD = ["python", "-m", "connector.launcher", "serve", "/m", "--port", "4100", "--max-model-len", "648"]
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTEST_CURRENT_TEST": "a.py::t (call)"}
@@ -78,7 +79,7 @@ def test_the_owner_stops_every_server_also_one_never_given_back(tmp_path):
     t0 = time.monotonic()
     assert pool.stop_all(grace_s=20) == 2
     assert time.monotonic() - t0 < 10  # stopped by SIGTERM, not left to the grace period
-    assert not any(pgid_alive(g) for g in groups)
+    assert not any(group_alive(g) for g in groups)
     assert pool.stop_all() == 0
 
 
@@ -89,4 +90,4 @@ def test_the_stop_command_stops_the_pool(tmp_path):
     cmd = [sys.executable, "-m", "bench.lib.server_pool", "stop", str(path)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "stopped 1 server(s)" in done.stdout
-    assert not pgid_alive(group)
+    assert not group_alive(group)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .server_pools import reused_modes
+from .server_pools import assert_reused_when_waiting
 
 pytestmark = [
     pytest.mark.integration,
@@ -84,11 +84,7 @@ def test_quick_ttft_peers_writes_ratios_and_reports_lmcache_unavailable(tmp_path
     assert "unavailable: LMCache's virtualenv is not usable" in run.stdout
     assert "target KVLens hit <= 1.01 x floor, kvlens-cpu:" in run.stdout
     data = json.loads((tmp_path / "ttft_peers.json").read_text())
-    reused = reused_modes(data) == {"none", "kvlens-cpu"}
-    assert reused == (waiting == 2) and reused_modes(data) <= {"none", "kvlens-cpu"}, (
-        waiting,
-        data["meta"]["notes"],
-    )
+    assert_reused_when_waiting(data, waiting)
     assert set(data) >= {"meta", "settings", "modes", "summary", "ratios", "targets", "unavailable", "raw"}
     assert data["meta"]["modes"] == ["none", "kvlens-cpu", "lmcache"]
     assert set(data["unavailable"]) == {"lmcache"}
