@@ -29,8 +29,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib.runner import Benchmark, Case, Figure, Option, Side, main  # noqa: E402
-from connector.checkpoint_identity import fingerprint  # noqa: E402
-from connector.weights_digests import DigestCache  # noqa: E402
+from connector.identity.checkpoint import fingerprint  # noqa: E402
+from connector.identity.weights_digests import DigestCache  # noqa: E402
 
 HIDDEN, INTER, LAYERS, VOCAB, KV = 4096, 14336, 32, 128256, 1024
 SHARDS = 4

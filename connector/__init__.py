@@ -2,10 +2,11 @@
 
 At the top, only what meets vLLM: the connector vLLM loads (kv_connector.py: it builds one of the
 two halves), the metadata passed between them (metadata.py), vLLM's versions and settings
-(vllm_compat.py, kv_settings.py), the model checkpoint's identity (checkpoint_identity.py,
-weights_digests.py), where KVLens's threads run in a worker (cpu_affinity.py) and the launcher.
+(vllm_compat.py), where KVLens's threads run in a worker (cpu_affinity.py) and the launcher.
 Beside them: scheduler/ and worker/ (the halves, which never import each other), engine/ (pure
-logic), config/, tiers/ and ops/ (the ``kvlens`` command). tests/unit/test_codebase.py keeps
+logic), config/, tiers/, identity/ (the model checkpoint's identity and the KV settings keys
+depend on), pd/ (the PD data plane), ops/ (the ``kvlens`` command) and pd_proxy/ (``kvlens
+pd-proxy``, a program of its own). tests/unit/test_codebase.py keeps
 these rules.
 
 ``KVLensConnector`` is imported lazily so that tools in this package (the tiny-model

@@ -11,11 +11,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import checkpoint_identity
 from .config.loading import ConfigError
 from .engine.facts import EngineFacts, ModelIdentity
-from .kv_settings import SET_BY_MODEL, kv_settings
-from .weights_digests import DigestCache, default_cache_path
+from .identity import checkpoint as checkpoint_identity
+from .identity.kv_settings import SET_BY_MODEL, kv_settings
+from .identity.weights_digests import DigestCache, default_cache_path
 
 logger = logging.getLogger("vllm.kvlens")
 

@@ -205,8 +205,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_pd_proxy(args: argparse.Namespace) -> int:
-    from .pd_proxy import run
-    from .pd_proxy_backends import settings_from_args
+    from ..pd_proxy.backends import settings_from_args
+    from ..pd_proxy.server import run
 
     settings = settings_from_args(args)
     problems = settings.problems()
@@ -252,7 +252,7 @@ def parser() -> argparse.ArgumentParser:
     doc.add_argument("--json", action="store_true")
     doc.set_defaults(run=cmd_doctor)
 
-    from .pd_proxy_backends import add_arguments
+    from ..pd_proxy.backends import add_arguments
 
     pdp = sub.add_parser(
         "pd-proxy",

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from ..checkpoint_identity import AdapterFingerprints
 from ..engine.index import TierIndex
 from ..engine.jobs import CPU, DISK, REMOTE
 from ..engine.keys import ChunkKey, PrefixHasher, block_aligned_keys, block_prefixes
@@ -23,6 +22,7 @@ from ..engine.namespaces import TENANT_PARTS, client_miss_reason, namespace_diff
 from ..engine.outcomes import LookupOutcome, MissReason, RemoteCall
 from ..engine.policy import RequestPolicy, decide_policy, miss_reason, trace_headers
 from ..engine.tracker import ChunkHit, LookupResult, external_tokens, tokens_by_tier
+from ..identity.checkpoint import AdapterFingerprints
 from .scheduler_state import SchedulerState
 
 logger = logging.getLogger("vllm.kvlens")

@@ -169,11 +169,20 @@ MAY_IMPORT = {
         "connector.engine",
         "connector.config",
         "connector.tiers",
-        "connector.checkpoint_identity",
+        "connector.identity",
         "connector.vllm_compat",
     },
     "connector.worker": {"connector.engine", "connector.config", "connector.tiers", "connector.cpu_affinity"},
-    "connector.ops": {"connector.engine", "connector.config", "connector.tiers", "connector.scheduler"},
+    "connector.ops": {
+        "connector.engine",
+        "connector.config",
+        "connector.tiers",
+        "connector.scheduler",
+        "connector.pd",
+        "connector.pd_proxy",
+    },
+    "connector.pd_proxy": set(),
+    "connector.identity": set(),
 }
 
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from connector import weights_digests
-from connector.checkpoint_identity import AdapterFingerprints, fingerprint
+from connector.identity import weights_digests
+from connector.identity.checkpoint import AdapterFingerprints, fingerprint
+from connector.identity.weights_digests import DigestCache
 from connector.vllm_compat import model_identity
-from connector.weights_digests import DigestCache
 
 
 @pytest.fixture(autouse=True)

@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from connector.ops.cli import main as cli_main
-from connector.ops.pd_proxy import PDProxy, build_app
-from connector.ops.pd_proxy_backends import ProxySettings
-from connector.ops.pd_proxy_observe import parse_traceparent
+from connector.pd_proxy.backends import ProxySettings
+from connector.pd_proxy.observe import parse_traceparent
+from connector.pd_proxy.server import PDProxy, build_app
 
 from .pd_proxy_fakes import Behaviour, FakeEngine, ServedApp, free_port, sse_events, tokens_of
 

@@ -8,11 +8,11 @@ import asyncio
 import msgspec
 import pytest
 
-from connector.ops import pd_proxy_answers as answers
-from connector.ops import pd_proxy_requests as reqs
-from connector.ops.pd_proxy_backends import Backend, ProxySettings, RoundRobin, pair_hosts_and_ports
-from connector.ops.pd_proxy_notices import NoticeBoard, decode_notice, encode_notice
-from connector.ops.pd_proxy_observe import new_traceparent, parse_traceparent, tracing_configured
+from connector.pd_proxy import answers
+from connector.pd_proxy import requests as reqs
+from connector.pd_proxy.backends import Backend, ProxySettings, RoundRobin, pair_hosts_and_ports
+from connector.pd_proxy.notices import NoticeBoard, decode_notice, encode_notice
+from connector.pd_proxy.observe import new_traceparent, parse_traceparent, tracing_configured
 
 
 def test_hosts_and_ports_pair_as_in_lmcaches_proxy():
@@ -154,7 +154,7 @@ def test_traceparents():
 def test_a_stream_whose_client_left_before_it_began_is_still_finished():
     from starlette.requests import ClientDisconnect
 
-    from connector.ops.pd_proxy import FinishedStream
+    from connector.pd_proxy.server import FinishedStream
 
     ended = []
 

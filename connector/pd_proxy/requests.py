@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .pd_proxy_backends import Backend
+from .backends import Backend
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's and OpenAI's for completions
 # Settings of a chat request that mean the same in a completion request (the rest is chat-only:

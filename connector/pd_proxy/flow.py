@@ -9,8 +9,8 @@ import time
 import uuid
 from typing import Any
 
-from .pd_proxy_backends import Backend
-from .pd_proxy_observe import RequestRecord, new_traceparent, parse_traceparent
+from .backends import Backend
+from .observe import RequestRecord, new_traceparent, parse_traceparent
 
 
 class Flow:

@@ -24,12 +24,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from . import pd_proxy_answers as answers
-from . import pd_proxy_requests as reqs
-from .pd_proxy_backends import Backend, ProxySettings, RoundRobin
-from .pd_proxy_flow import Flow
-from .pd_proxy_notices import NoticeBoard, NoticeListener
-from .pd_proxy_observe import ProxyMetrics, RecordLog, Tracer
+from . import answers
+from . import requests as reqs
+from .backends import Backend, ProxySettings, RoundRobin
+from .flow import Flow
+from .notices import NoticeBoard, NoticeListener
+from .observe import ProxyMetrics, RecordLog, Tracer
 
 logger = logging.getLogger(__name__)
 SSE = "text/event-stream"
@@ -417,7 +417,7 @@ def run(settings: ProxySettings) -> int:
     """Serve until interrupted (``kvlens pd-proxy``)."""
     import uvicorn
 
-    from .pd_proxy_observe import provider_from_env, tracing_configured
+    from .observe import provider_from_env, tracing_configured
 
     provider = provider_from_env() if tracing_configured() else None
     proxy = PDProxy(settings, provider)
