@@ -2,11 +2,17 @@
 
 Lives in the decoder's scheduler process (it owns the index, so a lookup never races an
 arrival); the worker ranks only read the shared-memory buffers (``receive_buffer.attach``). One
-thread accepts on every port; each connection gets a thread, at most ``max_connections`` at once.
-Every read is bounded: a handshake must complete within ``handshake_timeout_s``, a transfer's
-frame within ``transfer_timeout_s`` of its start (so a sender gone silent or trickling frees its
-slots after that), an idle connection is closed after ``idle_timeout_s``. Nothing is allocated
-for a length read off the wire before it was checked (``wire.parse_header``, ``_parse_alloc``).
+thread accepts on every port; each connection gets a thread, a slot of the connection table
+(``receiver_conns.py``: peers not yet authenticated hold at most half the slots, the longest-idle
+connection makes room for a new one). With a key (``auth.py``) the receiver proves it first and
+says nothing about itself, allocates nothing, until the sender has proven it too; every chunk's
+keyed tag is checked before the transfer is indexed. With TLS (``tls.py``) each connection is
+wrapped before anything is read. Every read is bounded: a handshake must complete within
+``handshake_timeout_s``, a whole transfer (ALLOC to END, however its bytes trickle) within
+``transfer_timeout_s`` of its start, an idle connection is closed after ``idle_timeout_s``.
+Nothing is allocated for a length read off the wire before it was checked (``wire.parse_header``,
+``_parse_alloc``). Failure reasons are the protocol's own, a fixed set; refusals are logged at
+most once per ``WARN_EVERY_S`` per reason.
 """
 
 from __future__ import annotations
@@ -20,42 +26,20 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from . import wire
+from .auth import NONCE_BYTES, ChunkTags, PDAuth, new_nonce
 from .identity import PeerIdentity, mismatch_reason
-from .receive_buffer import ReceiveBuffer, Slot, remove_stale_buffers, space_needed
+from .probe import AUTH_FAILED
+from .receive_buffer import ReceiveBuffer, remove_stale_buffers, space_needed
 from .receive_index import Claim, ReceiveIndex, TransferFacts
-from .wire import Deadline, FrameType, WireError
+from .receiver_conns import BUSY, IDLE, Connection, ConnectionTable
+from .tls import ServerTLS
+from .transfers import FinishedTransfer, ReceiverStats, TransferChunks, parse_alloc
+from .wire import Checksums, Deadline, FrameType, WireError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class FinishedTransfer:
-    rank: int
-    req_id: str
-    ok: bool
-    reason: str | None
-    bytes: int
-    seconds: float  # first chunk byte to the last (0 when no chunk arrived)
-
-
-@dataclass(frozen=True, slots=True)
-class ReceiverStats:
-    capacity_bytes: int  # all ranks
-    used_bytes: int  # slots held: indexed records and transfers in flight
-    entries: int  # indexed keys (the leak gauge: 0 when idle)
-    claims: int
-    in_flight: int  # transfers allocated and not yet indexed or failed
-    connections: int
-    received_bytes: int  # bytes of transfers indexed
-    receive_seconds: float  # their first byte to last, summed
-    transfers: dict[str, int] = field(default_factory=dict)  # outcome ("ok", "failed") -> count
-    failed: dict[str, int] = field(default_factory=dict)  # reason -> count (refusals included)
-    expired: int = 0  # entries nobody claimed in time
-    released: int = 0  # entries freed after their load was reported
-    duplicates: int = 0  # records received again while held (freed at once)
+WARN_EVERY_S = 10.0
 
 
 class _Port:
@@ -80,6 +64,8 @@ class PDReceiver:
         idle_timeout_s: float = 60.0,
         max_connections: int = 64,
         housekeeping_s: float = 1.0,
+        auth: PDAuth | None = None,
+        tls: ServerTLS | None = None,
     ) -> None:
         if not (len(identities) == len(init_ports) == len(alloc_ports)) or not identities:
             raise ValueError("PDReceiver needs one identity, init port and alloc port per rank")
@@ -92,13 +78,15 @@ class PDReceiver:
         self._clock = clock
         self._handshake_s = handshake_timeout_s
         self._idle_s = idle_timeout_s
-        self._max_connections = max_connections
+        self._table = ConnectionTable(max_connections, max_connections // 2)
+        self._auth, self._tls = auth, tls
+        self._warned: dict[str, float] = {}
         self._housekeeping_s = housekeeping_s
         self._buffers: list[ReceiveBuffer] = []
         self._index: ReceiveIndex | None = None
         self._ports: list[_Port] = []
         self._lock = threading.Lock()
-        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._threads: dict[socket.socket, threading.Thread] = {}
         self._stopping = threading.Event()
         self._accepter: threading.Thread | None = None
         self._wake_r, self._wake_w = socket.socketpair()
@@ -152,7 +140,7 @@ class PDReceiver:
         if self._accepter is not None:
             self._accepter.join(timeout_s)
         with self._lock:
-            conns = list(self._conns.items())
+            conns = list(self._threads.items())
         for conn, _ in conns:
             try:
                 conn.shutdown(socket.SHUT_RDWR)
@@ -204,7 +192,7 @@ class PDReceiver:
                 entries=entries,
                 claims=claims,
                 in_flight=self._in_flight,
-                connections=len(self._conns),
+                connections=len(self._table),
                 received_bytes=self._received_bytes,
                 receive_seconds=self._receive_s,
                 transfers=dict(self._outcomes),
@@ -212,6 +200,7 @@ class PDReceiver:
                 expired=self._index.expired if self._index else 0,
                 released=self._index.released if self._index else 0,
                 duplicates=self._index.duplicates if self._index else 0,
+                evicted=self._table.evicted,
             )
 
     # -- serving --------------------------------------------------------------------------------
@@ -239,28 +228,36 @@ class PDReceiver:
     def _admit(self, conn: socket.socket, port: _Port) -> None:
         conn.setblocking(True)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        slot = None if self._stopping.is_set() else self._table.admit(conn)
+        if slot is None:
+            self._count_failure("too_many_connections")
+            conn.close()
+            return
+        thread = threading.Thread(target=self._serve, args=(slot, port), name="kvlens-pd-conn", daemon=True)
         with self._lock:
-            if len(self._conns) >= self._max_connections or self._stopping.is_set():
-                self._failed["too_many_connections"] += 1
-                conn.close()
-                return
-            thread = threading.Thread(
-                target=self._serve, args=(conn, port), name="kvlens-pd-conn", daemon=True
-            )
-            self._conns[conn] = thread
+            self._threads[conn] = thread
         thread.start()
 
-    def _serve(self, conn: socket.socket, port: _Port) -> None:
+    def _serve(self, slot: Connection, port: _Port) -> None:
+        conn = slot.sock
         try:
-            self._handshake(conn, port.rank)
+            if self._tls is not None:
+                conn = self._wrap_tls(conn)
+            trailers = self._handshake(conn, port.rank)
+            seq = 0
             while port.carries_data and not self._stopping.is_set():
+                if not self._table.set_state(slot, IDLE):
+                    return
                 try:
                     kind, body = wire.recv_frame(conn, Deadline(self._idle_s), self._idle_s)
                 except (wire.PeerClosed, wire.Timeout):
-                    return  # an idle connection ends without a failure
+                    return  # an idle connection ends without a failure (evicted ones too)
                 if kind is not FrameType.ALLOC:
                     raise WireError("bad_frame", f"{kind.name} where ALLOC was expected")
-                self._transfer(conn, port.rank, body)
+                if not self._table.set_state(slot, BUSY):
+                    return
+                self._transfer(conn, port.rank, body, trailers, seq)
+                seq += 1
         except _Counted:
             pass
         except WireError as e:
@@ -271,9 +268,19 @@ class PDReceiver:
             log.exception("PD receiver connection on rank %d failed", port.rank)
             self._count_failure("internal")
         finally:
+            self._table.remove(slot.sock)
             with self._lock:
-                self._conns.pop(conn, None)
+                self._threads.pop(slot.sock, None)
             conn.close()
+            slot.sock.close()
+
+    def _wrap_tls(self, conn: socket.socket) -> socket.socket:
+        assert self._tls is not None
+        try:
+            return self._tls.wrap(conn, self._handshake_s)
+        except OSError as e:
+            self._warn("tls_failed", "PD receiver: a TLS handshake failed: %s", e)
+            raise WireError("tls_failed") from None
 
     def _count_failure(self, reason: str) -> None:
         if self._stopping.is_set() and reason in ("peer_closed", "timeout"):
@@ -281,58 +288,106 @@ class PDReceiver:
         with self._lock:
             self._failed[reason.split(":")[0]] += 1
 
-    def _reply(self, conn: socket.socket, **body: object) -> None:
-        wire.send_all(conn, [wire.control_frame(FrameType.REPLY, body)], self._transfer_s)
+    def _warn(self, reason: str, text: str, *args: object) -> None:
+        """A refusal's warning, at most once per WARN_EVERY_S per reason (a peer cannot flood the
+        log); the rest at debug level."""
+        now = time.monotonic()
+        with self._lock:
+            loud = now - self._warned.get(reason, -WARN_EVERY_S) >= WARN_EVERY_S
+            if loud:
+                self._warned[reason] = now
+        log.log(logging.WARNING if loud else logging.DEBUG, text, *args)
 
-    def _handshake(self, conn: socket.socket, rank: int) -> None:
+    def _reply(self, conn: socket.socket, deadline: Deadline | None = None, **body: object) -> None:
+        wire.send_all(conn, [wire.control_frame(FrameType.REPLY, body)], self._transfer_s, deadline)
+
+    def _refuse(self, conn: socket.socket, deadline: Deadline, reason: str, **body: object) -> None:
+        """Count ``reason`` (before answering, so whoever reads the answer sees the count), answer
+        it, and end the connection."""
+        self._count_failure(reason)
+        try:
+            self._reply(conn, deadline, ok=False, reason=reason, **body)
+        except WireError:
+            pass
+        raise _Counted(reason)
+
+    def _handshake(self, conn: socket.socket, rank: int) -> ChunkTags | Checksums:
+        """The receiver's side (``wire.py``); the connection's chunk trailers."""
         deadline = Deadline(self._handshake_s)
         kind, body = wire.recv_frame(conn, deadline, self._handshake_s)
         if kind is not FrameType.HELLO:
             raise WireError("bad_frame", f"{kind.name} where HELLO was expected")
-        mine = self._identities[rank]
+        hello = wire.decode_control(body)
+        if type(hello.get("version")) is not int:
+            raise WireError("bad_frame", "HELLO without a version")
+        if hello.get("version") != wire.VERSION:
+            self._warn(
+                "version", "PD handshake refused on rank %d: wire version %r", rank, hello.get("version")
+            )
+            self._refuse(conn, deadline, mismatch_reason(["version"]), version=wire.VERSION)
+        theirs_nonce = hello.get("nonce")
+        if not isinstance(theirs_nonce, bytes) or len(theirs_nonce) != NONCE_BYTES:
+            raise WireError("bad_frame", "HELLO without a nonce")
+        mine = new_nonce()
+        proof = self._auth.proof("receiver", theirs_nonce, mine) if self._auth is not None else None
+        self._reply(conn, deadline, version=wire.VERSION, nonce=mine, proof=proof)
+        kind, body = wire.recv_frame(conn, deadline, self._handshake_s)
+        if kind is not FrameType.AUTH:
+            raise WireError("bad_frame", f"{kind.name} where AUTH was expected")
+        said = wire.decode_control(body)
+        if self._auth is not None and not self._auth.check("sender", theirs_nonce, mine, said.get("proof")):
+            self._warn(
+                AUTH_FAILED, "PD handshake refused on rank %d: the sender did not prove the PD key", rank
+            )
+            self._refuse(conn, deadline, AUTH_FAILED)
         try:
-            theirs = PeerIdentity.from_wire(wire.decode_control(body).get("identity"))
+            theirs = PeerIdentity.from_wire(said.get("identity"))
         except ValueError as e:
             raise WireError("bad_frame", str(e)) from None
-        version = wire.decode_control(body).get("version")
-        differ = mine.differences(theirs) + ([] if version == wire.VERSION else ["version"])
+        mine_id = self._identities[rank]
+        differ = mine_id.differences(theirs)
         buffer = self._buffers[rank]
-        reason = mismatch_reason(differ) if differ else None
-        if reason:  # counted and logged before the answer, so whoever reads it sees the count
-            log.warning(
-                "PD handshake refused on rank %d: %s (theirs %s, ours %s)", rank, reason, theirs, mine
+        facts = {
+            "identity": mine_id.to_wire(),
+            "capacity_bytes": buffer.capacity,
+            "free_bytes": buffer.capacity - buffer.used_bytes,
+        }
+        if differ:
+            reason = mismatch_reason(differ)
+            self._warn(
+                "mismatch",
+                "PD handshake refused on rank %d: %s (theirs %s, ours %s)",
+                rank,
+                reason,
+                theirs,
+                mine_id,
             )
-            self._count_failure(reason)
-        self._reply(
-            conn,
-            ok=not differ,
-            reason=reason,
-            identity=mine.to_wire(),
-            version=wire.VERSION,
-            capacity_bytes=buffer.capacity,
-            free_bytes=buffer.capacity - buffer.used_bytes,
-        )
-        if reason:
-            raise _Counted(reason)
+            self._refuse(conn, deadline, reason, **facts)
+        self._reply(conn, deadline, ok=True, reason=None, **facts)
+        return self._auth.session(theirs_nonce, mine) if self._auth is not None else Checksums()
 
-    def _transfer(self, conn: socket.socket, rank: int, body: bytes) -> None:
-        req_id, keys, lengths, tokens = _parse_alloc(wire.decode_control(body))
+    def _transfer(
+        self, conn: socket.socket, rank: int, body: bytes, trailers: ChunkTags | Checksums, seq: int
+    ) -> None:
+        deadline = Deadline(self._transfer_s)  # the whole transfer's, however its bytes trickle
+        req_id, keys, lengths, tokens = parse_alloc(wire.decode_control(body))
         buffer = self._buffers[rank]
         if space_needed(lengths) > buffer.capacity:
             self._record_failure(rank, req_id, "too_large")
-            self._reply(conn, ok=False, reason="too_large")
+            self._reply(conn, deadline, ok=False, reason="too_large")
             return
         slots = buffer.allocate_all(lengths)
         if slots is None:
             self._record_failure(rank, req_id, "buffer_full")
-            self._reply(conn, ok=False, reason="buffer_full")
+            self._reply(conn, deadline, ok=False, reason="buffer_full")
             return
         with self._lock:
             self._in_flight += 1
         indexed = False
+        chunks = TransferChunks(seq, req_id, keys, tokens, slots, trailers)
         try:
-            self._reply(conn, ok=True, reason=None)
-            seconds = self._receive_chunks(conn, buffer, slots)
+            self._reply(conn, deadline, ok=True, reason=None)
+            seconds = self._receive_chunks(conn, buffer, chunks, deadline)
             if seconds is not None:
                 total = sum(lengths)
                 facts = TransferFacts(req_id, total, seconds * 1000.0, self._index.clock())
@@ -353,29 +408,33 @@ class PDReceiver:
                 self._receive_s += seconds
                 self._outcomes["ok"] += 1
                 self._finished.append(FinishedTransfer(rank, req_id, True, None, total, seconds))
-            self._reply(conn, ok=True, reason=None)
+            self._reply(conn, deadline, ok=True, reason=None)
         else:
+            self._warn("checksum", "PD transfer %s on rank %d: a chunk failed its check", req_id[:64], rank)
             self._record_failure(rank, req_id, "checksum")
-            self._reply(conn, ok=False, reason="checksum")
+            self._reply(conn, deadline, ok=False, reason="checksum")
 
-    def _receive_chunks(self, conn: socket.socket, buffer: ReceiveBuffer, slots: list[Slot]) -> float | None:
+    def _receive_chunks(
+        self, conn: socket.socket, buffer: ReceiveBuffer, chunks: TransferChunks, deadline: Deadline
+    ) -> float | None:
         """Read every chunk into its slot until END; seconds from first byte to last, or None
-        when a checksum did not match (every chunk is still read, so the reply stays in step).
+        when a trailer did not match (every chunk is still read, so the reply stays in step).
         Each chunk is checked on the checker thread while the next one is read."""
+        slots = chunks.slots
         got = [False] * len(slots)
         first: float | None = None
-        checks: list[tuple[Future[int], int]] = []
+        checks: list[tuple[Future[bytes], bytes]] = []
         views: list[memoryview] = []
+        size = chunks.trailers.trailer_bytes
         try:
             while True:
-                deadline = Deadline(self._transfer_s)
                 kind, body = wire.recv_frame(conn, deadline, self._transfer_s)
                 if first is None:
                     first = time.perf_counter()
                 if kind is FrameType.END:
                     if not all(got):
                         raise WireError("bad_frame", "END before every chunk")
-                    bad = any(check.result() != expected for check, expected in checks)
+                    bad = any(not chunks.trailers.matches(c.result(), given) for c, given in checks)
                     return None if bad else time.perf_counter() - first
                 if kind is not FrameType.CHUNK:
                     raise WireError("bad_frame", f"{kind.name} inside a transfer")
@@ -384,10 +443,10 @@ class PDReceiver:
                     raise WireError("bad_frame", f"chunk {index} of {length} bytes not as allocated")
                 view = buffer.writable(slots[index])
                 views.append(view)
-                trailer = bytearray(wire.DIGEST.size)
+                trailer = bytearray(size)
                 wire.recv_into(conn, view, deadline, self._transfer_s)
                 wire.recv_into(conn, memoryview(trailer), deadline, self._transfer_s)
-                checks.append((self._checker.submit(wire.digest, view), wire.DIGEST.unpack(trailer)[0]))
+                checks.append((self._checker.submit(chunks.expected, index, view), bytes(trailer)))
                 got[index] = True
         finally:  # no check still reads a slot once this returns (the slots may be freed next)
             futures.wait([check for check, _ in checks])
@@ -405,22 +464,3 @@ class PDReceiver:
 
 class _Counted(WireError):
     """A transfer's failure, already counted: the connection ends without counting it again."""
-
-
-def _parse_alloc(body: dict) -> tuple[str, list[str], list[int], list[int]]:
-    req_id, keys, lengths, tokens = (body.get(k) for k in ("req_id", "keys", "lengths", "tokens"))
-    ok = (
-        isinstance(req_id, str)
-        and len(req_id) <= wire.MAX_KEY_CHARS
-        and isinstance(keys, list)
-        and isinstance(lengths, list)
-        and isinstance(tokens, list)
-        and 0 < len(keys) == len(lengths) == len(tokens)
-        and all(isinstance(k, str) and 0 < len(k) <= wire.MAX_KEY_CHARS for k in keys)
-        and all(type(n) is int and 0 < n < 2**40 for n in lengths)
-        and all(type(n) is int and 0 <= n < 2**31 for n in tokens)
-        and len(set(keys)) == len(keys)
-    )
-    if not ok:
-        raise WireError("bad_frame", "malformed ALLOC")
-    return req_id, keys, lengths, tokens

@@ -1,33 +1,43 @@
-"""The prefiller's end of PD: one sender per worker rank, on its own thread.
+"""The prefiller's end of PD: one sender per worker rank, its transfers on a few threads.
 
-``send`` queues a transfer and returns at once (the batch never waits on the network); the
-thread connects to the decoder rank's init port (or reuses the connection of the last transfer
-there), shakes hands, asks for the whole transfer's slots at once, sends every chunk from the
-caller's memoryview (``sendmsg`` of the frame header and the view: no copy), and waits for the
-receiver's word that every chunk is verified and indexed. Every step is bounded
-(``connect_timeout_s``, ``io_timeout_s``); a refusal (``buffer_full``, ``too_large``,
-``mismatch:...``) is an outcome, never retried. ``on_done`` is called once per transfer, on the
-sender's thread, after which the memoryviews are not read again.
+``send`` queues a transfer and returns at once (the batch never waits on the network). Transfers
+wait per destination (decoder host and init port) and up to ``max_lanes`` destinations are
+served at once, each by one thread at a time, so a slow or hostile decoder holds one lane, never
+the transfers to the others. A lane connects (or reuses the destination's kept connection),
+shakes hands (``probe.shake_hands``: with a key the receiver proves it first, and nothing leaves
+for one that does not), asks for the whole transfer's slots at once, sends every chunk from the
+caller's memoryview (``sendmsg`` of the frame header and the view: no copy) with its trailer
+computed beside the send, and waits for the receiver's word that every chunk is verified and
+indexed. The whole transfer, handshake included, is bounded by ``transfer_timeout_s`` however
+slowly the receiver reads; connecting by ``connect_timeout_s``. A refusal (``buffer_full``,
+``too_large``, ``mismatch:...``, ``auth_failed``) is an outcome, never retried; a reason a peer
+sends is mapped onto a fixed set (``probe.known_reason``). ``on_done`` is called once per
+transfer, on a lane's thread, after which the memoryviews are not read again.
+
+State a peer could grow is bounded: kept connections are closed once idle for
+``POOLED_IDLE_S`` whether or not their destination comes back, at most ``MAX_POOLED`` are kept,
+and the memory of unreachable destinations is pruned as it expires (at most ``MAX_DOWN``).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import select
 import socket
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import wire
+from .auth import ChunkTags, PDAuth
 from .identity import PeerIdentity
-from .probe import read_reply, refusal, shake_hands
-from .wire import FrameType, WireError
+from .probe import known_reason, read_reply, refusal, shake_hands
+from .tls import ClientTLS
+from .wire import Checksums, Deadline, FrameType, WireError
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +45,24 @@ REASONS = (
     "buffer_full",
     "too_large",
     "mismatch",
+    "auth_failed",  # the receiver did not prove the PD key, or refused ours
+    "tls_failed",  # the TLS handshake failed (certificate, name, protocol)
     "unreachable",
     "timeout",
     "peer_closed",
     "checksum",
+    "bad_frame",  # the receiver broke the protocol
+    "bad_reply",  # the receiver answered a reason that is not one of the protocol's
     "shutdown",
     "invalid",  # the transfer itself is malformed (a key twice, an empty record...): never sent
     "internal",  # a defect in the sender (logged)
     "queue_full",  # max_queued transfers were waiting already
 )
 POOLED_IDLE_S = 20.0  # below the receiver's idle timeout, so a kept connection is still served
+MAX_POOLED = 64
+MAX_DOWN = 1024
+SWEEP_S = 1.0
+Destination = tuple[str, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,12 +96,21 @@ class SenderStats:
     transfers: dict[str, int] = field(default_factory=dict)  # "ok" / "failed" -> count
     failed: dict[str, int] = field(default_factory=dict)  # reason (without fields) -> count
     connections_opened: int = 0
+    connections_kept: int = 0
 
 
 class _Refused(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+@dataclass(slots=True)
+class _Kept:
+    conn: socket.socket
+    trailers: ChunkTags | Checksums
+    seq: int  # transfers this connection carried (numbers the next one's chunk tags)
+    since: float
 
 
 class PDSender:
@@ -93,56 +120,79 @@ class PDSender:
         connect_timeout_s: float,
         io_timeout_s: float,
         *,
+        transfer_timeout_s: float | None = None,
         max_queued: int = 256,
+        max_lanes: int = 4,
+        auth: PDAuth | None = None,
+        tls: ClientTLS | None = None,
     ) -> None:
         self._identity = identity
         self._connect_s = connect_timeout_s
         self._io_s = io_timeout_s
+        self._transfer_s = transfer_timeout_s if transfer_timeout_s is not None else io_timeout_s
         self._max_queued = max_queued
-        self._down_until: dict[tuple[str, int], float] = {}  # unreachable receivers, for a while
-        self._queue: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._closing = threading.Event()
-        self._active: socket.socket | None = None
-        self._pool: dict[tuple[str, int], tuple[socket.socket, float]] = {}
+        self._auth, self._tls = auth, tls
+        self._lock = threading.Condition()
+        self._closing = False
+        self._waiting: OrderedDict[Destination, deque[Transfer]] = OrderedDict()
+        self._busy: set[Destination] = set()
+        self._active: set[socket.socket] = set()
+        self._pool: OrderedDict[Destination, _Kept] = OrderedDict()
+        self._down_until: OrderedDict[Destination, float] = OrderedDict()
         self._queued = 0
         self._in_flight = 0
         self._sent_bytes = 0
         self._send_s = 0.0
         self._opened = 0
+        self._swept_at = 0.0
         self._outcomes: Counter[str] = Counter()
         self._failed: Counter[str] = Counter()
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix=f"kvlens-pd-hash-{identity.tp_rank}")
-        self._thread = threading.Thread(
-            target=self._loop, name=f"kvlens-pd-send-{identity.tp_rank}", daemon=True
-        )
-        self._thread.start()
+        rank = identity.tp_rank
+        self._hasher = ThreadPoolExecutor(max_lanes, thread_name_prefix=f"kvlens-pd-hash-{rank}")
+        self._lanes = [
+            threading.Thread(target=self._lane, name=f"kvlens-pd-send-{rank}-{i}", daemon=True)
+            for i in range(max_lanes)
+        ]
+        for lane in self._lanes:
+            lane.start()
 
     def send(self, transfer: Transfer) -> None:
         """Queue ``transfer``; never blocks. It ends at once, ``on_done`` called on the caller's
         thread, as ``shutdown`` after ``close`` and as ``queue_full`` when ``max_queued``
         transfers wait already (each holds its records' memory until it ends)."""
         with self._lock:
-            closing = self._closing.is_set()
-            full = self._queued >= self._max_queued
+            closing, full = self._closing, self._queued >= self._max_queued
             if not closing and not full:
                 self._queued += 1
-                self._queue.put(transfer)
+                self._waiting.setdefault((transfer.host, transfer.init_port), deque()).append(transfer)
+                self._lock.notify()
                 return
         self._finish(transfer, False, "shutdown" if closing else "queue_full", 0, 0.0)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """End the transfer under way (``shutdown``) and every queued one; bounded."""
+        """End the transfers under way (``shutdown``) and every queued one; bounded."""
         with self._lock:
-            if self._closing.is_set():
+            if self._closing:
                 return
-            self._closing.set()
-            active = self._active
-        self._queue.put(None)
-        if active is not None:
-            _shutdown(active)
-        if threading.current_thread() is not self._thread:  # not from inside an on_done
-            self._thread.join(timeout_s)
+            self._closing = True
+            active = list(self._active)
+            left = [t for queue in self._waiting.values() for t in queue]
+            self._waiting.clear()
+            self._queued = 0
+            self._lock.notify_all()
+        for conn in active:
+            _shutdown(conn)
+        for transfer in left:
+            self._finish(transfer, False, "shutdown", 0, 0.0)
+        end = time.monotonic() + timeout_s
+        for lane in self._lanes:
+            if lane is not threading.current_thread():  # not from inside an on_done
+                lane.join(max(0.0, end - time.monotonic()))
+        self._hasher.shutdown(wait=True)
+        with self._lock:
+            kept, self._pool = list(self._pool.values()), OrderedDict()
+        for k in kept:
+            k.conn.close()
 
     def stats(self) -> SenderStats:
         with self._lock:
@@ -154,55 +204,86 @@ class PDSender:
                 transfers=dict(self._outcomes),
                 failed=dict(self._failed),
                 connections_opened=self._opened,
+                connections_kept=len(self._pool),
             )
 
-    # -- the sender's thread ----------------------------------------------------------------------
-    def _loop(self) -> None:
-        try:
-            while True:
-                transfer = self._queue.get()
-                if transfer is None:
-                    break
+    @property
+    def remembered_unreachable(self) -> int:
+        with self._lock:
+            return len(self._down_until)
+
+    # -- the lanes --------------------------------------------------------------------------------
+    def _lane(self) -> None:
+        while True:
+            with self._lock:
+                self._sweep()
+                picked = self._next()
+                while picked is None and not self._closing:
+                    self._lock.wait(SWEEP_S)
+                    self._sweep()
+                    picked = self._next()
+                if picked is None:
+                    return
+                dest, transfer = picked
+                self._busy.add(dest)
+                self._queued -= 1
+                self._in_flight += 1
+            try:
+                self._one(transfer)
+            finally:
                 with self._lock:
-                    self._queued -= 1
-                    self._in_flight += 1
-                try:
-                    invalid = invalid_chunks(transfer.chunks)
-                    if self._closing.is_set():
-                        self._finish(transfer, False, "shutdown", 0, 0.0)
-                    elif invalid:
-                        log.warning("PD transfer %s not sent: %s", transfer.req_id, invalid)
-                        self._finish(transfer, False, "invalid", 0, 0.0)
-                    elif not transfer.chunks:
-                        self._finish(transfer, True, None, 0, 0.0)  # nothing to send is a success
-                    else:
-                        self._run(transfer)
-                except Exception:  # a defect must not stop the thread, nor leave on_done uncalled
-                    log.exception("PD sender failed on %s", transfer.req_id)
-                    self._finish(transfer, False, "internal", 0, 0.0)
-                finally:
-                    with self._lock:
-                        self._in_flight -= 1
-        finally:
-            self._hasher.shutdown(wait=True)
-            for conn, _ in self._pool.values():
-                conn.close()
-            self._pool.clear()
-            while True:
-                try:
-                    left = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if left is not None:
-                    with self._lock:
-                        self._queued -= 1
-                    self._finish(left, False, "shutdown", 0, 0.0)
+                    self._busy.discard(dest)
+                    self._in_flight -= 1
+                    self._lock.notify_all()
+
+    def _next(self) -> tuple[Destination, Transfer] | None:
+        """The oldest waiting destination no lane serves, and its first transfer (lock held)."""
+        if self._closing:
+            return None
+        for dest, queue in self._waiting.items():
+            if dest not in self._busy:
+                transfer = queue.popleft()
+                if queue:
+                    self._waiting.move_to_end(dest)  # the others' turn first
+                else:
+                    del self._waiting[dest]
+                return dest, transfer
+        return None
+
+    def _sweep(self) -> None:
+        """Close kept connections idle too long; forget unreachable marks that expired (lock held;
+        at most once per SWEEP_S)."""
+        now = time.monotonic()
+        if now < self._swept_at + SWEEP_S:
+            return
+        self._swept_at = now
+        for dest in [d for d, k in self._pool.items() if now - k.since >= POOLED_IDLE_S]:
+            self._pool.pop(dest).conn.close()
+        for dest in [d for d, until in self._down_until.items() if until <= now]:
+            del self._down_until[dest]
+
+    def _one(self, transfer: Transfer) -> None:
+        try:
+            invalid = invalid_chunks(transfer.chunks)
+            if self._closing:
+                self._finish(transfer, False, "shutdown", 0, 0.0)
+            elif invalid:
+                log.warning("PD transfer %s not sent: %s", transfer.req_id, invalid)
+                self._finish(transfer, False, "invalid", 0, 0.0)
+            elif not transfer.chunks:
+                self._finish(transfer, True, None, 0, 0.0)  # nothing to send is a success
+            else:
+                self._run(transfer)
+        except Exception:  # a defect must not stop the lane, nor leave on_done uncalled
+            log.exception("PD sender failed on %s", transfer.req_id)
+            self._finish(transfer, False, "internal", 0, 0.0)
 
     def _run(self, t: Transfer) -> None:
         start = time.perf_counter()
-        conn: socket.socket | None = None
+        deadline = Deadline(self._transfer_s)
+        kept: _Kept | None = None
         try:
-            conn = self._connection(t.host, t.init_port)
+            kept = self._connection(t.host, t.init_port, deadline)
             sizes = [memoryview(view).nbytes for _, view, _ in t.chunks]
             alloc = {
                 "req_id": t.req_id,
@@ -210,100 +291,142 @@ class PDSender:
                 "lengths": sizes,
                 "tokens": [tokens for _, _, tokens in t.chunks],
             }
-            wire.send_all(conn, [wire.control_frame(FrameType.ALLOC, alloc)], self._io_s)
-            self._expect_ok(conn)
-            self._send_chunks(conn, [memoryview(view).cast("B") for _, view, _ in t.chunks])
-            self._expect_ok(conn)
+            seq, kept.seq = kept.seq, kept.seq + 1
+            wire.send_all(kept.conn, [wire.control_frame(FrameType.ALLOC, alloc)], self._io_s, deadline)
+            self._expect_ok(kept.conn, deadline)
+            self._send_chunks(kept, seq, t, deadline)
+            self._expect_ok(kept.conn, deadline)
         except _Refused as e:  # the connection is still in step: keep it
-            self._keep(t, conn)
+            self._keep(t, kept)
             self._finish(t, False, e.reason, 0, time.perf_counter() - start)
             return
         except (WireError, OSError) as e:
-            if conn is not None:
-                conn.close()
+            if kept is not None:
+                kept.conn.close()
             reason = e.reason if isinstance(e, WireError) else "peer_closed"
-            if self._closing.is_set():
-                reason = "shutdown"
-            self._finish(t, False, reason, 0, time.perf_counter() - start)
+            self._finish(t, False, "shutdown" if self._closing else reason, 0, time.perf_counter() - start)
             return
         except BaseException:
-            if conn is not None:
-                conn.close()
+            if kept is not None:
+                kept.conn.close()
             raise
         finally:
-            with self._lock:
-                self._active = None
-        self._keep(t, conn)
+            if kept is not None:
+                self._set_active(kept.conn, False)
+        self._keep(t, kept)
         self._finish(t, True, None, sum(sizes), time.perf_counter() - start)
 
-    def _send_chunks(self, conn: socket.socket, chunks: list[memoryview]) -> None:
+    def _send_chunks(self, kept: _Kept, seq: int, t: Transfer, deadline: Deadline) -> None:
         """Each chunk's frame header and bytes in one ``sendmsg`` (the kernel copies the bytes
-        straight from the caller's buffer) while the hashing thread computes its checksum, which
-        goes out ahead of the next chunk; END after the last one."""
+        straight from the caller's buffer) while a hashing thread computes its trailer, which goes
+        out ahead of the next chunk; END after the last one."""
         trailer = b""
-        check: Future[int] | None = None
+        check: Future[bytes] | None = None
         try:
-            for index, data in enumerate(chunks):
-                check = self._hasher.submit(wire.digest, data)
-                wire.send_all(conn, [trailer, wire.chunk_header(index, data.nbytes), data], self._io_s)
-                trailer = wire.chunk_trailer(check.result())
-            wire.send_all(conn, [trailer, wire.control_frame(FrameType.END, {})], self._io_s)
+            for index, (key, view, tokens) in enumerate(t.chunks):
+                data = memoryview(view).cast("B")
+                check = self._hasher.submit(kept.trailers.tag, seq, t.req_id, key, index, tokens, data)
+                header = wire.chunk_header(index, data.nbytes)
+                wire.send_all(kept.conn, [trailer, header, data], self._io_s, deadline)
+                trailer = check.result(timeout=deadline.left())
+            end = wire.control_frame(FrameType.END, {})
+            wire.send_all(kept.conn, [trailer, end], self._io_s, deadline)
+        except futures.TimeoutError:
+            raise wire.Timeout() from None
         finally:  # the caller's buffers are not read once on_done runs
             if check is not None:
                 futures.wait([check])
 
-    def _keep(self, t: Transfer, conn: socket.socket | None) -> None:
-        if conn is not None:
-            if self._closing.is_set():
-                conn.close()
-            else:
-                self._pool[(t.host, t.init_port)] = (conn, time.monotonic())
+    def _keep(self, t: Transfer, kept: _Kept | None) -> None:
+        if kept is None:
+            return
+        with self._lock:
+            if self._closing:
+                kept.conn.close()
+                return
+            kept.since = time.monotonic()
+            self._pool[(t.host, t.init_port)] = kept
+            while len(self._pool) > MAX_POOLED:
+                self._pool.popitem(last=False)[1].conn.close()
 
-    def _connection(self, host: str, port: int) -> socket.socket:
-        kept = self._pool.pop((host, port), None)
+    def _connection(self, host: str, port: int, deadline: Deadline) -> _Kept:
+        with self._lock:
+            kept = self._pool.pop((host, port), None)
+            down = time.monotonic() < self._down_until.get((host, port), 0.0)
         if kept is not None:
-            conn, since = kept
-            readable, _, _ = select.select([conn], [], [], 0)
-            if not readable and time.monotonic() - since < POOLED_IDLE_S:  # not closed by the peer
-                self._set_active(conn)
-                return conn
-            conn.close()
-        if time.monotonic() < self._down_until.get((host, port), 0.0):
+            readable, _, _ = select.select([kept.conn], [], [], 0)
+            if not readable and time.monotonic() - kept.since < POOLED_IDLE_S:  # not closed by the peer
+                try:
+                    self._set_active(kept.conn, True)
+                except WireError:
+                    kept.conn.close()
+                    raise
+                return kept
+            kept.conn.close()
+        if down:
             raise WireError("unreachable")  # tried moments ago: the queue behind must not wait
         try:
-            conn = socket.create_connection((host, port), timeout=self._connect_s)
+            conn = socket.create_connection((host, port), timeout=min(self._connect_s, deadline.left()))
         except OSError as e:
             log.debug("PD receiver %s:%d unreachable: %s", host, port, e)
-            self._down_until[(host, port)] = time.monotonic() + max(1.0, self._connect_s)
+            self._mark_down((host, port))
             raise WireError("unreachable") from None
-        self._down_until.pop((host, port), None)
         with self._lock:
+            self._down_until.pop((host, port), None)
             self._opened += 1
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._set_active(conn)
-        self._handshake(conn, f"{host}:{port}")
-        return conn
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._set_active(conn, True)
+            if self._tls is not None:
+                conn = self._tls_wrap(conn, host, deadline)
+            return self._handshake(conn, f"{host}:{port}", deadline)
+        except BaseException:
+            self._set_active(conn, False)
+            conn.close()
+            raise
 
-    def _set_active(self, conn: socket.socket) -> None:
+    def _tls_wrap(self, conn: socket.socket, host: str, deadline: Deadline) -> socket.socket:
+        assert self._tls is not None
+        try:
+            wrapped = self._tls.wrap(conn, host, min(self._io_s, deadline.left()))
+        except OSError as e:
+            log.warning("PD receiver %s: TLS handshake failed: %s", host, e)
+            raise WireError("tls_failed") from None
+        self._set_active(conn, False)
+        self._set_active(wrapped, True)
+        return wrapped
+
+    def _mark_down(self, dest: Destination) -> None:
         with self._lock:
-            self._active = conn
-            closing = self._closing.is_set()
-        if closing:
+            self._down_until[dest] = time.monotonic() + max(1.0, self._connect_s)
+            self._down_until.move_to_end(dest)
+            while len(self._down_until) > MAX_DOWN:
+                self._down_until.popitem(last=False)
+
+    def _set_active(self, conn: socket.socket, active: bool) -> None:
+        with self._lock:
+            if active:
+                self._active.add(conn)
+            else:
+                self._active.discard(conn)
+            closing = self._closing
+        if active and closing:
             raise WireError("shutdown")
 
-    def _handshake(self, conn: socket.socket, peer: str) -> None:
-        theirs, reply, differ = shake_hands(conn, self._identity, self._io_s)
-        reason = refusal(reply, differ)
+    def _handshake(self, conn: socket.socket, peer: str, deadline: Deadline) -> _Kept:
+        shake = shake_hands(conn, self._identity, min(self._io_s, deadline.left()), self._auth)
+        reason = refusal(shake)
         if reason:
             log.warning(
-                "PD receiver %s refused: %s (ours %s, theirs %s)", peer, reason, self._identity, theirs
+                "PD receiver %s refused: %s (ours %s, theirs %s)", peer, reason, self._identity, shake.theirs
             )
             raise WireError(reason)
+        return _Kept(conn, shake.trailers, 0, time.monotonic())
 
-    def _expect_ok(self, conn: socket.socket) -> None:
-        reply = read_reply(conn, self._io_s)
+    def _expect_ok(self, conn: socket.socket, deadline: Deadline) -> None:
+        reply = read_reply(conn, self._io_s, deadline)
         if not reply.get("ok"):
-            raise _Refused(str(reply.get("reason")))
+            raise _Refused(known_reason(reply.get("reason")))
 
     def _finish(self, t: Transfer, ok: bool, reason: str | None, nbytes: int, seconds: float) -> None:
         with self._lock:

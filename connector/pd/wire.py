@@ -1,32 +1,43 @@
-"""The frames of the PD data plane, and reading them off a socket within bounds.
+"""The frames of the PD data plane, and reading and writing them within bounds.
 
 Every frame starts with an 8-byte header: magic ``KP``, the frame type, a zero byte and the body
-length (little-endian u32). Control bodies (``HELLO``, ``ALLOC``, ``REPLY``, ``END``) are msgpack
-maps of at most ``MAX_CONTROL_BYTES``; a header announcing more is refused before anything is
-read or allocated. A ``CHUNK`` frame's body is fixed: the chunk's index in the transfer and its
-length; the bytes follow raw, then their xxh3-64 (8 bytes). The receiver reads the bytes with
+length (little-endian u32). Control bodies (``HELLO``, ``AUTH``, ``ALLOC``, ``REPLY``, ``END``)
+are msgpack maps of at most ``MAX_CONTROL_BYTES``; a header announcing more is refused before
+anything is read or allocated. A ``CHUNK`` frame's body is fixed: the chunk's index in the
+transfer and its length; the bytes follow raw, then their trailer: the xxh3-64 (8 bytes) without
+a key, a keyed BLAKE3 tag (16 bytes, ``auth.py``) with one. The receiver reads the bytes with
 ``recv_into`` straight into the slot the allocation gave that index (so the announced length must
-equal the allocated one). The checksum trails the bytes so that the sender can hash a chunk (on a
+equal the allocated one). The trailer follows the bytes so that the sender can hash a chunk (on a
 helper thread) while the chunk travels.
 
 One connection to a decoder rank's init port carries a transfer::
 
     sender                                  receiver
-    HELLO {identity, version}          ->
-                                       <-   REPLY {ok | reason "mismatch:<fields>", identity, ...}
+    HELLO {version, nonce}             ->
+                                       <-   REPLY {version, nonce, proof | nil}
+    AUTH {identity, proof | nil}       ->   (a sender with a key checked the receiver's proof)
+                                       <-   REPLY {ok | reason "mismatch:<fields>" | "auth_failed",
+                                                   identity, capacity_bytes, free_bytes}
     ALLOC {req_id, keys, lengths, tokens} ->
                                        <-   REPLY {ok | reason "buffer_full" | "too_large"}
-    CHUNK (index, length) bytes xxh3   ->   (once per chunk, in any order)
+    CHUNK (index, length) bytes trailer ->  (once per chunk, in any order)
     END {}                             ->
                                        <-   REPLY {ok | reason "checksum"}  (ok = all indexed)
 
-and may carry further ALLOC..END transfers after it. The alloc port answers HELLO only (a probe:
-identity, capacity, free bytes) and allocates nothing.
+and may carry further ALLOC..END transfers after it (each numbered, from 0, in the chunk tags).
+With a key, the receiver says nothing about itself until the sender's proof checked (a refused
+sender reads only ``auth_failed``). The alloc port answers the handshake only (a probe: identity,
+capacity, free bytes) and allocates nothing.
+
+A socket may be a TLS one (``ssl.SSLSocket``, ``tls.py``): it is read and written piece by piece
+with Python's timeouts (TLS has neither ``sendmsg`` nor ``MSG_WAITALL``); a plain socket keeps
+the kernel's timeouts and one call per piece.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Sequence
@@ -36,7 +47,7 @@ from typing import Any
 import msgspec
 import xxhash
 
-VERSION = 1
+VERSION = 2
 MAGIC = b"KP"
 HEADER = struct.Struct("<2sBxI")
 CHUNK_BODY = struct.Struct("<IQ")  # index, length; the bytes follow, then their xxh3-64
@@ -51,6 +62,7 @@ class FrameType(IntEnum):
     ALLOC = 3
     CHUNK = 4
     END = 5
+    AUTH = 6
 
 
 class WireError(Exception):
@@ -101,6 +113,18 @@ def digest(data: memoryview) -> int:
 
 def chunk_trailer(digest: int) -> bytes:
     return DIGEST.pack(digest)
+
+
+class Checksums:
+    """A connection's chunk trailers without a key: xxh3-64 of the bytes (damage, not intent)."""
+
+    trailer_bytes = DIGEST.size
+
+    def tag(self, seq: int, req_id: str, key: str, index: int, tokens: int, data: memoryview) -> bytes:
+        return DIGEST.pack(digest(data))
+
+    def matches(self, expected: bytes, given: bytes) -> bool:
+        return expected == given
 
 
 def parse_header(raw: bytes | memoryview) -> tuple[FrameType, int]:
@@ -157,14 +181,20 @@ _TIMEVAL = struct.Struct("@ll")
 
 
 def recv_into(sock: socket.socket, view: memoryview, deadline: Deadline, silence_s: float) -> None:
-    """Fill ``view`` from ``sock`` with one ``MSG_WAITALL`` read (more only if it is cut short):
-    ``Timeout`` when ``silence_s`` passes within a read or once past the deadline (checked
-    between reads), ``PeerClosed`` at end of stream."""
+    """Fill ``view`` from ``sock`` (one ``MSG_WAITALL`` read on a plain socket, more only if it
+    is cut short): ``Timeout`` when ``silence_s`` passes within a read or once past the deadline,
+    ``PeerClosed`` at end of stream."""
     got, size = 0, len(view)
-    _os_timeout(sock, socket.SO_RCVTIMEO, min(silence_s, deadline.left()))
+    tls = isinstance(sock, ssl.SSLSocket)
+    if not tls:
+        _os_timeout(sock, socket.SO_RCVTIMEO, min(silence_s, deadline.left()))
     while got < size:
         try:
-            n = sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)  # one wake-up
+            if tls:
+                sock.settimeout(min(silence_s, deadline.left()))
+                n = sock.recv_into(view[got:], size - got)
+            else:
+                n = sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)  # one wake-up
         except (BlockingIOError, TimeoutError):
             raise Timeout() from None
         except OSError:
@@ -172,8 +202,8 @@ def recv_into(sock: socket.socket, view: memoryview, deadline: Deadline, silence
         if n == 0:
             raise PeerClosed()
         got += n
-        if got < size:
-            deadline.left()
+        if got < size and not tls:
+            _os_timeout(sock, socket.SO_RCVTIMEO, min(silence_s, deadline.left()))
 
 
 def recv_frame(sock: socket.socket, deadline: Deadline, silence_s: float) -> tuple[FrameType, bytes]:
@@ -186,13 +216,32 @@ def recv_frame(sock: socket.socket, deadline: Deadline, silence_s: float) -> tup
     return kind, bytes(body)
 
 
-def send_all(sock: socket.socket, pieces: Sequence[bytes | memoryview], timeout_s: float) -> None:
+TLS_PIECE = 1 << 18  # a TLS write at a time, so that the deadline is checked between them
+
+
+def send_all(
+    sock: socket.socket,
+    pieces: Sequence[bytes | memoryview],
+    timeout_s: float,
+    deadline: Deadline | None = None,
+) -> None:
     """Send the pieces in order without joining them (``sendmsg``; the caller's buffers as they
-    are). ``Timeout`` when the peer takes nothing for ``timeout_s``, ``PeerClosed`` on failure."""
+    are). ``Timeout`` when the peer takes nothing for ``timeout_s`` or once past ``deadline``
+    (a peer that reads a trickle cannot hold the sender longer), ``PeerClosed`` on failure."""
     views = [memoryview(p).cast("B") for p in pieces if len(p)]
-    _os_timeout(sock, socket.SO_SNDTIMEO, timeout_s)
+
+    def bound() -> float:
+        return timeout_s if deadline is None else min(timeout_s, deadline.left())
+
     try:
+        if isinstance(sock, ssl.SSLSocket):
+            for view in views:
+                for start in range(0, view.nbytes, TLS_PIECE):
+                    sock.settimeout(bound())
+                    sock.sendall(view[start : start + TLS_PIECE])
+            return
         while views:
+            _os_timeout(sock, socket.SO_SNDTIMEO, bound())
             sent = sock.sendmsg(views)
             while views and sent >= len(views[0]):
                 sent -= len(views[0])

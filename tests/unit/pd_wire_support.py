@@ -15,9 +15,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 
-import xxhash
-
 from connector.pd import wire
+from connector.pd.auth import PDAuth, new_nonce
 from connector.pd.identity import PeerIdentity
 from connector.pd.receiver import PDReceiver
 from connector.pd.sender import PDSender, SendOutcome, Transfer
@@ -140,20 +139,37 @@ class RawPeer:
         for p in pieces:
             self.sock.sendall(p)
 
-    def hello(self, ident: PeerIdentity | None = None) -> dict:
-        body = {"identity": (ident or identity()).to_wire(), "version": wire.VERSION}
-        self.send(wire.control_frame(wire.FrameType.HELLO, body))
-        return self.reply()
+    def hello(self, ident: PeerIdentity | None = None, auth: PDAuth | None = None) -> dict:
+        """The whole handshake as a sender makes it (proving ``auth``'s key when given); the
+        receiver's last answer. ``first`` keeps its first answer (nonce, proof)."""
+        self.nonce = new_nonce()
+        self.send(wire.control_frame(wire.FrameType.HELLO, {"version": wire.VERSION, "nonce": self.nonce}))
+        self.first = self.reply()
+        theirs = self.first.get("nonce")
+        proof = auth.proof("sender", self.nonce, theirs) if auth is not None else None
+        body = {"identity": (ident or identity()).to_wire(), "proof": proof}
+        self.send(wire.control_frame(wire.FrameType.AUTH, body))
+        answer = self.reply()
+        self.trailers = auth.session(self.nonce, theirs) if auth is not None else wire.Checksums()
+        return answer
 
     def alloc(self, lengths: list[int], keys: list[str] | None = None, req_id: str = "raw") -> dict:
         keys = keys or [f"{req_id}-{i}" for i in range(len(lengths))]
         body = {"req_id": req_id, "keys": keys, "lengths": lengths, "tokens": [256] * len(lengths)}
+        self.seq = getattr(self, "seq", -1) + 1
+        self.transfer = (req_id, keys)
         self.send(wire.control_frame(wire.FrameType.ALLOC, body))
         return self.reply()
 
     def chunk(self, index: int, data: bytes, digest: int | None = None) -> None:
-        d = xxhash.xxh3_64_intdigest(data) if digest is None else digest
-        self.send(wire.chunk_header(index, len(data)), data, wire.chunk_trailer(d))
+        """A CHUNK frame with its trailer as this connection's sender computes it, or with the
+        xxh3 ``digest`` given (a wrong one, say)."""
+        if digest is not None:
+            trailer = wire.chunk_trailer(digest)
+        else:
+            req_id, keys = self.transfer
+            trailer = self.trailers.tag(self.seq, req_id, keys[index], index, 256, memoryview(data))
+        self.send(wire.chunk_header(index, len(data)), data, trailer)
 
     def end(self) -> dict:
         self.send(wire.control_frame(wire.FrameType.END, {}))
@@ -178,6 +194,27 @@ class RawPeer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def answer_handshake(
+    conn: socket.socket,
+    ident: PeerIdentity | None = None,
+    auth: PDAuth | None = None,
+    timeout: float = WAIT_S,
+) -> wire.Checksums | object:
+    """A hand-made decoder's side of the handshake on ``conn`` (accepting whoever comes, proving
+    ``auth``'s key when given); the connection's chunk trailers."""
+    d = wire.Deadline(timeout)
+    _, body = wire.recv_frame(conn, d, timeout)
+    theirs, mine = wire.decode_control(body)["nonce"], new_nonce()
+    proof = auth.proof("receiver", theirs, mine) if auth is not None else None
+    conn.sendall(
+        wire.control_frame(wire.FrameType.REPLY, {"version": wire.VERSION, "nonce": mine, "proof": proof})
+    )
+    wire.recv_frame(conn, d, timeout)
+    ok = {"ok": True, "reason": None, "identity": (ident or identity()).to_wire(), "capacity_bytes": 1 << 30}
+    conn.sendall(wire.control_frame(wire.FrameType.REPLY, {**ok, "free_bytes": 1 << 30}))
+    return auth.session(theirs, mine) if auth is not None else wire.Checksums()
 
 
 def free_port() -> int:

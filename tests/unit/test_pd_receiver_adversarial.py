@@ -55,14 +55,28 @@ def test_a_bad_first_frame_is_refused_without_allocating(head):
     "body",
     [
         {"identity": "me"},
-        {"identity": {**identity().to_wire(), "tp_size": 2**40}, "version": 1},
-        {"identity": {**identity().to_wire(), "record_layout": "x" * 100_000}, "version": 1},
+        {"identity": {**identity().to_wire(), "tp_size": 2**40}},
+        {"identity": {**identity().to_wire(), "record_layout": "x" * 100_000}},
     ],
 )
-def test_a_hello_that_is_not_an_identity_is_refused(body):
+def test_a_handshake_that_does_not_carry_an_identity_is_refused(body):
     with receiver() as rx:
         peer = RawPeer(rx.init_ports[0])
-        peer.send(wire.control_frame(wire.FrameType.HELLO, body))
+        nonce = os.urandom(32)
+        peer.send(wire.control_frame(wire.FrameType.HELLO, {"version": wire.VERSION, "nonce": nonce}))
+        assert set(peer.reply()) == {"version", "nonce", "proof"}  # nothing about the receiver yet
+        peer.send(wire.control_frame(wire.FrameType.AUTH, {**body, "proof": None}))
+        _refused(rx, peer, "bad_frame")
+
+
+@pytest.mark.parametrize(
+    "hello",
+    [{}, {"version": "2"}, {"version": wire.VERSION}, {"version": wire.VERSION, "nonce": b"short"}],
+)
+def test_a_hello_without_a_version_or_a_nonce_is_refused(hello):
+    with receiver() as rx:
+        peer = RawPeer(rx.init_ports[0])
+        peer.send(wire.control_frame(wire.FrameType.HELLO, hello))
         _refused(rx, peer, "bad_frame")
 
 
@@ -156,7 +170,8 @@ def _trickle(peer: RawPeer, data: bytes, stop: threading.Event) -> None:
 def test_a_slow_loris_handshake_is_cut_off_at_the_handshake_bound():
     with receiver(handshake_timeout_s=0.5) as rx:
         peer = RawPeer(rx.init_ports[0])
-        hello = wire.control_frame(wire.FrameType.HELLO, {"identity": identity().to_wire(), "version": 1})
+        body = {"version": wire.VERSION, "nonce": os.urandom(32)}
+        hello = wire.control_frame(wire.FrameType.HELLO, body)
         stop = threading.Event()
         writer = threading.Thread(target=_trickle, args=(peer, hello * 10, stop))
         start = time.monotonic()
@@ -187,23 +202,50 @@ def test_a_slow_loris_chunk_is_cut_off_and_its_slots_freed():
         _refused(rx, peer, "timeout")
 
 
-def test_connections_beyond_the_limit_are_refused_and_counted():
+def test_a_full_table_closes_the_longest_idle_connection_for_a_new_one():
     with receiver(max_connections=2) as rx:
-        held = [RawPeer(rx.init_ports[0]) for _ in range(2)]
-        for p in held:
-            assert p.hello()["ok"]
-        extra = RawPeer(rx.init_ports[0])
-        assert extra.closed_by_peer()
-        extra.close()
-        assert rx.stats().failed == {"too_many_connections": 1}
-        held.pop().close()
-        wait_until(lambda: rx.stats().connections == 1, what="a connection freed")
+        held = []
+        for _ in range(2):
+            held.append(RawPeer(rx.init_ports[0]))
+            assert held[-1].hello()["ok"]  # idle between transfers now
         tx = PDSender(identity(), 2.0, 5.0)
         try:
             assert send(tx, rx.init_ports[0], records(1, 100, 100)).ok
         finally:
             tx.close()
-            held[0].close()
+        assert held[0].closed_by_peer()  # the one idle the longest made room
+        assert rx.stats().evicted == 1 and "too_many_connections" not in rx.stats().failed
+        for p in held:
+            p.close()
+
+
+def test_peers_that_never_finish_a_handshake_hold_at_most_half_the_slots():
+    with receiver(max_connections=4, handshake_timeout_s=30.0) as rx:
+        silent = [RawPeer(rx.init_ports[0]) for _ in range(6)]  # connect and say nothing
+        wait_until(lambda: rx.stats().evicted == 4, what="the oldest silent ones closed")
+        assert rx.stats().connections == 2 and silent[0].closed_by_peer()
+        tx = PDSender(identity(), 2.0, 5.0)
+        try:  # the operator's prefiller still gets through
+            assert send(tx, rx.init_ports[0], records(1, 100, 100)).ok
+        finally:
+            tx.close()
+            for p in silent:
+                p.close()
+        assert "too_many_connections" not in rx.stats().failed
+
+
+def test_connections_beyond_the_limit_while_every_slot_is_busy_are_refused_and_counted():
+    with receiver(max_connections=2) as rx:
+        busy = []
+        for _ in range(2):  # each in a transfer that has not ended
+            busy.append(RawPeer(rx.init_ports[0]))
+            assert busy[-1].hello()["ok"] and busy[-1].alloc([1024])["ok"]
+        extra = RawPeer(rx.init_ports[0])
+        assert extra.closed_by_peer()
+        extra.close()
+        assert rx.stats().failed == {"too_many_connections": 1} and rx.stats().evicted == 0
+        for p in busy:
+            p.close()
 
 
 def test_the_header_limits_hold_for_every_frame_type():

@@ -37,11 +37,11 @@ HALF_SENDER = textwrap.dedent(
     import socket, sys, time
     from connector.pd import wire
     from connector.pd.identity import PeerIdentity
+    from connector.pd.probe import shake_hands
     ident = PeerIdentity("ks-0123abcd", 1, 0, 16, 256, "bf16/l4/kvh2/hd64/v1")
     s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
     d = wire.Deadline(30)
-    s.sendall(wire.control_frame(wire.FrameType.HELLO, {"identity": ident.to_wire(), "version": 1}))
-    wire.recv_frame(s, d, 30)
+    assert shake_hands(s, ident, 30).reply["ok"]
     alloc = {"req_id": "killed", "keys": ["a", "b"], "lengths": [65536, 65536], "tokens": [256, 256]}
     s.sendall(wire.control_frame(wire.FrameType.ALLOC, alloc))
     wire.recv_frame(s, d, 30)

@@ -19,6 +19,7 @@ from .pd_wire_support import (
     HOST,
     Done,
     RawPeer,
+    answer_handshake,
     assert_idle,
     free_port,
     identity,
@@ -40,15 +41,14 @@ STALLING_RECEIVER = textwrap.dedent(
     import socket, sys
     from connector.pd import wire
     from connector.pd.identity import PeerIdentity
+    from tests.unit.pd_wire_support import answer_handshake
     ident = PeerIdentity("ks-0123abcd", 1, 0, 16, 256, "bf16/l4/kvh2/hd64/v1")
     srv = socket.create_server(("127.0.0.1", int(sys.argv[1])))
     print("listening", flush=True)
     conn, _ = srv.accept()
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
     d = wire.Deadline(30)
-    wire.recv_frame(conn, d, 30)
-    reply = {"ok": True, "reason": None, "identity": ident.to_wire(), "version": wire.VERSION}
-    conn.sendall(wire.control_frame(wire.FrameType.REPLY, reply))
+    answer_handshake(conn, ident)
     wire.recv_frame(conn, d, 30)
     conn.sendall(wire.control_frame(wire.FrameType.REPLY, {"ok": True, "reason": None}))
     wire.recv_into(conn, memoryview(bytearray(1 << 20)), d, 30)
@@ -262,9 +262,7 @@ def test_on_done_comes_after_the_last_read_of_the_callers_buffers(monkeypatch):
         def accept_then_hang_up() -> None:  # a decoder that dies right after the allocation
             conn, _ = srv.accept()
             d = wire.Deadline(10)
-            wire.recv_frame(conn, d, 10)
-            hello = {"ok": True, "reason": None, "identity": identity().to_wire(), "version": wire.VERSION}
-            conn.sendall(wire.control_frame(wire.FrameType.REPLY, hello))
+            answer_handshake(conn)
             wire.recv_frame(conn, d, 10)
             conn.sendall(wire.control_frame(wire.FrameType.REPLY, {"ok": True, "reason": None}))
             conn.close()

@@ -1,0 +1,104 @@
+"""Who may hand a decoder KV: a keyed, mutual handshake and a keyed tag on every chunk.
+
+A chunk key is a hash of tokens and of the model's identity, both of which anyone with the same
+public checkpoint can compute, and a peer's ``PeerIdentity`` is public too; xxh3 catches damage,
+not intent. So where the PD port is reachable by anyone but the operator's own engines, both
+ends share a secret (``pd_auth_key``, its file, or the deployment's ``store_auth_key``) and:
+
+- **prove it with fresh nonces, the receiver first.** The sender's HELLO carries a random nonce;
+  the receiver answers with its own and ``proof("receiver", ...)``; the sender checks it before it
+  says anything more (a receiver without the key learns nothing, and no KV leaves for it), then
+  sends ``proof("sender", ...)`` with its identity; the receiver checks it before it reveals its
+  identity or allocates anything (a refused sender learns nothing about the receiver). The two
+  proofs are keyed BLAKE3 over a role label and both nonces, so neither can be replayed on
+  another connection nor reflected to the other side.
+- **tag every chunk.** Each connection derives a session key from the secret and both nonces;
+  a chunk's trailer is a 16-byte keyed BLAKE3 over the transfer (its sequence number on the
+  connection and the proxy's ``req_id``), the chunk's key, index, token count, length and
+  bytes. A chunk moved to another key, index or transfer, replayed on another connection, or
+  changed in one byte fails its tag. BLAKE3 releases the GIL while it hashes, so a tag computed
+  beside the send costs the transfer little (bench/pd_transfer.py measures it).
+
+Without a key, the trailer stays the xxh3-64 checksum: damage is caught, a peer is not
+authenticated (a receiver then binds loopback only unless ``pd_allow_unauthenticated``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import struct
+
+import blake3
+
+NONCE_BYTES = 32
+PROOF_BYTES = 32
+TAG_BYTES = 16
+MIN_KEY_BYTES = 16
+_PROOF_CONTEXT = b"KVLens PD handshake proof, version 2"
+_SESSION_CONTEXT = "KVLens PD session key, version 2"
+_TAG_HEAD = struct.Struct("<QIIQ")  # transfer sequence, chunk index, tokens, length
+HASH_PIECE = 1 << 20
+
+
+def new_nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+def _key32(secret: bytes) -> bytes:
+    """The 32-byte BLAKE3 key for a secret of any length (at least MIN_KEY_BYTES)."""
+    return blake3.blake3(secret, derive_key_context="KVLens PD shared secret, version 2").digest()
+
+
+class PDAuth:
+    """The shared secret of a PD deployment, and what it proves and tags."""
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < MIN_KEY_BYTES:
+            raise ValueError(f"a PD key must be at least {MIN_KEY_BYTES} bytes")
+        self._key = _key32(secret)
+
+    def __repr__(self) -> str:  # never the secret, not even in a traceback
+        return "PDAuth(<secret>)"
+
+    def proof(self, role: str, sender_nonce: bytes, receiver_nonce: bytes) -> bytes:
+        """``role`` ("sender" or "receiver") proves the secret over both nonces."""
+        h = blake3.blake3(_PROOF_CONTEXT, key=self._key)
+        h.update(role.encode() + b"\0" + sender_nonce + receiver_nonce)
+        return h.digest(PROOF_BYTES)
+
+    def check(self, role: str, sender_nonce: bytes, receiver_nonce: bytes, given: object) -> bool:
+        """Whether ``given`` is ``role``'s proof over these nonces (constant time)."""
+        if not isinstance(given, bytes) or len(given) != PROOF_BYTES:
+            return False
+        return hmac.compare_digest(self.proof(role, sender_nonce, receiver_nonce), given)
+
+    def session(self, sender_nonce: bytes, receiver_nonce: bytes) -> ChunkTags:
+        """The chunk tags of one connection (its key derived from the secret and both nonces)."""
+        material = self._key + sender_nonce + receiver_nonce
+        return ChunkTags(blake3.blake3(material, derive_key_context=_SESSION_CONTEXT).digest())
+
+
+class ChunkTags:
+    """Keyed BLAKE3 tags of one connection's chunks."""
+
+    trailer_bytes = TAG_BYTES
+
+    def __init__(self, session_key: bytes) -> None:
+        self._key = session_key
+
+    def __repr__(self) -> str:
+        return "ChunkTags(<session key>)"
+
+    def tag(self, seq: int, req_id: str, key: str, index: int, tokens: int, data: memoryview) -> bytes:
+        """The chunk's tag: binds the transfer (``seq``, ``req_id``), its key, index, token count,
+        length and bytes. Hashed a MiB at a time so that a cancelled transfer stops soon."""
+        h = blake3.blake3(key=self._key)
+        names = req_id.encode() + b"\0" + key.encode()
+        h.update(_TAG_HEAD.pack(seq, index, tokens, data.nbytes) + struct.pack("<H", len(names)) + names)
+        for start in range(0, data.nbytes, HASH_PIECE):
+            h.update(data[start : start + HASH_PIECE])
+        return h.digest(TAG_BYTES)
+
+    def matches(self, expected: bytes, given: bytes) -> bool:
+        return hmac.compare_digest(expected, given)
