@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from connector.pd import wire
 from connector.pd.auth import PDAuth, new_nonce
@@ -243,3 +243,54 @@ def kill(child: subprocess.Popen) -> None:
     child.send_signal(signal.SIGKILL)
     child.wait(WAIT_S)
     child.stdout.close()  # type: ignore[union-attr]
+
+
+@dataclass(frozen=True)
+class TLSFilesForTests:
+    cert: str  # a self-signed certificate for 127.0.0.1 (its own CA), key in ``key``
+    key: str
+    other: str  # another self-signed certificate: a CA that did not sign ``cert``
+
+
+def self_signed(directory: str, name: str) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 and localhost, and its key, as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    alt = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address(HOST))])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(alt, critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = os.path.join(directory, f"{name}.pem"), os.path.join(directory, f"{name}.key")
+    with open(cert_path, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(key_path, "wb") as f:
+        f.write(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+    return cert_path, key_path
+
+
+def tls_files_in(directory: str) -> TLSFilesForTests:
+    cert, key = self_signed(directory, "decoder")
+    other, _ = self_signed(directory, "stranger")
+    return TLSFilesForTests(cert, key, other)
