@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .config.model import KVLensConfig
+from .config.model import ConfigError, KVLensConfig
 from .config.pd import PDConfig
 from .engine.facts import EngineFacts
 from .engine.keys import key_fingerprint
@@ -36,6 +36,51 @@ def identity(key_space: str, facts: EngineFacts, chunk_size: int, rank: int) -> 
 def key_space(facts: EngineFacts) -> str:
     """The digest of what every chunk key depends on besides tokens (the scheduler's facts)."""
     return key_fingerprint(facts.namespace())
+
+
+def auth_of(pd: PDConfig) -> Any:
+    """The PD key's handshake and tags (None: no key)."""
+    from .pd.auth import PDAuth
+
+    return PDAuth(pd.auth_key) if pd.auth_key is not None else None
+
+
+def _tls_files(pd: PDConfig) -> Any:
+    from .pd.tls import TLSFiles
+
+    return TLSFiles(pd.tls_cert_file, pd.tls_key_file, pd.tls_ca_file)
+
+
+def server_tls(pd: PDConfig) -> Any:
+    """The receiver's TLS (None: off); ``ConfigError`` naming the files it cannot use."""
+    from .pd.tls import ServerTLS
+
+    return _tls(pd, ServerTLS) if pd.tls else None
+
+
+def client_tls(pd: PDConfig) -> Any:
+    from .pd.tls import ClientTLS
+
+    return _tls(pd, ClientTLS) if pd.tls else None
+
+
+def _tls(pd: PDConfig, kind: Any) -> Any:
+    try:
+        return kind(_tls_files(pd))
+    except (OSError, ValueError) as e:
+        names = "pd_tls_cert_file, pd_tls_key_file, pd_tls_ca_file"
+        raise ConfigError(f"KVLens cannot start with this configuration: pd_tls ({names}): {e}") from None
+
+
+def trust_said(pd: PDConfig) -> str:
+    """How the PD port is protected, for logs: the key's source, TLS, or its absence."""
+    if pd.auth_key is not None:
+        said = f"authenticated ({pd.auth_source})"
+    elif pd.allow_unauthenticated:
+        said = "UNAUTHENTICATED (pd_allow_unauthenticated: true)"
+    else:
+        said = "unauthenticated, loopback only"
+    return said + (", TLS" if pd.tls else "")
 
 
 IDLE_STEP_S = 0.005  # an engine stepping only for PD (sends ending, records to expire) paces itself
@@ -76,15 +121,18 @@ class SchedulerPD:
                 pd.buffer_size,
                 pd.transfer_timeout_s,
                 pd.unclaimed_timeout_s,
+                auth=auth_of(pd),
+                tls=server_tls(pd),
             )
             receiver.start()
             self.decoder = PDDecoder(receiver, facts.block_size, time.monotonic)
             logger.info(
-                "KVLens PD receiver listening on %s ports %s (alloc %s), %d bytes per rank",
+                "KVLens PD receiver listening on %s ports %s (alloc %s), %d bytes per rank, %s",
                 pd.peer_host,
                 list(pd.peer_init_ports),
                 list(pd.peer_alloc_ports),
                 pd.buffer_size,
+                trust_said(pd),
             )
 
     # ---- lookup ---------------------------------------------------------------------------
@@ -233,8 +281,11 @@ class WorkerPD:
                 notifier = ProxyNotifier(pd.proxy_host, pd.proxy_port)
             timeout = pd.transfer_timeout_s
 
+            auth, tls = auth_of(pd), client_tls(pd)
+
             def make_sender(space: str) -> PDSender:
-                return PDSender(identity(space, facts, config.chunk_size, local), min(timeout, 5.0), timeout)
+                mine = identity(space, facts, config.chunk_size, local)
+                return PDSender(mine, min(timeout, 5.0), timeout, auth=auth, tls=tls)
 
             self.sends = PDSends(local, make_sender, Transfer, notifier, pd.buffer_size)
         if pd.receiver:

@@ -321,6 +321,8 @@ _DEFINITIONS = (
             "pd_alloc_ports",
             "pd_buffer_size",
             "pd_proxy",
+            "pd_auth",
+            "pd_tls",
         ),
         domains=None,
     ),

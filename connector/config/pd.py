@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .keys import lmcache_bool
+from .pd_trust import beyond_loopback, is_loopback, read_key, read_receivers
 
 # The current key each PD key (or its older LMCache name) means. Aliases of keys.ALIASES
 # (nixl_role, nixl_buffer_size, ...) are resolved before these.
@@ -33,8 +34,11 @@ PD_KEYS = frozenset(
     """enable_pd pd_role pd_buffer_size pd_buffer_device pd_peer_host pd_peer_init_port
     pd_peer_alloc_port pd_proxy_host pd_proxy_port pd_allocation_timeout_sec pd_shutdown_timeout_sec
     pd_max_prefill_len pd_skip_proxy_notification pd_backend_mode transfer_channel
-    pd_unclaimed_timeout_sec pd_transfer_timeout_sec pd_bidirectional""".split()
+    pd_unclaimed_timeout_sec pd_transfer_timeout_sec pd_bidirectional pd_auth_key pd_auth_key_file
+    pd_allow_unauthenticated pd_allowed_receivers pd_tls pd_tls_cert_file pd_tls_key_file
+    pd_tls_ca_file""".split()
 ) | frozenset(LEGACY_PD)
+SECRET_KEYS = frozenset({"pd_auth_key"})  # never shown, not even in an error
 # PD keys KVLens reads but has no use for (with what KVLens does instead).
 PD_UNUSED = {
     "pd_allocation_timeout_sec": "KVLens's receiver answers an allocation at once (buffer_full), "
@@ -68,6 +72,16 @@ class PDConfig:
     transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S  # a silent sender's slots are freed
     unclaimed_timeout_s: float = DEFAULT_UNCLAIMED_TIMEOUT_S  # received, never looked up: freed
     allocation_timeout_s: float = math.inf  # LMCache's; KVLens never waits for room
+    # Who may hand a decoder KV (connector/pd/auth.py): the shared secret, and where it came from
+    # ("pd_auth_key", "pd_auth_key_file", "store_auth_key", ...; "" without one).
+    auth_key: bytes | None = field(default=None, repr=False)
+    auth_source: str = ""
+    allow_unauthenticated: bool = False  # the operator's written choice: no key beyond loopback
+    allowed_receivers: tuple[str, ...] = ()  # sender: beyond loopback, where it may send
+    tls: bool = False
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
 
     @property
     def sender(self) -> bool:
@@ -226,6 +240,17 @@ def read(settings: Mapping[str, tuple[Any, str, str]]) -> PDFindings:
         "seconds >= 0",
         "allocation_timeout_s",
     )
+    take("pd_allow_unauthenticated", _bool, "true or false", "allow_unauthenticated")
+    take("pd_tls", _bool, "true or false", "tls")
+    for name in ("cert", "key", "ca"):
+        take(f"pd_tls_{name}_file", _text, "a file path", f"tls_{name}_file")
+    take(
+        "pd_allowed_receivers",
+        lambda v: read_receivers(v, f.invalid),
+        "a list of hosts, host:port or CIDRs",
+        "allowed_receivers",
+    )
+    read_key(s, values, f.invalid)
     if "pd_buffer_device" in s:
         value, src = s.pop("pd_buffer_device")
         device = (_text(value) or "").lower()
@@ -297,6 +322,63 @@ def read(settings: Mapping[str, tuple[Any, str, str]]) -> PDFindings:
     if not (f.invalid or f.refused):
         f.config = PDConfig(**values)
     return f
+
+
+def with_deployment_key(pd: PDConfig, store_key: bytes | None) -> PDConfig:
+    """The PD settings with the deployment's ``store_auth_key`` as their key where the operator
+    set only that."""
+    if pd.enabled and pd.auth_key is None and store_key is not None:
+        return replace(pd, auth_key=store_key, auth_source="store_auth_key")
+    return pd
+
+
+_KEY_SETTINGS = (
+    "pd_auth_key or pd_auth_key_file (or extra_config.store_auth_key), "
+    "the same on every prefiller and decoder"
+)
+
+
+def exposure_problems(pd: PDConfig) -> list[str]:
+    """Why these PD settings would accept or send KV beyond loopback without a key (each names
+    the settings); nothing when a key is set or ``pd_allow_unauthenticated`` says so."""
+    if not pd.enabled or pd.auth_key is not None or pd.allow_unauthenticated:
+        return []
+    out = []
+    if pd.receiver and not is_loopback(pd.peer_host or "127.0.0.1"):
+        out.append(
+            f"pd_role receiver would listen on pd_peer_host {pd.peer_host!r}, which is not loopback, "
+            f"without a key: anyone who reaches its ports could hand this decoder KV. Set {_KEY_SETTINGS}; "
+            "or bind pd_peer_host to 127.0.0.1; or accept the risk with pd_allow_unauthenticated: true"
+        )
+    far = beyond_loopback(pd.allowed_receivers) if pd.sender else []
+    if far:
+        out.append(
+            f"pd_role sender may send KV to {', '.join(far)} (pd_allowed_receivers) without a key: a "
+            f"receiver there would not have to prove who it is. Set {_KEY_SETTINGS}; or accept the risk "
+            "with pd_allow_unauthenticated: true"
+        )
+    return out
+
+
+def tls_problems(pd: PDConfig) -> list[str]:
+    """TLS files that are named and cannot be read."""
+    out = []
+    for key, path in (
+        ("pd_tls_cert_file", pd.tls_cert_file),
+        ("pd_tls_key_file", pd.tls_key_file),
+        ("pd_tls_ca_file", pd.tls_ca_file),
+    ):
+        if path is not None and pd.tls:
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as e:
+                out.append(f"{key} {path!r} cannot be read: {e.strerror or e}")
+    if pd.tls and pd.receiver and not pd.tls_cert_file:
+        out.append(
+            "pd_tls: true on a receiver needs pd_tls_cert_file (and pd_tls_key_file unless the key is in it)"
+        )
+    return out
 
 
 class PDEngineError(ValueError):

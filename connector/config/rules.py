@@ -33,7 +33,7 @@ from .keys import (
     nearest,
 )
 from .model import ConfigError, ExtraConfig, KVLensConfig
-from .pd import PD_KEYS
+from .pd import PD_KEYS, exposure_problems, tls_problems, with_deployment_key
 from .pd import read as read_pd
 from .sentences import describe, short
 
@@ -164,11 +164,18 @@ def build(layers: list[list[Setting]], env: Mapping[str, str]) -> KVLensConfig:
         config = _with_remote(config, v, env)
     if config is not None:
         config._store_auth_key = _store_auth_key(config, v, env)
+    pd_config = with_deployment_key(pd.config, config.store_auth_key if config is not None else None)
+    v.invalid += exposure_problems(pd_config) + tls_problems(pd_config)
     if v.problems():
         raise ConfigError("KVLens cannot start with this configuration: " + "; ".join(v.problems()))
     assert config is not None
     config._unused = tuple(v.unused)
-    config._pd = pd.config
+    config._pd = pd_config
+    if pd_config.enabled and pd_config.auth_key is None and pd_config.allow_unauthenticated:
+        logger.warning(
+            "KVLens PD without a key (pd_allow_unauthenticated: true): anyone who reaches the PD ports "
+            "can hand this decoder KV, and a prefiller sends to receivers that prove nothing"
+        )
     if v.unused:
         logger.warning("KVLens accepts and does not use these LMCache settings: %s", "; ".join(v.unused))
     return config

@@ -114,6 +114,10 @@ class InstanceInfo:
     pd_alloc_ports: str = ""
     pd_buffer_size: int = 0  # receiver: receive buffer bytes per rank
     pd_proxy: str = ""  # sender: host:port of the proxy it notifies
+    # who may hand this decoder KV, or to whom this prefiller sends: "key" (both ends prove the PD
+    # key), "loopback" (no key: loopback only), "unauthenticated" (pd_allow_unauthenticated)
+    pd_auth: str = ""
+    pd_tls: str = ""  # "on" when PD connections run inside TLS
 
 
 @dataclass(frozen=True, slots=True)

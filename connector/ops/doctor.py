@@ -186,6 +186,7 @@ class PDPair:
     differences: list[str]  # why they cannot pair (identity, roles, ports)
     unreachable: list[str]  # what cannot be reached from here (None probe: not checked)
     checked: bool  # whether reachability was probed
+    warnings: list[str] = field(default_factory=list)  # what the pair exposes (no key beyond loopback)
 
     @property
     def can_pair(self) -> bool:
@@ -197,7 +198,8 @@ class PDPair:
             return f"{head} CANNOT pair: " + "; ".join(self.differences)
         if self.unreachable:
             return f"{head} identities match, but not reachable from here: " + "; ".join(self.unreachable)
-        return f"{head} can pair" + ("" if self.checked else " (ports not probed)")
+        said = f"{head} can pair" + ("" if self.checked else " (ports not probed)")
+        return "; ".join([said, *self.warnings])
 
 
 def _split_ports(value: str) -> list[int]:
@@ -243,7 +245,22 @@ def pd_differences(sender: Instance, receiver: Instance) -> list[str]:
                 )
     if sender.pd_role == SENDER and not s.get("pd_proxy"):
         why.append(f"{sender.name} names no proxy (pd_proxy_host, pd_proxy_port)")
+    if (s.get("pd_auth") == "key") != (r.get("pd_auth") == "key"):
+        keyed = sender if s.get("pd_auth") == "key" else receiver
+        why.append(f"only {keyed.name} has a PD key (pd_auth_key): the handshake fails as auth_failed")
+    if (s.get("pd_tls") == "on") != (r.get("pd_tls") == "on"):
+        why.append(f"TLS differs (pd_tls {s.get('pd_tls') or 'off'} vs {r.get('pd_tls') or 'off'})")
     return why
+
+
+def pd_warnings(sender: Instance, receiver: Instance) -> list[str]:
+    """What a pair that can pair exposes: PD without a key beyond loopback."""
+    return [
+        f"{i.name} runs PD UNAUTHENTICATED (pd_allow_unauthenticated: true): anyone who reaches "
+        "its PD ports can hand a decoder KV or receive a prefiller's; set pd_auth_key on both"
+        for i in (sender, receiver)
+        if i.info.get("pd_auth") == "unauthenticated"
+    ]
 
 
 def _tp(info: Mapping[str, str]) -> int:
@@ -288,7 +305,7 @@ def pd_pairs(found: list[Instance], probe: Probe | None = None) -> list[PDPair]:
         for r in receivers:
             why = pd_differences(s, r)
             unreachable = pd_reachability(s, r, probe) if probe is not None and not why else []
-            out.append(PDPair(s, r, why, unreachable, probe is not None and not why))
+            out.append(PDPair(s, r, why, unreachable, probe is not None and not why, pd_warnings(s, r)))
     return out
 
 
@@ -333,6 +350,7 @@ class Diagnosis:
                     "differences": p.differences,
                     "unreachable": p.unreachable,
                     "reachability_checked": p.checked,
+                    "warnings": p.warnings,
                     "verdict": p.verdict(),
                 }
                 for p in self.pd

@@ -22,6 +22,7 @@ import socket
 from importlib import metadata
 
 from ..config.loading import KVLensConfig
+from ..config.pd import PDConfig
 from ..engine.facts import EngineFacts
 from ..engine.jobs import DISK, REMOTE
 from ..engine.keys import key_fingerprint
@@ -73,7 +74,17 @@ def pd_labels(config: KVLensConfig, facts: EngineFacts) -> dict[str, object]:
         out["pd_buffer_size"] = pd.buffer_size
     if role == "sender":
         out["pd_proxy"] = f"{pd.proxy_host}:{pd.proxy_port}" if pd.proxy_host and pd.proxy_port else ""
+    if role:
+        out["pd_auth"] = pd_auth(pd)
+        out["pd_tls"] = "on" if pd.tls else ""
     return out
+
+
+def pd_auth(pd: PDConfig) -> str:
+    """ "key", "loopback" (no key: loopback only) or "unauthenticated" (pd_allow_unauthenticated)."""
+    if pd.auth_key is not None:
+        return "key"
+    return "unauthenticated" if pd.allow_unauthenticated else "loopback"
 
 
 def instance_info(config: KVLensConfig, facts: EngineFacts) -> InstanceInfo:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config.pd import PDConfig
+from ..config.pd_trust import parse_list
 from ..engine.facts import EngineFacts
 from ..engine.keys import ChunkKey
 from ..engine.pd_jobs import PDSendChunk, PDSendJob
@@ -45,6 +46,7 @@ class _Sending:
 class PDPrefiller:
     def __init__(self, pd: PDConfig, facts: EngineFacts, key_space: str) -> None:
         self._pd, self._facts, self.key_space = pd, facts, key_space
+        self._allowed = parse_list(pd.allowed_receivers)
         self._requests: dict[str, _Sending] = {}
         self.refusals: Counter[str] = Counter()  # reason -> requests whose spec was refused
         self._refused_notices: list[str] = []  # req_ids of refused specs: the proxy still hears
@@ -55,7 +57,9 @@ class PDPrefiller:
         if rid in self._requests:
             return
         try:
-            params = read_pd_params(getattr(request, "kv_transfer_params", None), self._facts.world_size)
+            params = read_pd_params(
+                getattr(request, "kv_transfer_params", None), self._facts.world_size, self._allowed
+            )
         except SpecRefused as e:
             self.refusals[e.reason] += 1
             logger.warning("KVLens PD: request %s: disagg_spec refused (%s): %s", rid[:64], e.reason, e)

@@ -3,8 +3,10 @@
 ``{"ret_first_tok": true, "disagg_spec": {"req_id": "...", "receiver_host": "...",
 "receiver_init_port": [p0, ...], "receiver_alloc_port": [a0, ...]}}``: one port per decoder TP
 rank; prefiller rank r sends to ports[r]. A client can send anything here, so every field is
-bounded and checked before it is used; a bad spec is refused with a reason (counted and logged
-by the caller) and the request is served without a transfer, never failed.
+bounded and checked before it is used, and the receiver it names must be one the operator allows
+(``pd_allowed_receivers``, loopback always: config/pd_trust.py), so a client cannot aim the
+prefiller at a host of its choice; a bad spec is refused with a reason (counted and logged by the
+caller) before any connection, and the request is served without a transfer, never failed.
 
 Pure: neither vLLM nor torch.
 """
@@ -15,6 +17,8 @@ import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from ..config.pd_trust import AllowedReceiver, admits
 
 MAX_REQ_ID_CHARS = 256
 MAX_HOST_CHARS = 253
@@ -88,9 +92,12 @@ def usable_req_id(params: Mapping[str, object] | None) -> str | None:
     return None
 
 
-def read_pd_params(params: Mapping[str, object] | None, world_size: int) -> PDParams | None:
+def read_pd_params(
+    params: Mapping[str, object] | None, world_size: int, allowed: tuple[AllowedReceiver, ...]
+) -> PDParams | None:
     """The request's PD parameters, or None when it has none. Raises SpecRefused for a spec
-    that cannot be used (``ret_first_tok`` alone is always honoured by the caller's fallback)."""
+    that cannot be used, or that names a receiver not in ``allowed`` (``ret_first_tok`` alone is
+    always honoured by the caller's fallback)."""
     if not params or ("disagg_spec" not in params and "ret_first_tok" not in params):
         return None
     ret = params.get("ret_first_tok", False)
@@ -108,4 +115,9 @@ def read_pd_params(params: Mapping[str, object] | None, world_size: int) -> PDPa
     host = _host(raw.get("receiver_host"))
     init = _ports(raw.get("receiver_init_port"), "receiver_init_port", world_size)
     alloc = _ports(raw.get("receiver_alloc_port"), "receiver_alloc_port", world_size)
+    if not admits(allowed, host, init):
+        raise SpecRefused(
+            "receiver_not_allowed",
+            "receiver_host and receiver_init_port name a receiver pd_allowed_receivers does not list",
+        )
     return PDParams(DisaggSpec(req_id, host, init, alloc), ret_first_tok)

@@ -56,6 +56,8 @@ INFO_LABELS = {
     "pd_alloc_ports",
     "pd_buffer_size",
     "pd_proxy",
+    "pd_auth",
+    "pd_tls",
 }
 
 

@@ -205,3 +205,22 @@ def test_the_doctor_command_gives_a_verdict_and_exits_1_when_a_pair_cannot_pair(
     ]
     assert pairs[1]["differences"] == ["block size differs (32 vs 16)"]
     assert pairs[1]["verdict"] == f"PD {url[bad]} -> {url[d]}: CANNOT pair: block size differs (32 vs 16)"
+
+
+def test_a_pair_where_only_one_side_has_a_pd_key_cannot_pair_and_tls_must_agree():
+    pair = _pair(prefiller={"pd_auth": "key"}, decoder={"pd_auth": "loopback"})
+    assert not pair.can_pair
+    assert (
+        "only http://p:8100 has a PD key (pd_auth_key): the handshake fails as auth_failed"
+        in pair.differences
+    )
+    tls = _pair(prefiller={"pd_auth": "key", "pd_tls": "on"}, decoder={"pd_auth": "key"})
+    assert tls.differences == ["TLS differs (pd_tls on vs off)"]
+    assert _pair(prefiller={"pd_auth": "key"}, decoder={"pd_auth": "key"}).can_pair
+
+
+def test_doctor_says_when_a_pair_runs_without_a_key_beyond_loopback():
+    pair = _pair(prefiller={"pd_auth": "unauthenticated"}, decoder={"pd_auth": "unauthenticated"})
+    assert pair.can_pair and len(pair.warnings) == 2
+    assert "UNAUTHENTICATED (pd_allow_unauthenticated: true)" in pair.verdict()
+    assert _pair(prefiller={"pd_auth": "key"}, decoder={"pd_auth": "key"}).warnings == []

@@ -23,6 +23,7 @@ DECODER = dict(
     pd_peer_alloc_port=[7400, 7401],
     pd_buffer_size=1 << 30,
     pd_buffer_device="cpu",
+    pd_auth_key="the pair's PD key, long enough",  # beyond loopback, a key or no start
 )
 
 
@@ -67,6 +68,7 @@ def test_a_decoder_publishes_its_ports_and_buffer_a_prefiller_its_proxy():
         "7400,7401",
     )
     assert info.pd_buffer_size == 1 << 30 and info.pd_proxy == ""
+    assert (info.pd_auth, info.pd_tls) == ("key", "")
     prefiller = _pd(
         pd_role="sender",
         pd_proxy_host="10.0.0.9",
@@ -76,6 +78,9 @@ def test_a_decoder_publishes_its_ports_and_buffer_a_prefiller_its_proxy():
     )
     info = instance_info(prefiller, _facts("kv_producer"))
     assert (info.pd_role, info.pd_proxy, info.pd_init_ports) == ("sender", "10.0.0.9:7500", "")
+    assert info.pd_auth == "loopback"  # no key: it sends to loopback only
+    open_door = _pd(**{**DECODER, "pd_auth_key": None, "pd_allow_unauthenticated": True})
+    assert instance_info(open_door, _facts("kv_consumer")).pd_auth == "unauthenticated"
     off = _pd(enable_pd=False, local_cpu=True, pd_role="sender", pd_proxy_host="h", pd_proxy_port=1)
     assert instance_info(off, _facts("kv_producer")).pd_role == ""
 

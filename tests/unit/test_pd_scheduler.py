@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from connector.config.pd import PDConfig
+from connector.config.pd_trust import parse_list
 from connector.engine.facts import EngineFacts
 from connector.engine.keys import Namespace, PrefixHasher
 from connector.engine.pd_jobs import PDLoadResult
@@ -17,6 +18,7 @@ from connector.scheduler.pd_prefiller import PDPrefiller
 from connector.scheduler.pd_spec import SpecRefused, read_pd_params, usable_req_id
 
 CHUNK, BLOCK = 256, 128
+ALLOWED = parse_list(("10.0.0.2",))  # the operator's pd_allowed_receivers
 NS = Namespace("model", "bf16", "layout")
 
 
@@ -31,10 +33,10 @@ def spec(**over):
 
 
 def test_a_good_spec_is_read():
-    params = read_pd_params(spec(), 1)
+    params = read_pd_params(spec(), 1, ALLOWED)
     assert params.ret_first_tok and params.spec.req_id == "r-1" and params.spec.init_ports == (7300,)
-    assert read_pd_params({"lmcache.skip_save": True}, 1) is None
-    assert read_pd_params({"ret_first_tok": True}, 1).spec is None
+    assert read_pd_params({"lmcache.skip_save": True}, 1, ALLOWED) is None
+    assert read_pd_params({"ret_first_tok": True}, 1, ALLOWED).spec is None
 
 
 @pytest.mark.parametrize(
@@ -57,7 +59,7 @@ def test_a_good_spec_is_read():
 )
 def test_a_lying_spec_is_refused_with_a_reason_never_a_crash(over, reason):
     with pytest.raises(SpecRefused) as e:
-        read_pd_params(spec(**over), 1)
+        read_pd_params(spec(**over), 1, ALLOWED)
     assert e.value.reason == reason
 
 
@@ -189,7 +191,14 @@ FACTS = EngineFacts("model", "bf16", BLOCK, 4, 1000, "layout", 1, "kv_producer")
 
 
 def test_the_prefiller_plans_one_send_of_every_prompt_chunk_when_the_prompt_is_complete():
-    pd = PDConfig(enabled=True, role="sender", buffer_size=1 << 20, proxy_host="h", proxy_port=1)
+    pd = PDConfig(
+        enabled=True,
+        role="sender",
+        buffer_size=1 << 20,
+        proxy_host="h",
+        proxy_port=1,
+        allowed_receivers=("10.0.0.2",),
+    )
     prefiller = PDPrefiller(pd, FACTS, "space")
     req = request("p-1", CHUNK + 10)
     req.kv_transfer_params = spec()
