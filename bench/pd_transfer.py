@@ -2,7 +2,7 @@
 copying the same bytes on loopback, side by side.
 
     python bench/pd_transfer.py [--quick] [--rounds N] [--chunks 16] [--chunk-kib 4096]
-                                [--modes bare,bare-xxh3,pd] [--out DIR]
+                                [--modes bare,bare-xxh3,pd,pd-tag,pd-tls] [--out DIR]
 
 The receiving side runs in a child process, as the decoder's scheduler does (never in the
 sender's process, whose GIL it would share); the parent sends. A round is one prompt: ``--chunks``
@@ -18,13 +18,19 @@ over touched memory. Modes, in turns within every round:
 - ``pd``: ``PDSender.send`` of the round as one transfer (a kept connection, the ALLOC, CHUNK
   frames, the END and its acknowledgement once every chunk is verified and indexed) until
   ``on_done``; between rounds the child frees the entries (not timed).
+- ``pd-tag``: the same between a sender and a receiver sharing a PD key (issue 36): the keyed
+  handshake, and a keyed BLAKE3 tag per chunk in place of the xxh3 (connector/pd/auth.py).
+- ``pd-tls``: ``pd-tag`` inside TLS (a self-signed certificate made for the run; ECDHE and AES-GCM
+  as OpenSSL negotiates them): what hiding the prompts' KV from the network costs.
 
-GB/s is the round's bytes over its time; the ratio is ``pd`` over ``bare`` in the same round.
+GB/s is the round's bytes over its time; the ratio is each mode over ``bare`` in the same round,
+and ``pd-tag`` and ``pd-tls`` are also compared with ``pd`` (the tag's and TLS's own cost).
 ``CPU ms`` is the CPU time both processes spent on the round (every thread): on a machine busier
 than its cores, wall time follows it, so its ratio is the steadier comparison there.
-Goal (issue 28): >= 0.8x. Default chunk: 256 tokens of the bench model (8 layers, 8 KV heads,
-head 128, bf16: 16 KiB per token, 4 MiB per chunk) plus a record header; --quick uses the
-tiny model's (2 KiB per token: 512 KiB).
+Goals: ``pd`` >= 0.8x ``bare`` (issue 28); the tag costs under 10% of a transfer at 1 MiB chunks
+(``pd-tag`` >= 0.9x ``pd``, issue 36; run with ``--chunk-kib 1024``). Default chunk: 256 tokens
+of the bench model (8 layers, 8 KV heads, head 128, bf16: 16 KiB per token, 4 MiB per chunk) plus
+a record header; --quick uses the tiny model's (2 KiB per token: 512 KiB).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -46,12 +53,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import xxhash  # noqa: E402
 
 from bench.lib.runner import Benchmark, Figure, Option, Side, Target, main  # noqa: E402
+from connector.pd.auth import PDAuth  # noqa: E402
 from connector.pd.identity import PeerIdentity  # noqa: E402
 from connector.pd.receiver import PDReceiver  # noqa: E402
 from connector.pd.sender import PDSender, SendOutcome, Transfer  # noqa: E402
+from connector.pd.tls import ClientTLS, ServerTLS, TLSFiles  # noqa: E402
 
 HOST = "127.0.0.1"
 TARGET = 0.8
+TAG_TARGET = 0.9  # the tag costs under 10% of the transfer
+KEY = b"the bench's PD key, 32 bytes ..."
 RECORD_HEADER = 384  # about what a record's header adds to its payload (connector/tiers/codec.py)
 IDENTITY = PeerIdentity("bench", 1, 0, 16, 256, "bench/v1")
 BARE_HEAD = struct.Struct("<QQ")  # length, xxh3-64 (0 when not checked); length 0 ends a round
@@ -89,11 +100,17 @@ def _read_into(conn: socket.socket, view: memoryview) -> bool:
     return True
 
 
-def serve(capacity: int) -> None:
-    """The child: a PDReceiver and a bare sink; prints their ports, then frees the PD entries
-    on each ``free`` line of stdin."""
-    rx = PDReceiver([IDENTITY], HOST, [0], [0], capacity, transfer_timeout_s=30.0, unclaimed_timeout_s=0.0)
-    rx.start()
+def serve(capacity: int, cert: str, key: str) -> None:
+    """The child: PD receivers (no key, a key, a key inside TLS) and a bare sink; prints their
+    ports, then frees the PD entries on each ``free`` line of stdin."""
+    tls = ServerTLS(TLSFiles(cert, key))
+    receivers = {
+        "pd": PDReceiver([IDENTITY], HOST, [0], [0], capacity, 30.0, 0.0),
+        "pd-tag": PDReceiver([IDENTITY], HOST, [0], [0], capacity, 30.0, 0.0, auth=PDAuth(KEY)),
+        "pd-tls": PDReceiver([IDENTITY], HOST, [0], [0], capacity, 30.0, 0.0, auth=PDAuth(KEY), tls=tls),
+    }
+    for rx in receivers.values():
+        rx.start()
     sink = socket.create_server((HOST, 0))
     buf = bytearray(capacity)
     for i in range(0, capacity, 4096):  # touched, as the PD buffer's pages are after its first round
@@ -105,15 +122,19 @@ def serve(capacity: int) -> None:
         ],
         daemon=True,
     ).start()
-    print(json.dumps({"pd": rx.init_ports[0], "bare": sink.getsockname()[1]}), flush=True)
+    ports = {name: rx.init_ports[0] for name, rx in receivers.items()}
+    print(json.dumps({**ports, "bare": sink.getsockname()[1]}), flush=True)
     for line in sys.stdin:
         if line.strip() == "free":
-            rx.expire()
-            s = rx.stats()
-            print(json.dumps({"used": s.used_bytes, "failed": s.failed}), flush=True)
+            for rx in receivers.values():
+                rx.expire()
+            stats = [rx.stats() for rx in receivers.values()]
+            failed = {k: v for s in stats for k, v in s.failed.items()}
+            print(json.dumps({"used": sum(s.used_bytes for s in stats), "failed": failed}), flush=True)
         elif line.strip() == "cpu":
             print(json.dumps({"cpu": time.process_time()}), flush=True)
-    rx.close()
+    for rx in receivers.values():
+        rx.close()
 
 
 # ---- the sending side (the benchmark) ---------------------------------------------------------------
@@ -124,7 +145,7 @@ class PDTransfer(Benchmark):
         Figure("ms", "ms per round", "{:.2f}"),
         Figure("cpu_ms", "CPU ms per round (both ends)", "{:.1f}", ratio=True),
     )
-    baselines = ("bare",)
+    baselines = ("bare", "pd")
     targets = (
         Target(
             f"PD transfer >= {TARGET} x bare TCP",
@@ -133,6 +154,14 @@ class PDTransfer(Benchmark):
             at_most=False,
             baseline="bare",
             mode_prefix="pd",
+        ),
+        Target(
+            f"the tag costs < {1 - TAG_TARGET:.0%} of the transfer (pd-tag >= {TAG_TARGET} x pd)",
+            "gbps",
+            TAG_TARGET,
+            at_most=False,
+            baseline="pd",
+            mode_prefix="pd-tag",
         ),
     )
     repeats = (15, 3)
@@ -148,10 +177,12 @@ class PDTransfer(Benchmark):
             Side("bare", "bare TCP: sendall/recv_into, no checks"),
             Side("bare-xxh3", "bare TCP with an xxh3-64 per chunk"),
             Side("pd", "PDSender -> PDReceiver"),
+            Side("pd-tag", "PDSender -> PDReceiver with a PD key: keyed handshake, BLAKE3 chunk tags"),
+            Side("pd-tls", "pd-tag inside TLS"),
         ]
 
     def compared_with(self, side: str) -> tuple[str, ...]:
-        return () if side == "bare" else ("bare",)
+        return {"bare": (), "bare-xxh3": ("bare",), "pd": ("bare",)}.get(side, ("bare", "pd"))
 
     @contextlib.contextmanager
     def setup(self) -> Iterator[None]:
@@ -164,22 +195,31 @@ class PDTransfer(Benchmark):
         self.chunks = [view[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
         self.digests = [xxhash.xxh3_64_intdigest(c) for c in self.chunks]
         capacity = 2 * self.total + (1 << 20)
+        self._certs = tempfile.TemporaryDirectory()
+        cert, key = _self_signed(self._certs.name)
         self.child = subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(capacity)],
+            [sys.executable, __file__, "--serve", str(capacity), cert, key],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
         ports = json.loads(self.child.stdout.readline())  # type: ignore[union-attr]
-        self.pd_port = ports["pd"]
+        self.ports = {name: ports[name] for name in ("pd", "pd-tag", "pd-tls")}
         self.bare = socket.create_connection((HOST, ports["bare"]))
         self.bare.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sender = PDSender(IDENTITY, connect_timeout_s=5.0, io_timeout_s=30.0)
+        auth, tls = PDAuth(KEY), ClientTLS(TLSFiles(ca_file=cert))
+        self.senders = {
+            "pd": PDSender(IDENTITY, connect_timeout_s=5.0, io_timeout_s=30.0),
+            "pd-tag": PDSender(IDENTITY, connect_timeout_s=5.0, io_timeout_s=30.0, auth=auth),
+            "pd-tls": PDSender(IDENTITY, connect_timeout_s=5.0, io_timeout_s=30.0, auth=auth, tls=tls),
+        }
         self.round = 0
         try:
             yield
         finally:
-            self.sender.close()
+            for sender in self.senders.values():
+                sender.close()
+            self._certs.cleanup()
             self.bare.close()
             self.child.stdin.close()  # type: ignore[union-attr]
             self.child.wait(30)
@@ -189,12 +229,12 @@ class PDTransfer(Benchmark):
 
     def measure(self, side: Side, case: Any, rep: int) -> dict[str, float]:
         cpu = time.process_time() + self._child("cpu")["cpu"]
-        if side.name == "pd":
-            seconds = self._pd_round()
+        if side.name.startswith("pd"):
+            seconds = self._pd_round(side.name)
         else:
             seconds = self._bare_round(checked=side.name == "bare-xxh3")
         cpu = time.process_time() + self._child("cpu")["cpu"] - cpu
-        if side.name == "pd":
+        if side.name.startswith("pd"):
             freed = self._child("free")  # not timed: the decoder frees after its load
             assert freed["used"] == 0 and not freed["failed"], freed
         return {"gbps": self.total / seconds / 1e9, "ms": seconds * 1e3, "cpu_ms": cpu * 1e3}
@@ -215,7 +255,7 @@ class PDTransfer(Benchmark):
         self.bare.recv_into(ack)
         return time.perf_counter() - start
 
-    def _pd_round(self) -> float:
+    def _pd_round(self, mode: str) -> float:
         self.round += 1
         done = threading.Event()
         outcomes: list[SendOutcome] = []
@@ -225,9 +265,9 @@ class PDTransfer(Benchmark):
             done.set()
 
         chunks = [(f"r{self.round}-{i}", c, 256) for i, c in enumerate(self.chunks)]
-        transfer = Transfer(f"r{self.round}", f"r{self.round}", HOST, self.pd_port, 0, chunks, on_done)
+        transfer = Transfer(f"r{self.round}", f"r{self.round}", HOST, self.ports[mode], 0, chunks, on_done)
         start = time.perf_counter()
-        self.sender.send(transfer)
+        self.senders[mode].send(transfer)
         done.wait(60)
         seconds = time.perf_counter() - start
         if not outcomes or not outcomes[0].ok:
@@ -243,8 +283,42 @@ class PDTransfer(Benchmark):
         }
 
 
+def _self_signed(directory: str) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 and its key (PEM files), for the TLS mode."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bench decoder")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(HOST))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = f"{directory}/decoder.pem", f"{directory}/decoder.key"
+    Path(cert_path).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    Path(key_path).write_bytes(pem)
+    return cert_path, key_path
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve"]:
-        serve(int(sys.argv[2]))
+        serve(int(sys.argv[2]), sys.argv[3], sys.argv[4])
         sys.exit(0)
     sys.exit(main(PDTransfer))

@@ -69,19 +69,25 @@ class VllmServer:
         log_path: Path,
         env: dict[str, str],
         extra_args: tuple[str, ...] = (),
+        *,
+        host: str = "127.0.0.1",
+        launcher: tuple[str, ...] = (),
     ) -> None:
+        """``launcher`` prefixes the command (``ip netns exec NS``: another "host"), whose HTTP
+        server then binds ``host``."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.model = model
         self.log_path = log_path
         cmd = [
+            *launcher,
             sys.executable,
             "-m",
             "connector.launcher",
             "serve",
             model,
             "--host",
-            "127.0.0.1",
+            host,
             "--port",
             str(self.port),
             "--served-model-name",
