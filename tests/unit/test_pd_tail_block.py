@@ -16,8 +16,12 @@ import numpy as np
 import pytest
 import torch
 
+from connector.config.loading import load_config
+from connector.engine.facts import EngineFacts
+from connector.engine.jobs import CPU, DISK, ChunkLoad, LoadJob, StepPlan, StoreJob
 from connector.engine.pd_jobs import PDSendChunk, PDSendJob
 from connector.vllm_compat import kv_block_slots
+from connector.worker.connector_worker import ConnectorWorker
 from connector.worker.kv_blocks import BlockCopier
 from connector.worker.pd_worker import PDSends
 from connector.worker.tail_slots import TailSlots
@@ -149,3 +153,51 @@ def test_an_unknown_packing_sends_the_whole_chunks_only():
     _, prompt = prefill(kvs, 5)
     chunks = pd_send(kvs, prompt, TailSlots(BS))
     assert [(key, tokens) for key, _, tokens in chunks] == [("k0", CHUNK)]
+
+
+def worker(kvs, tmp_path, dtype, probe=True) -> ConnectorWorker:
+    """A worker storing exact unfull chunks (``save_unfull_chunk``) in its CPU and disk tiers."""
+    copier = BlockCopier(kvs, NUM_BLOCKS)
+    facts = EngineFacts("m", str(dtype), BS, LAYERS, copier.block_bytes, "layout", 1, "kv_both")
+    config = {
+        "lmcache.chunk_size": CHUNK,
+        "lmcache.save_unfull_chunk": True,
+        "lmcache.local_disk": str(tmp_path),
+        "lmcache.max_local_disk_size": 1,
+    }
+    w = ConnectorWorker(load_config(config, env={}), facts, rank=0)
+    w.register(kvs, NUM_BLOCKS, (lambda kv: kv_block_slots(engine_config(dtype), kv)) if probe else None)
+    return w
+
+
+@pytest.mark.parametrize("n", [1, BS - 1])
+def test_an_exact_unfull_chunk_is_stored_in_every_tier_with_zeros_past_the_prompt(tmp_path, n):
+    kvs = caches(64, torch.bfloat16)
+    written, prompt = prefill(kvs, n)
+    w = worker(kvs, tmp_path, torch.bfloat16)
+    name = "ab" * 16
+    assert w.save(StepPlan(writes=[StoreJob("a", name, OWN, (CPU, DISK), prompt - CHUNK)])) == []
+    assert w.flush()
+    for tier in (CPU, DISK):  # loaded back: the disk record checks out over the zeroed bytes
+        for kv in kvs.values():
+            kv[list(LOAD_INTO)] = 0
+        chunk = ChunkLoad(name, tier, LOAD_INTO, 0, prompt - CHUNK)
+        w.load(StepPlan(loads=[LoadJob(f"b-{tier}", (chunk,))]))
+        assert w.take_failed_blocks() == set()
+        for i, kv in enumerate(kvs.values()):
+            assert torch.equal(kv[LOAD_INTO[0]], kv[OWN[0]])
+            assert_only_own_slots(kv[LOAD_INTO[1]], kv, written[i], i)
+    w.shutdown()
+
+
+def test_an_unfull_chunk_is_not_stored_where_the_packing_is_unknown(tmp_path):
+    kvs = caches(64, torch.bfloat16)
+    _, prompt = prefill(kvs, 5)
+    w = worker(kvs, tmp_path, torch.bfloat16, probe=False)
+    whole, unfull = (
+        StoreJob("a", "cd" * 16, FULL, (CPU,), CHUNK),
+        StoreJob("a", "ab" * 16, OWN, (CPU,), prompt - CHUNK),
+    )
+    failures = w.save(StepPlan(writes=[whole, unfull]))
+    assert [(f.name, f.tier) for f in failures] == [(unfull.name, CPU)]
+    w.shutdown()
