@@ -33,6 +33,7 @@ from .vllm_compat import (
     attention_in_full_graph,
     block_ids_of,
     engine_facts,
+    kv_block_slots,
     kv_cache_events,
     model_identity,
     worker_rank,
@@ -129,7 +130,9 @@ class KVLensConnector(KVConnectorBase_V1):
     # ---- worker side --------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        self._worker.register(kv_caches, self._num_blocks)
+        self._worker.register(kv_caches, self._num_blocks, lambda kv: kv_block_slots(self._vllm_config, kv))
+        if self._pd_worker is not None and self._pd_worker.sends is not None:
+            self._pd_worker.sends.tails = self._worker.tail_slots
 
     def _meta(self) -> KVLensMetadata:
         meta = self._get_connector_metadata()

@@ -298,3 +298,64 @@ def engine_wakeup() -> Callable[[], None] | None:
             return lambda: inputs.put_nowait((EngineCoreRequestType.WAKEUP, None))
         frame = frame.f_back
     return None
+
+
+def kv_block_slots(vllm_config: Any, kv_cache: Any) -> Any:
+    """The token slot (0 .. block_size-1) of every element of one block of ``kv_cache`` (one
+    layer's KV tensor, ``[num_blocks, num_kv_heads, block_size, 2*head_size]``), as a tensor shaped
+    like ``kv_cache[0]``; None (logged) where it cannot be told.
+
+    On CPU the attention kernel packs K and V inside a block by ISA (REFERENCE.md 1.6), so the
+    map is probed: the kernel, with the ISA and cache dtype the backend picks, writes one token
+    slot at a time into a zeroed one-block scratch tensor, and the elements that turn non-zero are
+    that slot's; every element must be exactly one slot's. On other backends a token's K and V
+    sit at its index in logical dim 2 (``KVCacheLayout`` only permutes strides).
+    """
+    import torch
+
+    if kv_cache.dim() != 4:
+        logger.warning("KVLens: KV tensor of shape %s is not [blocks, heads, slots, 2*head]", kv_cache.shape)
+        return None
+    _, heads, block_size, width = kv_cache.shape
+    if kv_cache.device.type != "cpu":
+        return torch.arange(block_size).view(1, block_size, 1).expand(heads, block_size, width).clone()
+    try:
+        return _probe_cpu_block_slots(vllm_config, kv_cache)
+    except Exception as e:  # a private kernel entry point: an unknown map is safe, a crash is not
+        logger.warning("KVLens: probing the CPU attention kernel's packing failed: %s", e)
+        return None
+
+
+def _probe_cpu_block_slots(vllm_config: Any, kv_cache: Any) -> Any:
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    _, heads, block_size, width = kv_cache.shape
+    head_size = width // 2
+    model_dtype = vllm_config.model_config.dtype
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    isa = _get_attn_isa(model_dtype, block_size, head_size, cache_dtype)
+    if not kv_cache[0].is_contiguous():
+        logger.warning("KVLens: the CPU KV tensor's blocks are not contiguous; no map of token slots")
+        return None
+    scratch = torch.zeros((1, heads, block_size, width), dtype=kv_cache.dtype)
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[scratch.element_size()]
+    key_cache, value_cache = scratch.view(1, heads, 2 * block_size, head_size).chunk(2, dim=2)
+    ones = torch.ones((1, heads, head_size), dtype=model_dtype)
+    owner = torch.full((heads, block_size, width), -1, dtype=torch.int64)
+    for slot in range(block_size):
+        scratch.zero_()
+        ops.cpu_attn_reshape_and_cache(
+            ones, ones, key_cache, value_cache, torch.tensor([slot]), isa, 1.0, 1.0, cache_dtype
+        )
+        touched = scratch[0].view(as_int) != 0
+        if bool((owner[touched] >= 0).any()):
+            logger.warning("KVLens: ISA %s writes token slot %d over another slot's elements", isa, slot)
+            return None
+        owner[touched] = slot
+    if bool((owner < 0).any()):
+        logger.warning("KVLens: ISA %s leaves %d elements of a block to no slot", isa, int((owner < 0).sum()))
+        return None
+    logger.info("KVLens: token slots of a KV block probed from the CPU kernel (ISA %s)", isa)
+    return owner

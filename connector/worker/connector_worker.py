@@ -9,6 +9,8 @@ back to the scheduler in the step's report, so its index keeps agreeing with the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..config.loading import KVLensConfig
@@ -25,6 +27,7 @@ from .loads_outside_step import LoadsOutsideStep
 from .read_jobs import ReadJob, close_reads, copy_seconds
 from .reports import Reports
 from .store_dependencies import StepWrites
+from .tail_slots import TailSlots
 from .worker_state import WorkerState
 from .writes import Writes
 
@@ -45,7 +48,14 @@ class ConnectorWorker(WorkerState):
         self.step_copies: StepCopies | None = None  # this step's copies, from its first hook to save()
         self._loading: list[ReadJob] = []  # this step's load jobs, from start_load to finish_load
 
-    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+    def register(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        num_blocks: int,
+        block_slots: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+    ) -> None:
+        """``block_slots(kv)``: the token slot of each element of a block (``vllm_compat``), probed
+        where unfull chunks leave the worker (PD sends, exact tails stored)."""
         copier = BlockCopier(kv_caches, num_blocks)
         if copier.block_bytes != self.facts.block_bytes or copier.num_layers != self.facts.num_layers:
             raise ValueError(
@@ -53,6 +63,9 @@ class ConnectorWorker(WorkerState):
                 f"per block; the scheduler planned {self.facts.num_layers} x {self.facts.block_bytes}"
             )
         self.copier = copier
+        if block_slots is not None and (self.config.pd.sender or self.config.saves_partial_chunks):
+            slots = block_slots(copier.layers[0].tensor)  # every layer has its shape and packing
+            self.tail_slots = TailSlots.of(copier, self.facts.block_size, slots)
         if self.runner is None and copier.device.type == "cuda":
             self.runner = CudaCopyStream(TorchCuda(copier.device))
         elif self.runner is None and self.config.use_layerwise and copier.device.type == "cpu":

@@ -6,7 +6,10 @@ buffers (this rank's share, the bytes the CPU tier would hold) and handed to the
 sends them on its own thread: the batch never waits on the network. The buffers stay referenced
 until the sender's ``on_done``; then, on a third thread, the proxy is notified (success or
 failure, once per transfer and rank) and the outcome waits for the next report. A chunk over a
-block whose load failed on this rank is never sent (refused; the decoder recomputes).
+block whose load failed on this rank is never sent (refused; the decoder recomputes). The slots of
+a prompt's last block past the prompt hold what the block's previous occupant left: they are
+zeroed before the send (``TailSlots``), or, where this rank cannot tell them apart, that unfull
+last chunk is not sent (the decoder computes it).
 
 Loads: before the forward pass each claimed record is read from the rank's receive buffer
 (attached read-only, once per buffer) and scattered into the request's blocks; any failure fails
@@ -22,9 +25,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..engine.pd_jobs import PDLoadJob, PDLoadResult, PDSendJob, PDSendReport
+
+if TYPE_CHECKING:
+    from .tail_slots import TailSlots
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -46,6 +52,9 @@ class PDSends:
         self._sender: Any = None
         self._notifier = notifier
         self._max_pending = max_pending_bytes
+        # which bytes of a gathered block are which token's (set once the KV is registered;
+        # None: gathers go out as they are, for fakes whose bytes are no KV)
+        self.tails: TailSlots | None = None
         self._lock = threading.Lock()
         self._holding: dict[str, tuple[list[Any], int]] = {}  # request -> (buffers, bytes)
         self._reports: list[PDSendReport] = []
@@ -75,6 +84,9 @@ class PDSends:
             try:
                 for chunk in job.chunks:
                     data = gather(chunk.block_ids)
+                    if self.tails is not None and not self.tails.clear(data, chunk.num_tokens):
+                        logger.debug("KVLens PD: %s: unfull last chunk not sent", job.request_id[:64])
+                        break  # the last chunk; the decoder loads the ones before it
                     view = memoryview(data.numpy()).cast("B")
                     buffers.append(data)
                     chunks.append((chunk.key, view, chunk.num_tokens))

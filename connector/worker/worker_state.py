@@ -25,6 +25,7 @@ from .kv_blocks import BlockCopier
 from .layer_copies import CopyRunner, StepCopies
 from .payload_pool import PayloadPool
 from .store_dependencies import StepWrites, StoreDependencies
+from .tail_slots import TailSlots
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -86,6 +87,8 @@ class WorkerState:
             self.tiers[REMOTE] = remote
             self.background.append(remote)
         self.copier: BlockCopier | None = None
+        # which bytes of a block are which token's: unknown (unfull chunks stay in) until probed
+        self.tail_slots = TailSlots(facts.block_size)
         self.failed_blocks: set[int] = set()  # to hand to vLLM this step
         self.step_failed: set[int] = set()  # blocks that failed to load in the current step
         self.deps = StoreDependencies()  # stores over failed loads: withdrawn, or held for the report

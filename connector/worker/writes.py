@@ -118,6 +118,8 @@ class Writes:
                 data = gathered.out  # host memory; its copies are done (``gathers_ready``)
         except (RuntimeError, ValueError) as e:
             return failures + self.fail(job, usable, FailureReason.IO_ERROR, str(e))
+        if not self.state.tail_slots.clear(data, job.num_tokens):  # never another request's KV
+            return failures + self.fail(job, usable, FailureReason.IO_ERROR, "unfull block's slots unknown")
         gather_s = time.perf_counter() - started + (gathered.seconds if gathered is not None else 0.0)
         payload = memoryview(data.numpy()).cast("B")
         for tier_name in usable:  # one gather feeds every tier the chunk goes to
