@@ -3,10 +3,12 @@ request however its bytes arrive, a bounded head, nothing read or run before the
 clients without the token unable to keep the operator out. Real sockets on 127.0.0.1, with a
 1 s deadline through the constructor."""
 
+import inspect
 import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 from connector.scheduler import admin_http
 from connector.scheduler.admin_http import AdminServer
@@ -15,6 +17,7 @@ from .test_admin_http import AUTH, TOKEN, call
 
 DEADLINE_S = 1.0
 MARGIN_S = 1.5  # a loaded two-core machine
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "operating.md"
 
 
 class Trickle:
@@ -214,3 +217,15 @@ def test_requests_beyond_the_slots_are_answered_503_once_every_slot_holds_a_chec
         assert call(srv, "/ok", headers=AUTH)[0] == 200
     finally:
         srv.close()
+
+
+def test_the_documented_bounds_are_the_defaults():
+    """docs/operating.md states what a user gets: a 10 s deadline, 8 connections, a 16 KiB head."""
+    defaults = inspect.signature(AdminServer).parameters
+    assert defaults["timeout_s"].default == admin_http.REQUEST_TIMEOUT_S == 10.0
+    assert defaults["max_handlers"].default == admin_http.MAX_HANDLERS == 8
+    assert admin_http.MAX_HEAD_BYTES == 16 * 1024
+    text = " ".join(DOCS.read_text().split())
+    assert "headers over 16 KiB (431)" in text
+    assert "within 10 s of its connection" in text and "its reply is written within 10 s" in text
+    assert "At most 8 connections are held at once" in text
