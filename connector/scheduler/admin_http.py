@@ -178,6 +178,8 @@ class _BoundedServer(HTTPServer):
     """A daemon thread per connection, for the connections ``_Slots`` holds; a newcomer for whom
     there is no slot is answered 503 from the accepting thread, without reading its request."""
 
+    request_queue_size = 64  # a burst of connects waits for accept(), not a SYN retry (1 s)
+
     def __init__(self, address: tuple[str, int], handler: type, slots: _Slots) -> None:
         super().__init__(address, handler)
         self.slots = slots
