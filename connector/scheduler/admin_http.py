@@ -5,14 +5,32 @@ engine-core process, so every request is bounded before anything is read: a bear
 (``admin_token.py``) checked in constant time, a Host header that is an IP literal, ``localhost``
 or the bound host (a web page that rebinds its own name to 127.0.0.1 cannot reach it), a JSON
 Content-Type on POST (a page can post ``text/plain`` without a preflight, never
-``application/json``), a non-negative Content-Length of at most 64 KiB, a socket timeout per
-connection and at most ``MAX_HANDLERS`` connections served at once (more are answered 503 at
-once). The server runs on daemon threads, so it never holds up the process's exit.
+``application/json``), a non-negative Content-Length of at most 64 KiB.
+
+Time: one deadline per connection (``timeout_s``, 10 s) bounds the request line, headers and
+body together: every read waits only for the time left, so a byte every few seconds cannot
+stretch it as it did a timeout per read. A request cut by it is answered 408 if the socket takes
+that without waiting, and closed. Its reply gets a fresh ``timeout_s`` once the route returns
+(a clear may wait ~150 s for the engine); refusals share the request's deadline.
+
+Before the token (a header, so the head is read whole first) a connection may send at most
+``MAX_HEAD_BYTES``: the standard library alone allows 64 KiB a line and 100 lines, ~6 MiB. No
+body is read, no route runs and nothing is sized by its Content-Length until the token is
+checked; a refusal discards only what already arrived, never waiting (a close over unread data
+would reset the reply).
+
+Slots: at most ``max_handlers`` connections are held at once. When all are taken, a newcomer
+takes the place of the oldest whose token is not yet checked (answered 408): nothing tells an
+operator from an attacker before the head is read, so no slot can be reserved, but slow clients
+cannot keep the operator out, whose head, sent at once, is checked long before eight newer
+connections could push it out. Only when every slot holds a checked request is a newcomer
+answered 503 at once. Threads are daemons: the server never holds up the process's exit.
 """
 
 from __future__ import annotations
 
 import hmac
+import io
 import ipaddress
 import json
 import logging
@@ -21,14 +39,16 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 logger = logging.getLogger("vllm.kvlens")
 
 MAX_BODY_BYTES = 64 * 1024
-MAX_HANDLERS = 8  # connections served at once (a clear holds one for up to ~150 s)
-SOCKET_TIMEOUT_S = 10.0  # longest wait on one read or write of a connection
+MAX_HEAD_BYTES = 16 * 1024  # request line and headers: kvlens sends a few hundred bytes
+MAX_HANDLERS = 8  # connections held at once (a clear holds one for up to ~150 s)
+REQUEST_TIMEOUT_S = 10.0  # to receive a whole request, and again to write its reply
 Route = Callable[[dict[str, Any]], tuple[int, dict[str, Any]]]
 _DIGITS = re.compile(r"[0-9]{1,12}")
 WARN_EVERY_S = 10.0  # refusals beyond one warning in this time are logged at debug level
@@ -53,18 +73,14 @@ class AdminServer:
         routes: Mapping[tuple[str, str], Route],
         token: str,
         max_handlers: int = MAX_HANDLERS,
-        timeout_s: float = SOCKET_TIMEOUT_S,
+        timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
+        """``timeout_s`` bounds a whole request's arrival, and then its reply's write."""
         if not token:
             raise ValueError("the admin endpoint needs a token")
-        attrs = {
-            "routes": dict(routes),
-            "token": token.encode(),
-            "bound_host": host.lower(),
-            "timeout": timeout_s,
-        }
+        attrs = {"routes": dict(routes), "token": token.encode(), "bound_host": host.lower()}
         handler = type("_Handler", (_Handler,), attrs)
-        self._server = _BoundedServer((host, port), handler, max_handlers)
+        self._server = _BoundedServer((host, port), handler, _Slots(max_handlers, timeout_s))
         self.url = f"http://{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="kvlens-admin", daemon=True)
         self._thread.start()
@@ -79,48 +95,198 @@ class AdminServer:
         self._thread.join(timeout=2.0)
 
 
-class _BoundedServer(ThreadingHTTPServer):
-    """One thread per connection, at most ``max_handlers`` at once: beyond, 503 from the
-    accepting thread without reading the request."""
+class _Cut(Exception):
+    """A connection answered at once (if its socket takes it without waiting) and closed."""
 
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], handler: type, max_handlers: int) -> None:
-        super().__init__(address, handler)
-        self._slots = threading.BoundedSemaphore(max_handlers)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            _answer_busy(request)
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
+    def __init__(self, status: int, why: str) -> None:
+        super().__init__(why)
+        self.status = status
+        self.why = why
 
 
-def _answer_busy(sock: socket.socket) -> None:
-    body = json.dumps({"error": f"the admin endpoint serves {MAX_HANDLERS} connections at once"}).encode()
-    head = (
-        "HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nRetry-After: 5\r\nConnection: close\r\n\r\n"
-    )
+class _Connection:
+    """One connection's bounds, shared by its handler thread and the accepting thread."""
+
+    __slots__ = ("sock", "timeout_s", "deadline", "admitted", "head_left")
+
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+        self.sock = sock
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.admitted = False  # its token is checked: it is no longer evicted to make room
+        self.head_left = MAX_HEAD_BYTES  # what it may still send before its token is checked
+
+    def time_left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise self.late()
+        return left
+
+    def late(self) -> _Cut:
+        if self.deadline == 0.0:
+            return _Cut(408, "every connection slot was taken: the oldest without a checked token gave way")
+        return _Cut(408, f"the request did not arrive whole within {self.timeout_s:g}s")
+
+    def renew(self) -> None:
+        """A fresh ``timeout_s`` for the reply, once its route has returned."""
+        self.deadline = time.monotonic() + self.timeout_s
+
+
+class _Slots:
+    """The connections held at once; see the module docstring for who gives way to whom."""
+
+    def __init__(self, size: int, timeout_s: float) -> None:
+        self.size = size
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._held: dict[socket.socket, _Connection] = {}  # oldest first
+
+    def take(self, sock: socket.socket) -> _Connection | None:
+        """A slot for a new connection (None: every slot holds a checked request)."""
+        with self._lock:
+            if len(self._held) >= self.size:
+                oldest = next((c for c in self._held.values() if not c.admitted), None)
+                if oldest is None:
+                    return None
+                del self._held[oldest.sock]
+                oldest.deadline = 0.0  # see _Connection.late
+                _wake(oldest.sock)
+            conn = self._held[sock] = _Connection(sock, self._timeout_s)
+            return conn
+
+    def admit(self, conn: _Connection) -> bool:
+        """Its token checked: it keeps its slot (False: it was already pushed out)."""
+        with self._lock:
+            conn.admitted = self._held.get(conn.sock) is conn
+            return conn.admitted
+
+    def release(self, conn: _Connection) -> None:
+        with self._lock:
+            if self._held.get(conn.sock) is conn:
+                del self._held[conn.sock]
+
+
+def _wake(sock: socket.socket) -> None:
+    """End a read another thread waits on (its handler then finds its deadline passed)."""
     try:
-        sock.settimeout(1.0)
-        sock.sendall(head.encode() + body)
-        sock.setblocking(False)
-        sock.recv(MAX_BODY_BYTES)  # what already arrived: a close over unread data resets the reply
+        sock.shutdown(socket.SHUT_RD)
     except OSError:
         pass
-    _warn("KVLens admin: over %d connections at once; answered 503", MAX_HANDLERS)
+
+
+class _BoundedServer(HTTPServer):
+    """A daemon thread per connection, for the connections ``_Slots`` holds; a newcomer for whom
+    there is no slot is answered 503 from the accepting thread, without reading its request."""
+
+    request_queue_size = 64  # a burst of connects waits for accept(), not a SYN retry (1 s)
+
+    def __init__(self, address: tuple[str, int], handler: type, slots: _Slots) -> None:
+        super().__init__(address, handler)
+        self.slots = slots
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        conn = self.slots.take(request)
+        if conn is None:
+            _answer_at_once(request, 503, f"the admin endpoint serves {self.slots.size} requests at once")
+            _warn("KVLens admin: %d requests in progress; answered 503", self.slots.size)
+            self.shutdown_request(request)
+            return
+        thread = threading.Thread(target=self._serve, args=(conn, client_address), daemon=True)
+        try:
+            thread.start()
+        except BaseException:
+            self.slots.release(conn)
+            raise
+
+    def _serve(self, conn: _Connection, client_address: Any) -> None:
+        try:
+            self.finish_request(conn, client_address)  # the handler gets the _Connection
+        except Exception:  # noqa: BLE001 - one failed connection must not stop the endpoint
+            self.handle_error(conn.sock, client_address)
+        finally:
+            self.slots.release(conn)
+            self.shutdown_request(conn.sock)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client gone mid-reply is no news for the engine's stderr."""
+        logger.debug("KVLens admin: connection from %s failed", client_address, exc_info=True)
+
+
+class _Reader(io.RawIOBase):
+    """A connection's reads, each waiting only for the time left until its deadline (so a
+    readline over many one-byte recvs is bounded as a whole) and, until its token is checked,
+    taking no more than what is left of ``MAX_HEAD_BYTES``."""
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        conn = self._conn
+        if not conn.admitted:
+            if conn.head_left <= 0:
+                raise _Cut(431, f"the request line and headers are over {MAX_HEAD_BYTES} bytes")
+            buffer = memoryview(buffer)[: conn.head_left]
+        conn.sock.settimeout(conn.time_left())
+        try:
+            got = conn.sock.recv_into(buffer)
+        except TimeoutError:
+            raise conn.late() from None
+        if got == 0:
+            conn.time_left()  # woken by _Slots.take, which moved its deadline to now
+        if not conn.admitted:
+            conn.head_left -= got
+        return got
+
+
+class _Writer(io.BufferedIOBase):
+    """A connection's writes, all within its deadline (sendall's timeout bounds a whole send)."""
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        left = self._conn.deadline - time.monotonic()
+        if left <= 0:  # the standard library drops a connection whose write times out
+            raise TimeoutError("the reply was not written in time")
+        self._conn.sock.settimeout(left)
+        self._conn.sock.sendall(data)
+        with memoryview(data) as view:
+            return view.nbytes
+
+
+def _answer_at_once(sock: socket.socket, status: int, why: str) -> None:
+    """A short JSON answer sent only if the socket takes it without waiting, then what already
+    arrived discarded (a close over unread data resets the connection before the reply is read)."""
+    body = json.dumps({"error": why}).encode()
+    head = (
+        f"HTTP/1.0 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n"
+        + ("Retry-After: 5\r\n" if status == 503 else "")
+        + "\r\n"
+    )
+    try:
+        sock.setblocking(False)
+        sock.send(head.encode() + body)
+    except OSError:
+        pass
+    _discard_arrived(sock)
+
+
+def _discard_arrived(sock: socket.socket, most: int = MAX_BODY_BYTES) -> None:
+    """Read what has already arrived, up to ``most`` bytes, never waiting for more."""
+    scratch = bytearray(16 * 1024)
+    try:
+        sock.setblocking(False)
+        while most > 0 and (got := sock.recv_into(scratch)):
+            most -= got
+    except OSError:
+        pass
 
 
 def host_allowed(header: str | None, bound_host: str) -> bool:
@@ -144,11 +310,28 @@ def host_allowed(header: str | None, bound_host: str) -> bool:
 
 
 class _Handler(BaseHTTPRequestHandler):
+    server: _BoundedServer
     routes: dict[tuple[str, str], Route] = {}
     token: bytes = b""
     bound_host = ""
     server_version = "kvlens-admin"
-    timeout = SOCKET_TIMEOUT_S
+
+    def setup(self) -> None:
+        """``request`` is the connection's ``_Connection``: reads and writes go through its bounds."""
+        self.conn: _Connection = self.request
+        self.connection = self.conn.sock
+        self.rfile = io.BufferedReader(_Reader(self.conn))
+        self.wfile = _Writer(self.conn)
+
+    def handle(self) -> None:
+        """One request per connection (HTTP/1.0); one cut short is answered at once and closed."""
+        try:
+            self.handle_one_request()
+        except _Cut as cut:
+            _warn(
+                "KVLens admin: connection from %s cut (%d): %s", self.client_address[0], cut.status, cut.why
+            )
+            _answer_at_once(self.connection, cut.status, cut.why)
 
     def do_GET(self) -> None:  # noqa: N802 - the standard library's name
         if self._admitted():
@@ -162,7 +345,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._serve("POST", body)
 
     def _admitted(self) -> bool:
-        """Host and token checked before any body is read."""
+        """Host and token checked before any body is read; then the connection keeps its slot."""
         if not host_allowed(self.headers.get("Host"), self.bound_host):
             host = (self.headers.get("Host") or "")[:80]
             self._refuse(403, f"Host {host!r} is not this endpoint's: use http://127.0.0.1:<port>")
@@ -171,6 +354,8 @@ class _Handler(BaseHTTPRequestHandler):
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token):
             self._refuse(401, "no valid token: send Authorization: Bearer <extra_config.admin_token(_file)>")
             return False
+        if not self.server.slots.admit(self.conn):
+            raise self.conn.late()
         return True
 
     def _body(self) -> dict[str, Any] | None:
@@ -179,7 +364,7 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         ctype = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
         if ctype != "application/json":
-            self._refuse(415, "send the body as Content-Type: application/json", length)
+            self._refuse(415, "send the body as Content-Type: application/json")
             return None
         raw = self.rfile.read(length) if length else b"{}"
         if len(raw) < length:
@@ -213,17 +398,13 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         return int(text)
 
-    def _refuse(self, status: int, why: str, unread: int = 0) -> None:
+    def _refuse(self, status: int, why: str) -> None:
+        """Answered within the request's deadline; its body is never waited for, only what
+        already arrived is discarded."""
         _warn("KVLens admin: refused %s %s (%d): %s", self.command, self.path[:80], status, why)
-        if status in (401, 403) and self.command == "POST":
-            unread = _small_length(self.headers.get("Content-Length"))
-        if unread:  # a close over unread data resets the connection before the reply is read
-            try:
-                self.rfile.read(unread)
-            except OSError:
-                pass
         self.close_connection = True
         self._reply(status, {"error": why})
+        _discard_arrived(self.connection)
 
     def _serve(self, method: str, body: dict[str, Any]) -> None:
         route = self.routes.get((method, self.path.split("?", 1)[0]))
@@ -238,6 +419,7 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as e:  # noqa: BLE001 - one failed request must not stop the endpoint
             logger.warning("KVLens admin %s %s failed: %s", method, self.path, e, exc_info=True)
             status, reply = 500, {"error": f"{type(e).__name__}: {e}"}
+        self.conn.renew()
         self._reply(status, reply)
 
     def _reply(self, status: int, body: dict[str, Any]) -> None:
@@ -252,8 +434,3 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the standard library's name
         logger.debug("KVLens admin: " + format, *args)
-
-
-def _small_length(value: str | None) -> int:
-    text = (value or "").strip()
-    return int(text) if _DIGITS.fullmatch(text) and int(text) <= MAX_BODY_BYTES else 0
