@@ -6,13 +6,12 @@ is a file under ``/dev/shm`` (the temp directory where there is none) mapped wit
 resource tracker that would unlink it behind the owner's back, and a crashed owner's file is
 recognised by its pid and removed by the next owner on the machine.
 
-A transfer's slots are allocated all or nothing: either every chunk gets its slot or none does
-(``None``: the buffer is full now), so a half-placed transfer never holds space.
+A transfer's slots are allocated all or nothing (``slot_allocator``): either every chunk gets its
+slot or none does (``None``: the buffer is full now), so a half-placed transfer never holds space.
 """
 
 from __future__ import annotations
 
-import bisect
 import mmap
 import os
 import re
@@ -20,10 +19,23 @@ import secrets
 import tempfile
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-ALIGN = 64  # each slot starts on a cache line
+from .slot_allocator import ALIGN, Slot, SlotAllocator, space_needed
+
+__all__ = [
+    "ALIGN",
+    "PREFIX",
+    "AttachedBuffer",
+    "ReceiveBuffer",
+    "Slot",
+    "SlotAllocator",
+    "attach",
+    "buffer_dir",
+    "remove_stale_buffers",
+    "space_needed",
+]
+
 PREFIX = "kvlens-pd-"
 _NAME = re.compile(r"^kvlens-pd-(\d+)-r(\d+)-[0-9a-f]{12}$")
 
@@ -37,72 +49,6 @@ def _path_of(name: str) -> Path:
     if not _NAME.match(name):
         raise ValueError(f"not a PD receive buffer name: {name!r}")
     return buffer_dir() / name
-
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    offset: int
-    length: int  # the record's bytes (the space taken is rounded up to ALIGN)
-
-
-def _span(length: int) -> int:
-    return max(ALIGN, -(-length // ALIGN) * ALIGN)
-
-
-def space_needed(lengths: Sequence[int]) -> int:
-    """Bytes of the buffer that slots of these lengths take (each rounded up to ALIGN)."""
-    return sum(_span(n) for n in lengths)
-
-
-class SlotAllocator:
-    """First fit over a sorted list of free extents, coalesced on free. Not thread-safe."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._starts: list[int] = [0] if capacity else []
-        self._ends: list[int] = [capacity] if capacity else []
-        self.used = 0
-
-    def allocate_all(self, lengths: Sequence[int]) -> list[Slot] | None:
-        """A slot per length, or ``None`` (and nothing held) when they do not all fit now."""
-        if space_needed(lengths) > self.capacity - self.used:
-            return None
-        slots: list[Slot] = []
-        for n in lengths:
-            slot = self._take(n)
-            if slot is None:
-                for s in slots:
-                    self.free(s)
-                return None
-            slots.append(slot)
-        return slots
-
-    def _take(self, length: int) -> Slot | None:
-        need = _span(length)
-        for i, (start, end) in enumerate(zip(self._starts, self._ends, strict=True)):
-            if end - start >= need:
-                if end - start == need:
-                    del self._starts[i], self._ends[i]
-                else:
-                    self._starts[i] = start + need
-                self.used += need
-                return Slot(start, length)
-        return None
-
-    def free(self, slot: Slot) -> None:
-        start, end = slot.offset, slot.offset + _span(slot.length)
-        i = bisect.bisect_left(self._starts, start)
-        if (i < len(self._starts) and self._starts[i] < end) or (i and self._ends[i - 1] > start):
-            raise ValueError(f"slot {slot} freed twice")
-        self.used -= end - start
-        if i < len(self._starts) and self._starts[i] == end:
-            end = self._ends[i]
-            del self._starts[i], self._ends[i]
-        if i and self._ends[i - 1] == start:
-            self._ends[i - 1] = end
-        else:
-            self._starts.insert(i, start)
-            self._ends.insert(i, end)
 
 
 def _pid_alive(pid: int) -> bool:
