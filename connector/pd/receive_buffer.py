@@ -6,19 +6,28 @@ is a file under ``/dev/shm`` (the temp directory where there is none) mapped wit
 resource tracker that would unlink it behind the owner's back, and a crashed owner's file is
 recognised by its pid and removed by the next owner on the machine.
 
-A transfer's slots are allocated all or nothing (``slot_allocator``): either every chunk gets its
-slot or none does (``None``: the buffer is full now), so a half-placed transfer never holds space.
+**The scheduler never waits for a receiver.** Allocation and free run under the buffer's lock,
+each in steps that holes do not lengthen (``slot_allocator``). The index frees with ``free_soon``,
+which queues the slots and frees them only if the lock is free now; otherwise whoever holds it
+frees them as it lets go (every holder drains the queue after releasing), so space comes back at
+once unless a receiver is mid-allocation, and then when it ends.
+
+A transfer's slots are allocated all or nothing: either every chunk gets its slot or none does
+(``None``: the buffer is full now), so a half-placed transfer never holds space.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import re
 import secrets
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from .slot_allocator import ALIGN, Slot, SlotAllocator, space_needed
@@ -35,6 +44,8 @@ __all__ = [
     "remove_stale_buffers",
     "space_needed",
 ]
+
+log = logging.getLogger(__name__)
 
 PREFIX = "kvlens-pd-"
 _NAME = re.compile(r"^kvlens-pd-(\d+)-r(\d+)-[0-9a-f]{12}$")
@@ -82,6 +93,7 @@ class ReceiveBuffer:
         self.capacity = capacity
         self._lock = threading.Lock()
         self._allocator = SlotAllocator(capacity)
+        self._pending: deque[Slot] = deque()  # freed without waiting; the lock's holder frees them
         path = _path_of(self.name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -93,15 +105,47 @@ class ReceiveBuffer:
 
     @property
     def used_bytes(self) -> int:
+        """Bytes in slots, with those ``free_soon`` queued that the lock's holder has yet to free."""
         return self._allocator.used
 
     def allocate_all(self, lengths: Sequence[int]) -> list[Slot] | None:
-        with self._lock:
+        with self._holding():
             return self._allocator.allocate_all(lengths)
 
     def free(self, slot: Slot) -> None:
-        with self._lock:
+        """Give a slot back now, waiting for the lock (a receiver thread freeing its own slots)."""
+        with self._holding():
             self._allocator.free(slot)
+
+    def free_soon(self, slots: Iterable[Slot]) -> None:
+        """Give slots back without ever waiting: freed now if the lock is free, else by its holder."""
+        self._pending.extend(slots)
+        self._settle()
+
+    @contextmanager
+    def _holding(self) -> Iterator[None]:
+        try:
+            with self._lock:
+                self._free_pending()
+                yield
+        finally:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Free what is queued unless another thread holds the lock: that thread settles after."""
+        while self._pending and self._lock.acquire(blocking=False):
+            try:
+                self._free_pending()
+            finally:
+                self._lock.release()
+
+    def _free_pending(self) -> None:
+        while self._pending:
+            slot = self._pending.popleft()  # only the lock's holder takes from the queue
+            try:
+                self._allocator.free(slot)
+            except ValueError as e:  # a defect; raising here would fail an unrelated transfer
+                log.error("PD receive buffer %s: %s", self.name, e)
 
     def writable(self, slot: Slot) -> memoryview:
         if self._view is None:

@@ -3,7 +3,14 @@
 Lives in the scheduler process beside the lookup, so a lookup never races an arrival: a transfer
 is indexed whole (every chunk verified) or not at all. Records are never overwritten: a resend of
 keys already held lands in fresh slots and is freed at indexing (the held bytes stay, their
-expiry restarts), so a claimed record's slot cannot change or be reused before ``release``.
+expiry restarts).
+
+**The scheduler never waits for a receiver.** The index's lock guards entries and claims only.
+A record's slot leaves the index under that lock (its entry is taken out, so one caller alone
+holds the slot) and goes back to its buffer after the lock is released, through
+``ReceiveBuffer.free_soon``, which never waits for the buffer's lock. So a slot is freed once, and
+only after its entry is gone; an entry a claim pins goes only at its claim's ``release`` (or
+``drop_all`` at shutdown), so a claimed record's slot cannot change or be reused before then.
 """
 
 from __future__ import annotations
@@ -83,20 +90,29 @@ class ReceiveIndex:
         slots: Sequence[Slot],
         facts: TransferFacts,
     ) -> None:
-        """Index a verified transfer to ``rank``; slots of records already held are freed."""
-        buffer = self._buffers[rank]
-        now = facts.indexed_at
+        """Index a verified transfer to ``rank``; slots of records already held are freed.
+
+        ``ValueError`` (and nothing indexed) when keys, token counts and slots disagree in number."""
+        if not len(keys) == len(tokens) == len(slots):
+            raise ValueError(f"{len(keys)} keys, {len(tokens)} token counts, {len(slots)} slots")
+        unused: list[Slot] = []
         with self._lock:
             for key, n, slot in zip(keys, tokens, slots, strict=True):
-                entry = self._entries.get(key)
-                if entry is None:
-                    entry = self._entries[key] = _Entry(tokens=n)
-                if rank in entry.ranks or entry.tokens != n:
-                    buffer.free(slot)
-                    self.duplicates += 1
-                else:
-                    entry.ranks[rank] = _Held(slot, facts)
-                entry.touched_at = now
+                if not self._add_record(rank, key, n, slot, facts):
+                    unused.append(slot)
+            self.duplicates += len(unused)
+        self._buffers[rank].free_soon(unused)
+
+    def _add_record(self, rank: int, key: str, tokens: int, slot: Slot, facts: TransferFacts) -> bool:
+        """Whether the record was kept (not when its rank has the key, or the key disagrees)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry(tokens=tokens)
+        entry.touched_at = facts.indexed_at
+        if rank in entry.ranks or entry.tokens != tokens:
+            return False
+        entry.ranks[rank] = _Held(slot, facts)
+        return True
 
     def present(self, keys: Sequence[str]) -> int:
         with self._lock:
@@ -146,6 +162,7 @@ class ReceiveIndex:
 
     def release(self, request_id: str) -> None:
         """The load was reported (any outcome): unpin, and free what no other claim holds."""
+        freed: list[tuple[int, Slot]] = []
         with self._lock:
             claim = self._claims.pop(request_id, None)
             if claim is None:
@@ -154,29 +171,40 @@ class ReceiveIndex:
                 entry = self._entries[key]
                 entry.pins -= 1
                 if entry.pins == 0:
-                    self._drop(key)
+                    freed += self._take(key)
                     self.released += 1
+        self._free(freed)
 
     def expire(self) -> int:
         """Free unclaimed entries older than the unclaimed timeout; how many."""
+        freed: list[tuple[int, Slot]] = []
         with self._lock:
             cutoff = self._clock() - self._unclaimed_s
             old = [k for k, e in self._entries.items() if e.pins == 0 and e.touched_at <= cutoff]
             for key in old:
-                self._drop(key)
+                freed += self._take(key)
             self.expired += len(old)
-            return len(old)
+        self._free(freed)
+        return len(old)
 
     def drop_all(self) -> None:
+        freed: list[tuple[int, Slot]] = []
         with self._lock:
             for key in list(self._entries):
-                self._drop(key)
+                freed += self._take(key)
             self._claims.clear()
+        self._free(freed)
 
-    def _drop(self, key: str) -> None:
-        entry = self._entries.pop(key)
-        for rank, held in entry.ranks.items():
-            self._buffers[rank].free(held.slot)
+    def _take(self, key: str) -> list[tuple[int, Slot]]:
+        """Take the entry out of the index (under the lock): its slots are the caller's to free."""
+        return [(rank, held.slot) for rank, held in self._entries.pop(key).ranks.items()]
+
+    def _free(self, freed: list[tuple[int, Slot]]) -> None:
+        """Give slots back to their buffers, outside the index's lock and without waiting."""
+        for rank, buffer in enumerate(self._buffers):
+            slots = [slot for r, slot in freed if r == rank]
+            if slots:
+                buffer.free_soon(slots)
 
     def counts(self) -> tuple[int, int]:
         """(entries, claims)."""
