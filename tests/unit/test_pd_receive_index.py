@@ -1,5 +1,5 @@
-"""The receive index: the scheduler never waits for a receiver, and a record's slot is freed once
-and never while claimed (issue 36, item 4)."""
+"""The receive index: the scheduler never waits for a receiver, a resend does not keep a record
+alive, and a record's slot is freed once and never while claimed (issue 36, items 4 and 6)."""
 
 from __future__ import annotations
 
@@ -79,6 +79,40 @@ def in_thread(run, timeout: float) -> bool:  # type: ignore[no-untyped-def]
     thread.start()
     thread.join(timeout)
     return not thread.is_alive()
+
+
+def test_a_resent_key_does_not_restart_its_expiry(clock):
+    with buffers() as (buffer,):
+        index = ReceiveIndex([buffer], 5.0, clock)
+        send(index, buffer, 0, ["k"], at=0.0)
+        send(index, buffer, 0, ["k"], at=4.0)  # the resend's slot is freed, the record stays
+        assert index.duplicates == 1 and buffer.used_bytes == 4096
+        clock.now = 4.9
+        assert index.expire() == 0
+        clock.now = 5.0
+        assert index.expire() == 1 and buffer.used_bytes == 0
+
+
+def test_a_key_waits_its_timeout_once_from_when_every_rank_has_it(clock):
+    with buffers(tp=2) as (r0, r1):
+        index = ReceiveIndex([r0, r1], 5.0, clock)
+        send(index, r0, 0, ["k"], at=0.0)
+        send(index, r1, 1, ["k"], at=4.0)  # whole now: a decoder request can use it from here
+        send(index, r0, 0, ["k"], at=8.0)  # a resend to a rank that has it moves nothing
+        send(index, r1, 1, ["k"], at=8.5)
+        clock.now = 8.9
+        assert index.expire() == 0 and index.present(["k"]) == 1
+        clock.now = 9.0
+        assert index.expire() == 1 and r0.used_bytes == r1.used_bytes == 0
+
+
+def test_a_key_that_never_becomes_whole_expires_after_its_first_arrival(clock):
+    with buffers(tp=2) as (r0, r1):
+        index = ReceiveIndex([r0, r1], 5.0, clock)
+        send(index, r0, 0, ["k"], at=0.0)
+        send(index, r0, 0, ["k"], at=3.0)
+        clock.now = 5.0
+        assert index.expire() == 1 and r0.used_bytes == 0
 
 
 def test_release_returns_while_a_receiver_holds_the_buffer_and_the_slots_come_back_after(clock):
@@ -230,3 +264,33 @@ def test_release_and_expire_among_20000_holes_do_not_wait_for_a_transfer_being_p
         )
         assert statistics.median(expired) < BOUND_S, f"expire took {statistics.median(expired) * 1000:.1f} ms"
         assert index.released == 500 and index.expired == 500
+
+
+def test_expire_with_nothing_due_costs_the_same_for_200_records_as_for_20000(clock):
+    def idle_expire_seconds(holes: int) -> float:
+        with buffers(capacity=64 * 2 * holes) as (buffer,):
+            index = fragmented_index(buffer, clock, holes)
+            clock.now = 1.0  # nothing is due yet
+            took = []
+            for _ in range(21):
+                start = time.perf_counter()
+                assert index.expire() == 0
+                took.append(time.perf_counter() - start)
+            return statistics.median(took)
+
+    few, many = idle_expire_seconds(200), idle_expire_seconds(HOLES)
+    assert many < 5 * few + 50e-6, f"{few * 1e6:.0f} us for 200 records, {many * 1e6:.0f} us for 20,000"
+
+
+def test_deadlines_of_released_entries_do_not_pile_up_under_a_long_timeout(clock):
+    with buffers(capacity=64 * 64) as (buffer,):
+        index = ReceiveIndex([buffer], 1e9, clock)
+        for i in range(5000):
+            slots = buffer.allocate_all([64])
+            index.add(0, [f"k{i}"], [16], slots, TransferFacts("r", 64, 1.0, float(i)))
+            assert index.claim([f"k{i}"], f"d{i}") is not None
+            index.release(f"d{i}")
+            clock.now = float(i)
+            assert index.expire() == 0
+        assert index.released == 5000 and buffer.used_bytes == 0
+        assert len(index._deadlines) <= 1024 + 1  # what is held (nothing) and a bounded slack
