@@ -103,6 +103,8 @@ def remove_stale_buffers() -> int:
         path = buffer_dir() / name
         try:
             removed += _remove_if_stale(path)
+        except FileNotFoundError:  # closed by its owner, or removed by another clean-up, meanwhile
+            pass
         except Exception as e:  # noqa: BLE001 - whatever a planted file does, the decoder starts
             log.warning("PD receive buffer %s left in place: %s", path, e)
     if removed:
@@ -112,13 +114,10 @@ def remove_stale_buffers() -> int:
 
 def _remove_if_stale(path: Path) -> bool:
     """Remove ``path`` if it is this user's regular file and nobody holds its lock."""
-    try:
-        if not _ours(os.lstat(path)):
-            log.debug("PD receive buffer %s: not this user's regular file, left alone", path)
-            return False
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:  # its owner closed it meanwhile
+    if not _ours(os.lstat(path)):
+        log.debug("PD receive buffer %s: not this user's regular file, left alone", path)
         return False
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         opened = os.fstat(fd)
         if not _ours(opened):

@@ -107,6 +107,20 @@ def test_a_file_nobody_holds_is_removed_whatever_pid_it_names():
         assert not dead.exists() and not alive_pid.exists()
 
 
+def test_clean_ups_at_once_remove_each_stale_file_once_and_warn_of_nothing(shm, caplog):
+    pid = dead_pid()
+    for _ in range(300):
+        (shm / f"kvlens-pd-{pid}-r0-{secrets.token_hex(6)}").write_bytes(b"x")
+    counts: list[int] = []
+    threads = [threading.Thread(target=lambda: counts.append(remove_stale_buffers())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(counts) == 300 and list(shm.iterdir()) == []
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
 def test_another_users_file_is_left_alone():
     with planted(dead_pid()) as path:
         try:
