@@ -2,8 +2,9 @@
 
 - ``identity.py``: ``PeerIdentity``, what both ends must share to pair, and what differs.
 - ``wire.py``: the frames (handshake, allocation, chunks, acknowledgement) and bounded reads.
-- ``receive_buffer.py``: the decoder's shared-memory receive buffer per rank, all-or-nothing
-  slot allocation, ``attach`` for the worker ranks (read-only views).
+- ``slot_allocator.py``: the buffer's slots, best fit in logarithmic searches, all or nothing.
+- ``receive_buffer.py``: the decoder's shared-memory receive buffer per rank, its owner's lock
+  (what clean-up of stale buffers goes by), ``attach`` for the worker ranks (read-only views).
 - ``receive_index.py``: received records by key and rank, claims, release, expiry.
 - ``receiver.py``: ``PDReceiver``, the server in the decoder's scheduler process.
 - ``sender.py``: ``PDSender``, one per prefiller worker rank, on its own thread.

@@ -2,12 +2,24 @@
 
 Lives in the scheduler process beside the lookup, so a lookup never races an arrival: a transfer
 is indexed whole (every chunk verified) or not at all. Records are never overwritten: a resend of
-keys already held lands in fresh slots and is freed at indexing (the held bytes stay, their
-expiry restarts), so a claimed record's slot cannot change or be reused before ``release``.
+keys already held lands in fresh slots and is freed at indexing (the held bytes stay).
+
+**The scheduler never waits for a receiver.** The index's lock guards entries, claims and
+deadlines only. A record's slot leaves the index under that lock (its entry is taken out, so one
+caller alone holds the slot) and goes back to its buffer after the lock is released, through
+``ReceiveBuffer.free_soon``, which never waits for the buffer's lock. So a slot is freed once, and
+only after its entry is gone; an entry a claim pins goes only at its claim's ``release`` (or
+``drop_all`` at shutdown), so a claimed record's slot cannot change or be reused before then.
+
+**Expiry.** An entry's clock starts when its key is first indexed and starts once more when the
+last rank's record arrives (from then a decoder request can use it); a resend never moves it, so
+a peer re-sending keys cannot keep them: an unclaimed key is gone within twice the timeout of its
+first arrival. Deadlines wait in a heap, so ``expire`` costs what it frees, not what is held.
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,8 +63,8 @@ class _Held:
 @dataclass(slots=True)
 class _Entry:
     tokens: int
+    since: float  # first indexed, then when every rank has it; never moved by a resend
     ranks: dict[int, _Held] = field(default_factory=dict)
-    touched_at: float = 0.0  # last indexed (a resend restarts the unclaimed clock)
     pins: int = 0
 
 
@@ -68,6 +80,7 @@ class ReceiveIndex:
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._claims: dict[str, Claim] = {}
+        self._deadlines: list[tuple[float, str]] = []  # (since, key); stale ones are skipped
         self.expired = 0
         self.released = 0
         self.duplicates = 0
@@ -83,20 +96,32 @@ class ReceiveIndex:
         slots: Sequence[Slot],
         facts: TransferFacts,
     ) -> None:
-        """Index a verified transfer to ``rank``; slots of records already held are freed."""
-        buffer = self._buffers[rank]
-        now = facts.indexed_at
+        """Index a verified transfer to ``rank``; slots of records already held are freed.
+
+        ``ValueError`` (and nothing indexed) when keys, token counts and slots disagree in number."""
+        if not len(keys) == len(tokens) == len(slots):
+            raise ValueError(f"{len(keys)} keys, {len(tokens)} token counts, {len(slots)} slots")
+        unused: list[Slot] = []
         with self._lock:
             for key, n, slot in zip(keys, tokens, slots, strict=True):
-                entry = self._entries.get(key)
-                if entry is None:
-                    entry = self._entries[key] = _Entry(tokens=n)
-                if rank in entry.ranks or entry.tokens != n:
-                    buffer.free(slot)
-                    self.duplicates += 1
-                else:
-                    entry.ranks[rank] = _Held(slot, facts)
-                entry.touched_at = now
+                if not self._add_record(rank, key, n, slot, facts):
+                    unused.append(slot)
+            self.duplicates += len(unused)
+        self._buffers[rank].free_soon(unused)
+
+    def _add_record(self, rank: int, key: str, tokens: int, slot: Slot, facts: TransferFacts) -> bool:
+        """Whether the record was kept (not when its rank has the key, or the key disagrees)."""
+        entry = self._entries.get(key)
+        if entry is not None and (rank in entry.ranks or entry.tokens != tokens):
+            return False
+        if entry is None:
+            entry = self._entries[key] = _Entry(tokens, facts.indexed_at)
+            heapq.heappush(self._deadlines, (entry.since, key))
+        entry.ranks[rank] = _Held(slot, facts)
+        if len(entry.ranks) == len(self._buffers) and entry.since != facts.indexed_at:
+            entry.since = facts.indexed_at  # whole now: its wait for a claim starts
+            heapq.heappush(self._deadlines, (entry.since, key))
+        return True
 
     def present(self, keys: Sequence[str]) -> int:
         with self._lock:
@@ -146,6 +171,7 @@ class ReceiveIndex:
 
     def release(self, request_id: str) -> None:
         """The load was reported (any outcome): unpin, and free what no other claim holds."""
+        freed: list[tuple[int, Slot]] = []
         with self._lock:
             claim = self._claims.pop(request_id, None)
             if claim is None:
@@ -154,29 +180,54 @@ class ReceiveIndex:
                 entry = self._entries[key]
                 entry.pins -= 1
                 if entry.pins == 0:
-                    self._drop(key)
+                    freed += self._take(key)
                     self.released += 1
+        self._free(freed)
 
     def expire(self) -> int:
-        """Free unclaimed entries older than the unclaimed timeout; how many."""
+        """Free unclaimed entries that waited the unclaimed timeout; how many."""
+        freed: list[tuple[int, Slot]] = []
+        n = 0
         with self._lock:
             cutoff = self._clock() - self._unclaimed_s
-            old = [k for k, e in self._entries.items() if e.pins == 0 and e.touched_at <= cutoff]
-            for key in old:
-                self._drop(key)
-            self.expired += len(old)
-            return len(old)
+            while self._deadlines and self._deadlines[0][0] <= cutoff:
+                since, key = heapq.heappop(self._deadlines)
+                entry = self._entries.get(key)
+                if entry is not None and entry.since == since and entry.pins == 0:
+                    freed += self._take(key)
+                    n += 1
+                # else: gone, restarted (a later deadline waits), or claimed (release frees it)
+            self.expired += n
+            self._compact_deadlines()
+        self._free(freed)
+        return n
 
     def drop_all(self) -> None:
+        freed: list[tuple[int, Slot]] = []
         with self._lock:
             for key in list(self._entries):
-                self._drop(key)
+                freed += self._take(key)
             self._claims.clear()
+            self._deadlines.clear()
+        self._free(freed)
 
-    def _drop(self, key: str) -> None:
-        entry = self._entries.pop(key)
-        for rank, held in entry.ranks.items():
-            self._buffers[rank].free(held.slot)
+    def _take(self, key: str) -> list[tuple[int, Slot]]:
+        """Take the entry out of the index (under the lock): its slots are the caller's to free."""
+        return [(rank, held.slot) for rank, held in self._entries.pop(key).ranks.items()]
+
+    def _free(self, freed: list[tuple[int, Slot]]) -> None:
+        """Give slots back to their buffers, outside the index's lock and without waiting."""
+        for rank, buffer in enumerate(self._buffers):
+            slots = [slot for r, slot in freed if r == rank]
+            if slots:
+                buffer.free_soon(slots)
+
+    def _compact_deadlines(self) -> None:
+        """Forget deadlines of entries already gone once they outnumber the live ones, so memory
+        follows what is held even when the timeout is long and most entries go by ``release``."""
+        if len(self._deadlines) > 2 * len(self._entries) + 1024:
+            self._deadlines = [(e.since, k) for k, e in self._entries.items()]
+            heapq.heapify(self._deadlines)
 
     def counts(self) -> tuple[int, int]:
         """(entries, claims)."""
