@@ -233,6 +233,7 @@ def test_a_port_in_use_fails_start_and_leaves_no_buffer_behind():
 
 
 def test_a_buffer_left_by_a_dead_owner_is_removed_at_the_next_start():
+    import fcntl
     import subprocess
     import sys
 
@@ -244,10 +245,13 @@ def test_a_buffer_left_by_a_dead_owner_is_removed_at_the_next_start():
     alive = buffer_dir() / f"kvlens-pd-{os.getppid()}-r0-0123456789ab"
     stale.write_bytes(b"x" * 4096)
     alive.write_bytes(b"x")
+    held = os.open(alive, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # what a running owner holds for its buffer's whole life
     try:
         with receiver():
             assert not stale.exists()
-            assert alive.exists()  # its owner still runs
+            assert alive.exists()  # its owner still holds it
     finally:
+        os.close(held)
         stale.unlink(missing_ok=True)
         alive.unlink(missing_ok=True)
