@@ -18,7 +18,10 @@ def test_quick_pd_transfer_compares_pd_with_a_bare_socket(tmp_path):
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     data = json.loads((tmp_path / "pd_transfer.json").read_text())
     summary = data["summary"]["all"]
-    assert set(summary) == {"bare", "bare-xxh3", "pd"}
+    assert set(summary) == {"bare", "bare-xxh3", "pd", "pd-tag", "pd-tls"}
     assert all(s["gbps"]["median"] > 0 for s in summary.values())
     assert data["ratios"]["all"]["pd"]["bare"]["gbps"]["n"] == 3
+    assert data["ratios"]["all"]["pd-tag"]["pd"]["gbps"]["n"] == 3  # the tag's own cost
+    assert data["ratios"]["all"]["pd-tls"]["pd"]["gbps"]["n"] == 3
     assert "PD transfer >= 0.8 x bare TCP" in run.stdout
+    assert "the tag costs < 10% of the transfer" in run.stdout
