@@ -500,6 +500,11 @@ _DEFINITIONS += (
         "nor expired): back to 0 when idle.",
     ),
     Metric(
+        "pd_loaded_tokens",
+        COUNTER,
+        "Prompt tokens the decoder loaded from its PD receive buffer: KV a prefiller computed.",
+    ),
+    Metric(
         "pd_loads",
         COUNTER,
         "Decoder requests by what PD gave them: loaded, failed (recomputed), expired (records unclaimed).",

@@ -93,6 +93,8 @@ class PDRecorder:
         """A decoder request's load ended (``pd`` is its response's ``kvlens.pd``)."""
         b = self._buffer
         b.inc(wire_key("pd_loads", pd["outcome"]))
+        if pd["outcome"] == "loaded":
+            b.inc("pd_loaded_tokens", pd["tokens"])
         if pd["outcome"] == "failed":
             b.inc(wire_key("pd_failed_transfers", "receive", _reason(pd.get("reason"))))
         b.observe("pd_notify_wait_seconds", pd["notify_wait_ms"] / 1000)
