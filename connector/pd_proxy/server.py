@@ -32,6 +32,7 @@ from .notices import NoticeBoard, NoticeListener
 from .observe import ProxyMetrics, RecordLog, Tracer
 
 logger = logging.getLogger(__name__)
+WARN_EVERY_S = 60.0
 SSE = "text/event-stream"
 
 
@@ -60,6 +61,7 @@ class PDProxy:
             None if settings.no_pd else NoticeListener(self.board, settings.proxy_host, settings.proxy_port)
         )
         self.records = RecordLog(settings.records, settings.request_log)
+        self._warned_at = -WARN_EVERY_S
         self.tracer = Tracer(tracer_provider)
         self.client: httpx.AsyncClient | None = None
 
@@ -181,11 +183,35 @@ class PDProxy:
         if not result.complete:
             flow.timed_out = True
             self.metrics.wait_timeouts.labels(flow.prefiller.name, flow.decoder.name).inc()
+            self._warn_timeout(flow)
         if span is not None:
             span.set_attribute("kvlens.pd.notifications", flow.record.notifications)
             span.set_attribute("kvlens.pd.timed_out", flow.timed_out)
         flow.observe("transfer_wait", result.seconds, span)
         self.board.forget(flow.req_id)
+
+    def _warn_timeout(self, flow: Flow) -> None:
+        """Say why a request waited the whole bound, at most once per WARN_EVERY_S: nearly always
+        prefillers that notify another address than this proxy listens on."""
+        now = time.monotonic()
+        if now - self._warned_at < WARN_EVERY_S:
+            return
+        self._warned_at = now
+        s = self.settings
+        logger.warning(
+            "kvlens pd-proxy: request %s got %s prefiller notices within --notify-timeout %gs; the decoder "
+            "was asked anyway and recomputes what did not arrive (more such requests are counted in "
+            "kvlens_pd_proxy_wait_timeouts_total, not logged for %gs). Do the prefillers' pd_proxy_host and "
+            "pd_proxy_port reach this proxy's --proxy-host %s --proxy-port %d? `kvlens doctor %s %s` checks",
+            flow.req_id,
+            flow.record.notifications,
+            s.notify_timeout_s,
+            WARN_EVERY_S,
+            s.proxy_host,
+            s.proxy_port,
+            flow.prefiller.url,
+            flow.decoder.url,
+        )
 
     def _decoded_outcome(self, flow: Flow) -> str:
         return "notify_timeout" if flow.timed_out else "ok"
@@ -423,10 +449,12 @@ def run(settings: ProxySettings) -> int:
     proxy = PDProxy(settings, provider)
     mode = "round-robin (--no-pd)" if settings.no_pd else "prefill/decode"
     logger.warning(
-        "kvlens pd-proxy on http://%s:%d, %s; prefillers %s; decoders %s",
+        "kvlens pd-proxy on http://%s:%d, %s; prefiller notices on %s:%d; prefillers %s; decoders %s",
         settings.host,
         settings.port,
         mode,
+        settings.proxy_host,
+        settings.proxy_port,
         [b.name for b in proxy.router.prefillers],
         [b.name for b in proxy.router.decoders],
     )

@@ -62,9 +62,15 @@ class Behaviour:
 class FakeEngine:
     """One fake vLLM server; ``proxy_notify`` is where its prefills notify (tcp://host:port)."""
 
-    def __init__(self, name: str, proxy_notify: str | None = None, behaviour: Behaviour | None = None):
+    def __init__(
+        self,
+        name: str,
+        proxy_notify: str | None = None,
+        behaviour: Behaviour | None = None,
+        port: int | None = None,
+    ):
         self.name = name
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proxy_notify = proxy_notify
         self.b = behaviour or Behaviour()

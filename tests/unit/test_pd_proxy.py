@@ -179,7 +179,9 @@ def test_non_streaming_chat_is_one_chat_answer(setup):
 @pytest.mark.parametrize(
     "behaviour", [Behaviour(notify="never"), Behaviour(notify_ranks=1)], ids=["none", "one_of_two"]
 )
-def test_missing_notifications_end_the_wait_at_its_bound_and_the_decoder_is_still_asked(setup, behaviour):
+def test_missing_notifications_end_the_wait_at_its_bound_and_the_decoder_is_still_asked(
+    setup, behaviour, caplog
+):
     s = setup(
         ranks=2, prefill=behaviour, notify_timeout_s=2.0
     )  # the one that comes: in time even on a busy machine
@@ -193,6 +195,9 @@ def test_missing_notifications_end_the_wait_at_its_bound_and_the_decoder_is_stil
     assert rec["notifications"] == ("0/2" if behaviour.notify == "never" else "1/2")
     assert s.metric("kvlens_pd_proxy_wait_timeouts_total") == 1
     assert s.metric("kvlens_pd_proxy_requests_total", outcome="notify_timeout") == 1
+    # the proxy says why it waited, and where the notices should come
+    (said,) = [r.getMessage() for r in caplog.records if "prefiller notices within" in r.getMessage()]
+    assert "--proxy-port" in said and "pd_proxy_port" in said and "kvlens doctor" in said
 
 
 def test_a_notification_after_the_prefillers_answer_is_waited_for(setup):
