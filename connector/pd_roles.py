@@ -21,6 +21,7 @@ from .engine.keys import key_fingerprint
 from .engine.pd_jobs import PDLoadResult, PDSendReport
 from .engine.policy import trace_headers
 from .pd.identity import PeerIdentity
+from .scheduler.exit_cleanup import remove_at_exit
 from .scheduler.pd_decoder import PDDecoder
 from .scheduler.pd_prefiller import PDPrefiller
 from .worker.pd_worker import PDLoads, PDSends
@@ -125,6 +126,8 @@ class SchedulerPD:
                 tls=server_tls(pd),
             )
             receiver.start()
+            for path in receiver.buffer_paths:  # vLLM SIGKILLs the engine core: no shutdown runs
+                remove_at_exit(path)
             self.decoder = PDDecoder(receiver, facts.block_size, time.monotonic)
             logger.info(
                 "KVLens PD receiver listening on %s ports %s (alloc %s), %d bytes per rank, %s",

@@ -31,7 +31,7 @@ from . import wire
 from .auth import NONCE_BYTES, ChunkTags, PDAuth, new_nonce
 from .identity import PeerIdentity, mismatch_reason
 from .probe import AUTH_FAILED
-from .receive_buffer import ReceiveBuffer, remove_stale_buffers, space_needed
+from .receive_buffer import ReceiveBuffer, buffer_dir, remove_stale_buffers, space_needed
 from .receive_index import Claim, ReceiveIndex, TransferFacts
 from .receiver_conns import BUSY, IDLE, Connection, ConnectionTable
 from .tls import ServerTLS
@@ -126,6 +126,11 @@ class PDReceiver:
     @property
     def buffer_names(self) -> list[str]:
         return [b.name for b in self._buffers]
+
+    @property
+    def buffer_paths(self) -> list[str]:
+        """The buffers' files (what must not outlive this process)."""
+        return [str(buffer_dir() / b.name) for b in self._buffers]
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, break every connection off (its slots are freed), free every entry and

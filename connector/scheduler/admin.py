@@ -98,13 +98,15 @@ class CacheAdmin:
     def _start_server(self, host: str, port: int) -> None:
         from ..vllm_compat import engine_wakeup
         from .admin_http import AdminServer
-        from .admin_token import engine_token
+        from .admin_token import default_path, engine_token
+        from .exit_cleanup import remove_at_exit
 
         extra = self._s.config.extra_config
         secret = extra.admin_token.get_secret_value() if extra.admin_token is not None else None
         token, where = engine_token(secret, extra.admin_token_file, port)
         if secret is None and not extra.admin_token_file:
             self._forget_token = (token, port)
+            remove_at_exit(default_path(port), (token + "\n").encode())  # vLLM SIGKILLs the engine core
         self._wake = engine_wakeup()
         self.server = AdminServer(
             host,

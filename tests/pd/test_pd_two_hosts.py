@@ -10,6 +10,7 @@ import pytest
 import zmq
 
 from connector.pd.identity import PeerIdentity
+from connector.pd.receive_buffer import buffer_dir
 from connector.pd.sender import PDSender
 from tests.telemetry.serve import VllmServer, base_env, free_port, prompt_tokens, sum_samples, wait_until
 from tests.unit.pd_wire_support import Done, records
@@ -38,6 +39,7 @@ def two_hosts(tiny_model, tmp_path_factory, pd_pair):  # type: ignore[no-untyped
     proxy_port = notices.bind_to_random_port("tcp://127.0.0.1")
     init_ports, alloc_ports = [free_port()], [free_port()]
     env = base_env(PYTHONHASHSEED="0")
+    decoder_env = {**env, "KVLENS_ADMIN_TOKEN_DIR": str(tmp / "tokens")}
     prefiller = VllmServer(
         tiny_model,
         pd_kv_config(
@@ -60,9 +62,10 @@ def two_hosts(tiny_model, tmp_path_factory, pd_pair):  # type: ignore[no-untyped
             pd_peer_alloc_port=alloc_ports,
             pd_buffer_size=DECODER_BUFFER,
             pd_auth_key_file=str(key_file),
+            extra_config={"admin_port": free_port()},
         ),
         tmp / "decoder.log",
-        env,
+        decoder_env,
         host=ns.inner,
         launcher=ns.exec,
     )
@@ -70,7 +73,7 @@ def two_hosts(tiny_model, tmp_path_factory, pd_pair):  # type: ignore[no-untyped
         for server in (prefiller, decoder):
             server.wait_ready()
         pair = PDPair(prefiller, decoder, pd_pair.plain, init_ports, alloc_ports, notices, None, proxy_port)
-        yield pair, ns
+        yield pair, ns, tmp / "tokens"
     finally:
         for server in (prefiller, decoder):
             server.stop()
@@ -84,7 +87,7 @@ def _failed(server: VllmServer, side: str, reason: str) -> float:
 
 
 def test_a_keyed_pair_on_two_hosts_serves_plain_outputs_and_the_decoder_loads_the_prompt(two_hosts):
-    pair, ns = two_hosts
+    pair, ns, _ = two_hosts
     prompt = prompt_tokens(CHUNK + 90, seed=3101)
     got = pair.run(prompt, MAX_TOKENS, host=ns.inner)
     assert got["tokens"] == pair.plain_tokens(prompt, MAX_TOKENS)
@@ -95,7 +98,7 @@ def test_a_keyed_pair_on_two_hosts_serves_plain_outputs_and_the_decoder_loads_th
 
 
 def test_a_sender_without_the_key_hands_the_other_host_nothing(two_hosts):
-    pair, ns = two_hosts
+    pair, ns, _ = two_hosts
     before = _failed(pair.decoder, "receive", "auth_failed")
     # a peer that knows everything public: the model (so the key space), TP, layout, ports
     info = dict(next(labels for name, labels in pair.decoder.samples() if name == "vllm:kvlens_info"))
@@ -124,7 +127,7 @@ def _transfer(host: str, port: int, done: Done):  # type: ignore[no-untyped-def]
 
 
 def test_a_request_naming_a_receiver_the_prefiller_does_not_list_sends_nothing_and_is_served(two_hosts):
-    pair, ns = two_hosts
+    pair, ns, _ = two_hosts
     reason = "spec_refused:receiver_not_allowed"
     before = _failed(pair.prefiller, "send", reason)
     prompt = prompt_tokens(CHUNK + 10, seed=3102)
@@ -133,3 +136,15 @@ def test_a_request_naming_a_receiver_the_prefiller_does_not_list_sends_nothing_a
     assert got["tokens"] == pair.plain_tokens(prompt, MAX_TOKENS)
     assert got["decode"]["kv_transfer_params"]["kvlens"]["pd"]["outcome"] == "none"
     wait_until(lambda: _failed(pair.prefiller, "send", reason) == before + 1, what="the refusal counted")
+
+
+def test_stopping_the_decoder_leaves_neither_its_buffer_nor_its_token_file(two_hosts):
+    """vLLM's stop SIGKILLs the engine core at once: the files it made for its lifetime still go."""
+    pair, _, tokens = two_hosts
+    buffers = set(buffer_dir().glob("kvlens-pd-*"))
+    assert list(tokens.glob("admin-*.token"))  # the admin endpoint's, made at start
+    pair.decoder.stop()  # SIGTERM to vllm serve, as an operator stops it
+    wait_until(lambda: not list(tokens.glob("admin-*.token")), timeout=30, what="the token file removed")
+    wait_until(
+        lambda: len(buffers - set(buffer_dir().glob("kvlens-pd-*"))) == 1, timeout=30, what="buffer gone"
+    )
