@@ -105,6 +105,16 @@ class SchedulerPD:
         self._world = facts.world_size
         space = key_space(facts)
         self.prefiller = PDPrefiller(pd, facts, space) if pd.sender else None
+        if pd.sender:
+            logger.info(
+                "KVLens PD prefiller: %s, up to %d bytes per rank held for sends, sends to loopback%s, %s",
+                f"notifies the proxy at {pd.proxy_host}:{pd.proxy_port}"
+                if pd.notifies_proxy
+                else "notifies no proxy",
+                pd.buffer_size,
+                "".join(f", {r}" for r in pd.allowed_receivers),
+                trust_said(pd),
+            )
         self.decoder: PDDecoder | None = None
         self._sending: dict[str, _Sending] = {}  # prefiller: requests whose transfers have not all ended
         self._traces: dict[str, dict[str, str] | None] = {}  # decoder: claimed requests' trace headers
