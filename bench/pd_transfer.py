@@ -19,7 +19,7 @@ over touched memory. Modes, in turns within every round:
   frames, the END and its acknowledgement once every chunk is verified and indexed) until
   ``on_done``; between rounds the child frees the entries (not timed).
 - ``pd-tag``: the same between a sender and a receiver sharing a PD key (issue 36): the keyed
-  handshake, and a keyed BLAKE3 tag per chunk in place of the xxh3 (connector/pd/auth.py).
+  handshake, and an AES-GCM tag per chunk in place of the xxh3 (connector/pd/auth.py).
 - ``pd-tls``: ``pd-tag`` inside TLS (a self-signed certificate made for the run; ECDHE and AES-GCM
   as OpenSSL negotiates them): what hiding the prompts' KV from the network costs.
 
@@ -177,7 +177,7 @@ class PDTransfer(Benchmark):
             Side("bare", "bare TCP: sendall/recv_into, no checks"),
             Side("bare-xxh3", "bare TCP with an xxh3-64 per chunk"),
             Side("pd", "PDSender -> PDReceiver"),
-            Side("pd-tag", "PDSender -> PDReceiver with a PD key: keyed handshake, BLAKE3 chunk tags"),
+            Side("pd-tag", "PDSender -> PDReceiver with a PD key: keyed handshake, AES-GCM chunk tags"),
             Side("pd-tls", "pd-tag inside TLS"),
         ]
 

@@ -5,7 +5,7 @@ length (little-endian u32). Control bodies (``HELLO``, ``AUTH``, ``ALLOC``, ``RE
 are msgpack maps of at most ``MAX_CONTROL_BYTES``; a header announcing more is refused before
 anything is read or allocated. A ``CHUNK`` frame's body is fixed: the chunk's index in the
 transfer and its length; the bytes follow raw, then their trailer: the xxh3-64 (8 bytes) without
-a key, a keyed BLAKE3 tag (16 bytes, ``auth.py``) with one. The receiver reads the bytes with
+a key, an AES-GCM tag (16 bytes, ``auth.py``) with one. The receiver reads the bytes with
 ``recv_into`` straight into the slot the allocation gave that index (so the announced length must
 equal the allocated one). The trailer follows the bytes so that the sender can hash a chunk (on a
 helper thread) while the chunk travels.

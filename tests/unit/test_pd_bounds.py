@@ -149,13 +149,13 @@ def test_at_most_max_pooled_connections_are_kept(monkeypatch):
 
 def test_unreachable_decoders_are_forgotten_once_their_mark_expires(monkeypatch):
     monkeypatch.setattr(sender_module, "SWEEP_S", 0.1, raising=False)
-    tx = PDSender(identity(), connect_timeout_s=0.2, io_timeout_s=1.0)
+    tx = PDSender(identity(), connect_timeout_s=2.0, io_timeout_s=5.0)
     try:
-        for _ in range(30):
+        for _ in range(30):  # refused at once: each marks its port for the connect timeout
             assert send(tx, free_port(), records(1, 64, 64)).reason == "unreachable"
-        assert len(tx._down_until) == 30
-        # each mark lasts max(1 s, the connect timeout); the idle lanes prune them
-        wait_until(lambda: len(tx._down_until) == 0, timeout=10.0, what="marks forgotten")
+        assert len(tx._down_until) > 0
+        # the idle lanes prune the marks as they expire
+        wait_until(lambda: len(tx._down_until) == 0, timeout=20.0, what="marks forgotten")
     finally:
         tx.close()
 
