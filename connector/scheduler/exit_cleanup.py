@@ -7,9 +7,10 @@ connector ``shutdown`` runs. So each such file is handed to a small watchdog pro
 creation: it reads the owner's list over a pipe and, when the pipe closes (the owner exited,
 crashed or was killed), removes every file that is still the one it was told of (same device and
 inode, same content where the owner said what it wrote, and no lock held on it: a file made
-since at the same path by another process stays). The watchdog runs in a
-session of its own, so a terminal's Ctrl-C or a process group's SIGKILL meant for the engine
-does not stop it before its work; it exits once it has cleaned up. The owner still removes its
+since at the same path by another process stays). The watchdog leaves the owner's process tree
+(it forks and its parent exits: vLLM kills every descendant of its engine core) and runs in a
+session of its own, so neither a terminal's Ctrl-C nor a SIGKILL meant for the engine's tree or
+group stops it before its work; it exits once it has cleaned up. The owner still removes its
 files itself on an orderly shutdown; the watchdog then finds nothing to do.
 """
 
@@ -31,6 +32,9 @@ logger = logging.getLogger("vllm.kvlens")
 # buffer holds its lock).
 _WATCHDOG = r"""
 import fcntl, hashlib, os, signal, sys
+if os.fork():  # leave the owner's process tree: vLLM SIGKILLs every descendant of its engine core
+    os._exit(0)
+os.setsid()
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 files = [line.rstrip("\n").rsplit("\t", 3) for line in sys.stdin]
@@ -55,7 +59,8 @@ for path, dev, ino, digest in files:
 
 
 class ExitCleanup:
-    """Thread-safe; ``add`` starts the watchdog on first use and never raises."""
+    """Thread-safe; ``add`` starts the watchdog on first use and never raises. Closing the pipe
+    (this process ending) is the watchdog's signal; nothing else stops it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -68,31 +73,29 @@ class ExitCleanup:
         try:
             st = os.lstat(path)
             digest = hashlib.sha256(content).hexdigest() if content is not None else "-"
+            line = f"{path}\t{st.st_dev}\t{st.st_ino}\t{digest}\n".encode()
             with self._lock:
-                if self._watchdog is None or self._watchdog.poll() is not None:
-                    self._watchdog = _start()
-                assert self._watchdog.stdin is not None
-                self._watchdog.stdin.write(f"{path}\t{st.st_dev}\t{st.st_ino}\t{digest}\n".encode())
-                self._watchdog.stdin.flush()
+                for attempt in (1, 2):  # a watchdog gone (killed on its own) is started again
+                    try:
+                        if self._watchdog is None:
+                            self._watchdog = _start()
+                        assert self._watchdog.stdin is not None
+                        self._watchdog.stdin.write(line)
+                        self._watchdog.stdin.flush()
+                        break
+                    except BrokenPipeError:
+                        self._watchdog = None
+                        if attempt == 2:
+                            raise
             return True
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
             logger.warning("KVLens: %s will not be removed if this engine is killed: %s", path, e)
             return False
 
-    def close(self) -> None:
-        """Let the watchdog do its work now (tests; an in-process engine's end)."""
-        with self._lock:
-            watchdog, self._watchdog = self._watchdog, None
-        if watchdog is not None and watchdog.stdin is not None:
-            watchdog.stdin.close()
-            try:
-                watchdog.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-
 
 def _start() -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
+    """The watchdog, once it has left this process's tree (its first process exits at once)."""
+    launcher = subprocess.Popen(
         [sys.executable, "-I", "-S", "-c", _WATCHDOG],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
@@ -100,6 +103,8 @@ def _start() -> subprocess.Popen[bytes]:
         start_new_session=True,
         close_fds=True,
     )
+    launcher.wait(10)  # the first process; the watchdog keeps the pipe's other end
+    return launcher
 
 
 _PROCESS = ExitCleanup()

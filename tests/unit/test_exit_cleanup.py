@@ -49,10 +49,21 @@ def _gone(path: Path, timeout: float = 10.0) -> bool:
     return True
 
 
-def test_an_owner_killed_with_sigkill_leaves_none_of_its_files(tmp_path):
+def _kill_tree(pid: int) -> None:
+    """What vLLM's API server does to its engine core (vllm.utils.system_utils.kill_process_tree):
+    SIGKILL to every descendant, then to the process."""
+    import psutil
+
+    for child in psutil.Process(pid).children(recursive=True):
+        os.kill(child.pid, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_an_owner_killed_with_its_process_tree_leaves_none_of_its_files(tmp_path):
     token, buffer = tmp_path / "admin-1234.token", tmp_path / "kvlens-pd-1-r0-0123456789ab"
     child = _owner(token, buffer)
-    os.killpg(child.pid, signal.SIGKILL)  # the group too: the watchdog is in a session of its own
+    _kill_tree(child.pid)
+    os.killpg(child.pid, signal.SIGKILL)  # and its group
     child.wait(10)
     assert _gone(token) and _gone(buffer)
 
