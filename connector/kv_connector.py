@@ -147,7 +147,7 @@ class KVLensConnector(KVConnectorBase_V1):
         self._load_started = self._worker_telemetry.now()
         layer_hooks = not attention_in_full_graph(forward_context)
         self._worker.start_load(self._plan(), layer_hooks)  # reads done; copies run beside the forward
-        if self._pd_worker is not None:  # the decoder's records, from the receive buffer, now
+        if self._pd_worker is not None:  # the decoder's records, from the receive buffer, now (async)
             self._pd_worker.load(self._meta().pd_loads, self._worker.copier, self._worker.failed_blocks)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -171,12 +171,15 @@ class KVLensConnector(KVConnectorBase_V1):
             self._pd_worker.send(self._meta().pd_sends, self._worker.copier, failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Requests vLLM finished (their store records close) and asynchronous loads that did."""
+        """Requests vLLM finished (their store records close) and asynchronous loads that did
+        (PD loads: every one in the step that made it, its failed blocks in the same output)."""
         assert self._worker is not None
         self._worker_telemetry.finished(finished_req_ids)
         meta = getattr(self, "_connector_metadata", None)  # bound until the step's end
         idle = isinstance(meta, KVLensMetadata) and meta.plan.idle
         received, done = self._worker.take_finished_loads(idle)
+        if self._pd_worker is not None:
+            received |= self._pd_worker.take_received()
         if done:
             now = self._worker_telemetry.now()
             spent = int(sum(outcome.seconds for _, outcome in done) * 1e9)
@@ -206,19 +209,20 @@ class KVLensConnector(KVConnectorBase_V1):
         rid = request.request_id
         with self._scheduler_telemetry.lookup(rid):
             need = self._scheduler.lookup(request, num_computed_tokens)
-        if self._pd_scheduler is not None:  # the PD receive buffer first (its load is in the step)
-            pd_need = self._pd_scheduler.lookup(request, num_computed_tokens, need)
-            if pd_need is not None:
-                return pd_need, False
+        if self._pd_scheduler is not None:  # the PD receive buffer first (its load is asynchronous)
+            pd = self._pd_scheduler.lookup(request, num_computed_tokens, need)
+            if pd is not None:
+                return pd
         return need, need > 0 and self._scheduler.loads_async(rid)
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         block_ids = block_ids_of(blocks) if num_external_tokens > 0 else None
-        if self._pd_scheduler is not None and self._pd_scheduler.after_alloc(
-            request, num_external_tokens, block_ids
-        ):
-            num_external_tokens, block_ids = 0, None  # PD's tokens: the tiers' lookup loads none
+        if self._pd_scheduler is not None:
+            if self._pd_scheduler.readmitted(request.request_id):
+                return  # scheduled after its PD load: its lookup was final at the claim
+            if self._pd_scheduler.after_alloc(request, num_external_tokens, block_ids):
+                num_external_tokens, block_ids = 0, None  # PD's tokens: the tiers' lookup loads none
         outcome = self._scheduler.after_alloc(request, num_external_tokens, block_ids)
         self._scheduler_telemetry.lookup_final(outcome)
 
@@ -237,8 +241,7 @@ class KVLensConnector(KVConnectorBase_V1):
         if self._pd_scheduler is None:
             return KVLensMetadata(plan)
         state = self._scheduler.state
-        sends, loads, failed = self._pd_scheduler.plan(scheduler_output, state.trackers, state.unfinished)
-        plan.fail_blocks += failed
+        sends, loads = self._pd_scheduler.plan(scheduler_output, state.trackers, state.unfinished)
         return KVLensMetadata(plan, sends, loads)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

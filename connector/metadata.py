@@ -20,7 +20,7 @@ class KVLensMetadata(KVConnectorMetadata):
 
     plan: StepPlan = field(default_factory=StepPlan)
     pd_sends: list[PDSendJob] = field(default_factory=list)  # prefiller: gather after the forward
-    pd_loads: list[PDLoadJob] = field(default_factory=list)  # decoder: load before the forward
+    pd_loads: list[PDLoadJob] = field(default_factory=list)  # decoder: load in this step (async)
 
 
 @dataclass

@@ -149,15 +149,16 @@ class SchedulerPD:
             )
 
     # ---- lookup ---------------------------------------------------------------------------
-    def lookup(self, request: Any, num_computed: int, tier_need: int) -> int | None:
-        """The request's PD tokens when they beat the tiers' (None: the tiers' lookup stands)."""
+    def lookup(self, request: Any, num_computed: int, tier_need: int) -> tuple[int, bool] | None:
+        """vLLM's answer when the request's PD tokens beat the tiers' (None: the tiers' lookup
+        stands). Always an asynchronous load (``pd_decoder.py``)."""
         if self.prefiller is not None:
             self.prefiller.note(request)
         if self.decoder is None:
             return None
         hasher = self._hashers.get(request.request_id)
         need = self.decoder.lookup(request, num_computed, hasher)
-        return need if need > tier_need else None
+        return (need, True) if need > tier_need else None
 
     def after_alloc(self, request: Any, num_external: int, block_ids: list[int] | None) -> bool:
         """True when the request's external tokens are PD's (the tiers' lookup gets 0)."""
@@ -168,12 +169,17 @@ class SchedulerPD:
             self._traces[request.request_id] = trace_headers(request)
         return claimed
 
+    def readmitted(self, request_id: str) -> bool:
+        """vLLM schedules the request again after its PD load was reported: that allocation is
+        not a new lookup (the first one was final and counted)."""
+        return self.decoder is not None and self.decoder.readmitted(request_id)
+
     def hit_tokens(self, request_id: str) -> int:
         return self.decoder.tokens(request_id) if self.decoder is not None else 0
 
     # ---- plan and reports -------------------------------------------------------------------
     def plan(self, scheduler_output: Any, trackers: dict[str, Any], unfinished: dict[str, Any]) -> tuple:
-        """(send jobs, load jobs, blocks to report failed) of this step."""
+        """(send jobs, load jobs) of this step."""
         sends = self.prefiller.plan(trackers, unfinished) if self.prefiller is not None else []
         for job in sends:
             tokens = sum(c.num_tokens for c in job.chunks)
@@ -181,11 +187,9 @@ class SchedulerPD:
         if not getattr(scheduler_output, "total_num_scheduled_tokens", 1) and self.pending():
             time.sleep(IDLE_STEP_S)  # nothing computes: a step only to hear of PD's ends
         if self.decoder is None:
-            return sends, [], []
-        loads = self.decoder.plan(scheduler_output)
+            return sends, []
         self.decoder.step()
-        self._loads_reported()  # loads that failed at planning
-        return sends, loads, self.decoder.take_fail_blocks()
+        return sends, self.decoder.take_jobs()
 
     def on_worker_meta(self, loads: dict[str, PDLoadResult], sends: list[PDSendReport]) -> None:
         if self.decoder is not None and loads:
@@ -307,8 +311,13 @@ class WorkerPD:
             self.loads = PDLoads(local, attach)
 
     def load(self, jobs: list, copier: Any, failed_blocks: set[int]) -> None:
-        if self.loads is not None and jobs and copier is not None:
+        """The step's PD loads, done when this returns; their failed blocks join the step's."""
+        if self.loads is not None and jobs:
             failed_blocks |= self.loads.run(jobs, copier)
+
+    def take_received(self) -> set[str]:
+        """Requests whose PD load ended since the last call (vLLM's ``finished_recving``)."""
+        return self.loads.take_finished() if self.loads is not None else set()
 
     def send(self, jobs: list, copier: Any, failed_blocks: set[int]) -> None:
         if self.sends is not None and jobs and copier is not None:

@@ -40,15 +40,21 @@ class PDChunkLoad:
 
 @dataclass(frozen=True, slots=True)
 class PDLoadJob:
-    """Copy claimed records from the receive buffer into the request's blocks, before the forward."""
+    """Copy claimed records from the receive buffer into the request's blocks. The request waits
+    outside the batch (vLLM's ``WAITING_FOR_REMOTE_KVS``): each rank copies in the step whose
+    metadata carries the job and reports the request in that step's ``finished_recving``, with
+    the blocks that failed, whatever happened (vLLM holds the request's blocks until then)."""
 
     request_id: str
     chunks: tuple[PDChunkLoad, ...]
+    fail_blocks: tuple[int, ...] = ()  # after the chunks: blocks of records lost before the load
+    fail_reason: str | None = None  # why ``fail_blocks`` fail (claim_lost, no_blocks)
 
 
 @dataclass(slots=True)
 class PDLoadResult:
-    """One rank's (merged: every rank's) outcome of a PDLoadJob."""
+    """One rank's (merged: every rank's) outcome of a PDLoadJob. The scheduler counts the tokens
+    loaded from ``failed_block_ids`` (vLLM keeps a load's blocks up to its first failed one)."""
 
     ok: bool = True
     reason: str | None = None

@@ -1,15 +1,22 @@
 """The decoder's scheduler side (``pd_role: receiver``): the PD receive buffer comes first in a
-lookup, its records load through the workers like any chunk, and every claim is released.
+lookup, its records load outside the batch, and every claim is released exactly once.
 
 The ``PDReceiver`` (connector/pd/) lives here, in the scheduler process, so a lookup never races
 an arrival. A request's prompt is the prefiller's prompt plus its first token, so the decoder
 looks up the keys of the whole chunks of the prompt minus its last token and the exact-length key
 of that prefix's unfull tail (the key the prefiller sent its last chunk under). The leading keys
-held on every rank load; the rest is computed. A claim pins its slots from ``update_state_after_
-alloc`` until the workers report the load (loaded or failed); a request aborted before its load
-was planned is released at once, one aborted after only when the report comes (the workers may be
-reading the slots). What nobody claims in time the receiver frees on its own (its housekeeping,
-every second), idle engine or not.
+held on every rank load; the rest is computed.
+
+A PD load is always one of vLLM's asynchronous loads: the lookup answers ``(n, True)``, vLLM
+allocates the blocks without caching them and parks the request in ``WAITING_FOR_REMOTE_KVS``;
+``after_alloc`` claims the records and plans the job at once (it goes out in the same step's
+metadata); each rank copies in that step and reports the request finished with the blocks that
+failed. vLLM caches the blocks only when the report comes and only those before the first failed
+one (``Scheduler._update_waiting_for_remote_kv``), so a failed load's blocks never reach its
+prefix cache, under either failure policy. The claim is held until the report, whatever happens
+meanwhile (an abort: vLLM holds the blocks until the report too), and released once when it comes;
+a request whose load was reported never loads from the buffer again. What nobody claims in time
+the receiver frees on its own (its housekeeping, every second), idle engine or not.
 
 Pure: neither vLLM nor torch (the receiver is passed in).
 """
@@ -18,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..engine.keys import ChunkKey
@@ -50,12 +57,13 @@ class _Found:
 
 @dataclass(slots=True)
 class _Held:
+    """A request whose load is out: from its allocation to the workers' report."""
+
     found: _Found
-    claim: Any  # connector.pd.receive_index.Claim
+    claim: Any  # connector.pd.receive_index.Claim, None when every record was gone at allocation
     claimed_at: float
-    planned: bool = False
-    finished: bool = False  # vLLM finished (or aborted) the request; release on the report
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int]  # the blocks the load fills, from vLLM's own hit on
+    finished: bool = False  # vLLM finished (or aborted) the request before the report
 
 
 @dataclass(slots=True)
@@ -93,8 +101,11 @@ class PDDecoder:
         self._clock = clock
         self._found: dict[str, _Found] = {}
         self._held: dict[str, _Held] = {}
+        self._jobs: list[PDLoadJob] = []  # planned at allocation, for this step's metadata
+        # requests whose load was reported (they never load again), True until vLLM schedules
+        # them again (that allocation is not a new lookup)
+        self._after_load: dict[str, bool] = {}
         self._outcomes: dict[str, PDOutcome] = {}
-        self.fail_blocks: list[int] = []  # blocks vLLM allocated for records the claim lost
         self.reported: list[tuple[str, PDOutcome]] = []  # loads reported since the last take
 
     # ---- lookup ---------------------------------------------------------------------------
@@ -102,7 +113,7 @@ class PDDecoder:
         """Tokens beyond vLLM's own hit the receive buffer holds for this request (0: none)."""
         rid = request.request_id
         self._found.pop(rid, None)
-        if hasher is None or rid in self._held or num_computed % self._bs:
+        if hasher is None or rid in self._held or rid in self._after_load or num_computed % self._bs:
             return 0
         prompt_len = int(request.num_prompt_tokens)
         keys = pd_lookup_keys(hasher, request.all_token_ids, prompt_len)
@@ -121,29 +132,33 @@ class PDDecoder:
         return request_id in self._held or request_id in self._found
 
     def after_alloc(self, request: Any, num_external: int, block_ids: Sequence[int] | None) -> bool:
-        """vLLM allocated the request's blocks: claim the records (True: a PD load follows)."""
+        """vLLM allocated the request's blocks and parked it until the load is reported: claim
+        the records and plan the load (True: a PD load follows, its report always comes)."""
         rid = request.request_id
         found = self._found.pop(rid, None)
         if found is None or num_external <= 0:
             return False
-        claim = self.receiver.claim([k.hex for k in found.keys], rid)
-        now = self._clock()
-        if claim is None or len(claim.keys) < len(found.keys):
-            if claim is not None:
-                self.receiver.release(rid)
-            blocks = list(block_ids or ())
-            first = found.vllm_computed // self._bs
-            self.fail_blocks += blocks[first : cdiv(found.vllm_computed + num_external, self._bs)]
-            self._outcomes[rid] = PDOutcome("failed", "claim_lost")
-            logger.warning("KVLens PD: %s: records present at lookup were gone at allocation", rid[:64])
-            return False
         if found.covered - found.vllm_computed != num_external:  # vLLM took fewer: load what it took
             keep = [k for k in found.keys if k.start < found.vllm_computed + num_external]
             found.keys, found.covered = keep, found.vllm_computed + num_external
-        self._held[rid] = _Held(found, claim, now)
-        wait_ms = max(found.looked_up_at - claim.received_at, 0.0) * 1000
-        self._outcomes[rid] = PDOutcome("none", None, 0, claim.bytes, claim.transfer_ms, wait_ms)
+        claim = self.receiver.claim([k.hex for k in found.keys], rid)
+        blocks = list(block_ids or ())
+        loaded = blocks[found.vllm_computed // self._bs : cdiv(found.covered, self._bs)]
+        held = self._held[rid] = _Held(found, claim, self._clock(), loaded)
+        self._jobs.append(self._job(rid, held, blocks))
+        if claim is None or len(claim.keys) < len(found.keys):
+            logger.warning("KVLens PD: %s: records present at lookup were gone at allocation", rid[:64])
+        wait_ms = max(found.looked_up_at - claim.received_at, 0.0) * 1000 if claim is not None else 0.0
+        nbytes, transfer_ms = (claim.bytes, claim.transfer_ms) if claim is not None else (0, 0.0)
+        self._outcomes[rid] = PDOutcome("none", None, 0, nbytes, transfer_ms, wait_ms)
         return True
+
+    def readmitted(self, request_id: str) -> bool:
+        """vLLM schedules the request after its load was reported (once True per load)."""
+        if self._after_load.get(request_id):
+            self._after_load[request_id] = False
+            return True
+        return False
 
     def tokens(self, request_id: str) -> int:
         """Tokens the claimed records supply beyond vLLM's own hit (for the hit-source split)."""
@@ -151,47 +166,34 @@ class PDDecoder:
         return held.found.covered - held.found.vllm_computed if held is not None else 0
 
     # ---- plan -----------------------------------------------------------------------------
-    def plan(self, scheduler_output: Any) -> list[PDLoadJob]:
-        """Load jobs of requests scheduled for the first time with a claim."""
-        jobs = []
-        for new in getattr(scheduler_output, "scheduled_new_reqs", ()):
-            held = self._held.get(new.req_id)
-            if held is None or held.planned:
-                continue
-            held.planned = True
-            blocks = list(new.block_ids[0]) if new.block_ids else []
-            job = self._job(new.req_id, held, blocks)
-            if job is None:
-                self._fail(new.req_id, held, blocks, "no_blocks")
-            else:
-                jobs.append(job)
-        return jobs
-
-    def _job(self, rid: str, held: _Held, blocks: list[int]) -> PDLoadJob | None:
+    def _job(self, rid: str, held: _Held, blocks: list[int]) -> PDLoadJob:
+        """The load of the claimed records into ``blocks``; blocks of records the claim lost (or
+        that vLLM allocated no block for) fail as they are, with every later one."""
         bs, start_block = self._bs, held.found.vllm_computed // self._bs
-        chunks = []
+        claimed = len(held.claim.keys) if held.claim is not None else 0
+        chunks: list[PDChunkLoad] = []
+        failed: list[int] = []
+        reason = None
         for i, key in enumerate(held.found.keys):
             first, end = max(key.start // bs, start_block), cdiv(key.end, bs)
             if first >= end:
                 continue
-            if end > len(blocks):
-                return None
+            if reason is None and (i >= claimed or end > len(blocks)):
+                reason = "claim_lost" if i >= claimed else "no_blocks"
+            if reason is not None:
+                failed += blocks[first:end]
+                continue
             where = tuple((loc.buffer_name, loc.offset, loc.length) for loc in held.claim.locations[i])
             chunks.append(
                 PDChunkLoad(
                     key.hex, tuple(blocks[first:end]), first - key.start // bs, key.end - first * bs, where
                 )
             )
-        held.block_ids = blocks[start_block : cdiv(held.found.covered, bs)]
-        return PDLoadJob(rid, tuple(chunks))
+        return PDLoadJob(rid, tuple(chunks), tuple(failed), reason)
 
-    def _fail(self, rid: str, held: _Held, blocks: list[int], reason: str) -> None:
-        bs = self._bs
-        self.fail_blocks += blocks[held.found.vllm_computed // bs : cdiv(held.found.covered, bs)]
-        self._settle(rid, PDLoadResult(False, reason))
-
-    def take_fail_blocks(self) -> list[int]:
-        out, self.fail_blocks = self.fail_blocks, []
+    def take_jobs(self) -> list[PDLoadJob]:
+        """The loads planned since the last step (every one goes out in this step's metadata)."""
+        out, self._jobs = self._jobs, []
         return out
 
     # ---- reports, finish, expiry ------------------------------------------------------------
@@ -202,38 +204,49 @@ class PDDecoder:
 
     def _settle(self, rid: str, result: PDLoadResult) -> None:
         held = self._held.pop(rid)
-        self.receiver.release(rid)
+        if held.claim is not None:
+            self.receiver.release(rid)
         out = self._outcomes.setdefault(rid, PDOutcome())
-        out.buffer_ms = max(self._clock() - held.claim.received_at, 0.0) * 1000
-        if result.ok:
-            out.outcome, out.tokens = "loaded", held.found.covered - held.found.vllm_computed
+        received_at = held.claim.received_at if held.claim is not None else held.claimed_at
+        out.buffer_ms = max(self._clock() - received_at, 0.0) * 1000
+        out.tokens = self._loaded_tokens(held, result.failed_block_ids)
+        if result.ok and not result.failed_block_ids:
+            out.outcome = "loaded"
         else:
             out.outcome, out.reason = "failed", result.reason or "load_failed"
         self.reported.append((rid, out))
         if held.finished:
             self._outcomes.pop(rid, None)
+        else:
+            self._after_load[rid] = True
+
+    def _loaded_tokens(self, held: _Held, failed: set[int]) -> int:
+        """The tokens vLLM keeps: its hit is block-aligned and it truncates a load at its first
+        failed block (every rank's failures merged)."""
+        for i, block in enumerate(held.block_ids):
+            if block in failed:
+                return min(i * self._bs, held.found.covered - held.found.vllm_computed)
+        return held.found.covered - held.found.vllm_computed
 
     def finish(self, request_id: str) -> dict[str, Any]:
-        """The request ends (finished, aborted): its ``kvlens.pd``; its claim released unless the
-        workers may still read it (then on their report)."""
+        """The request ends (finished, aborted, failed): its ``kvlens.pd``. A load still out keeps
+        its claim until its report (the workers may be reading the slots)."""
         self._found.pop(request_id, None)
+        self._after_load.pop(request_id, None)
         held = self._held.get(request_id)
-        if held is not None and held.planned:
+        if held is not None:
             held.finished = True
-        elif held is not None:
-            self._held.pop(request_id)
-            self.receiver.release(request_id)
-            self._outcomes.setdefault(request_id, PDOutcome()).reason = "aborted"
-        out = self._outcomes.get(request_id) or PDOutcome()  # nothing received for it: "none"
-        if held is None or not held.planned:
-            self._outcomes.pop(request_id, None)
-        return out.as_params()
+            out = self._outcomes.get(request_id)
+        else:
+            out = self._outcomes.pop(request_id, None)
+        return (out or PDOutcome()).as_params()  # nothing received for it: "none"
 
     def step(self) -> None:
-        """Bound the outcomes kept (requests vLLM never finished cannot grow it forever)."""
-        if len(self._outcomes) > MAX_OUTCOMES:
-            for rid in list(self._outcomes)[: len(self._outcomes) - MAX_OUTCOMES]:
-                self._outcomes.pop(rid, None)
+        """Bound what is kept per request (requests vLLM never finished cannot grow it forever)."""
+        for table in (self._outcomes, self._after_load):
+            if len(table) > MAX_OUTCOMES:
+                for rid in list(table)[: len(table) - MAX_OUTCOMES]:
+                    table.pop(rid, None)
 
     def take_reported(self) -> list[tuple[str, PDOutcome]]:
         out, self.reported = self.reported, []

@@ -11,10 +11,12 @@ a prompt's last block past the prompt hold what the block's previous occupant le
 zeroed before the send (``TailSlots``), or, where this rank cannot tell them apart, that unfull
 last chunk is not sent (the decoder computes it).
 
-Loads: before the forward pass each claimed record is read from the rank's receive buffer
-(attached read-only, once per buffer) and scattered into the request's blocks; any failure fails
-that chunk's blocks and every later one (vLLM recomputes them) and is reported, so the scheduler
-releases the claim.
+Loads: vLLM's asynchronous loads (the request waits outside the batch). In the step whose
+metadata carries a job (``start_load_kv``, after that step's forward pass), each claimed record is
+read from the rank's receive buffer (attached read-only, once per buffer) and scattered into the
+request's blocks; any failure fails that chunk's blocks and every later one (vLLM recomputes them).
+Every job is reported in the same step, whatever happened: the request in ``finished_recving``,
+its failed blocks with the step's, its outcome to the scheduler, which releases the claim.
 """
 
 from __future__ import annotations
@@ -186,41 +188,63 @@ class PDLoads:
         self._attach = attach
         self._attached: dict[str, Any] = {}
         self._results: dict[str, PDLoadResult] = {}
+        self._finished: set[str] = set()
 
     def run(self, jobs: list[PDLoadJob], copier: Any) -> set[int]:
-        """Load every job now (done when this returns); the blocks that failed."""
+        """Load every job now (done when this returns); the blocks that failed. Each job ends
+        reported, even one that raised (vLLM would wait for it forever)."""
         failed: set[int] = set()
         for job in jobs:
-            result = PDLoadResult()
             started = time.perf_counter()
-            for position, chunk in enumerate(job.chunks):
-                try:
-                    name, offset, length = chunk.where[self.rank]
-                    view = self._buffer(name).view(offset, length)
-                    payload = copier.payload_view(view)
-                    copier.scatter(payload, chunk.block_ids, chunk.first_block)
-                    result.tokens += chunk.num_tokens
-                    result.bytes += length
-                except (OSError, ValueError, IndexError, RuntimeError) as e:
-                    result.ok, result.reason = False, "load_failed"
-                    for later in job.chunks[position:]:
-                        result.failed_block_ids.update(later.block_ids)
-                    logger.warning(
-                        "KVLens PD: loading %s from the receive buffer failed: %s", job.request_id[:64], e
-                    )
-                    break
+            try:
+                result = self._load(job, copier)
+            except Exception:  # a defect: its blocks are recomputed, the request is not left waiting
+                logger.exception("KVLens PD: loading %s raised", job.request_id[:64])
+                result = failed_whole(job, "internal")
             logger.debug(
                 "KVLens PD: %s loaded in %.2f ms", job.request_id[:64], (time.perf_counter() - started) * 1e3
             )
             failed |= result.failed_block_ids
             self._results[job.request_id] = result
+            self._finished.add(job.request_id)
         return failed
+
+    def _load(self, job: PDLoadJob, copier: Any) -> PDLoadResult:
+        if copier is None:  # no KV cache registered (never in a running engine)
+            logger.warning("KVLens PD: %s not loaded: no KV cache registered", job.request_id[:64])
+            return failed_whole(job, "load_failed")
+        result = PDLoadResult()
+        for position, chunk in enumerate(job.chunks):
+            try:
+                name, offset, length = chunk.where[self.rank]
+                view = self._buffer(name).view(offset, length)
+                payload = copier.payload_view(view)
+                copier.scatter(payload, chunk.block_ids, chunk.first_block)
+                result.tokens += chunk.num_tokens
+                result.bytes += length
+            except (OSError, ValueError, IndexError, RuntimeError) as e:
+                result.ok, result.reason = False, "load_failed"
+                for later in job.chunks[position:]:
+                    result.failed_block_ids.update(later.block_ids)
+                logger.warning(
+                    "KVLens PD: loading %s from the receive buffer failed: %s", job.request_id[:64], e
+                )
+                break
+        if job.fail_blocks:
+            result.ok, result.reason = False, result.reason or job.fail_reason
+            result.failed_block_ids.update(job.fail_blocks)
+        return result
 
     def _buffer(self, name: str) -> Any:
         buffer = self._attached.get(name)
         if buffer is None:
             buffer = self._attached[name] = self._attach(name)
         return buffer
+
+    def take_finished(self) -> set[str]:
+        """Requests whose job ran since the last call: vLLM's ``finished_recving``."""
+        out, self._finished = self._finished, set()
+        return out
 
     def take_results(self) -> dict[str, PDLoadResult]:
         out, self._results = self._results, {}
@@ -230,3 +254,9 @@ class PDLoads:
         for buffer in self._attached.values():
             buffer.close()
         self._attached.clear()
+
+
+def failed_whole(job: PDLoadJob, reason: str) -> PDLoadResult:
+    """Every block of the job failed (vLLM recomputes them)."""
+    blocks = {b for c in job.chunks for b in c.block_ids} | set(job.fail_blocks)
+    return PDLoadResult(False, reason, blocks)

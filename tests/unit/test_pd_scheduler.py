@@ -1,5 +1,6 @@
 """The scheduler's pure PD pieces: a client's disagg_spec is bounded and checked, the decoder looks
-up exactly the keys the prefiller sent, and every claim is released once (loaded, failed, aborted)."""
+up exactly the keys the prefiller sent, plans its asynchronous load at allocation, counts exactly
+the tokens that loaded, and releases every claim once (loaded, failed, aborted, reported late)."""
 
 from __future__ import annotations
 
@@ -126,57 +127,117 @@ def decoder_with(prompt_len):
     return PDDecoder(receiver, BLOCK, lambda: 1.0), receiver, req
 
 
-def scheduled(rid, blocks):
-    return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=[blocks])])
+def claims_agree(decoder, receiver):
+    """The receive index's claims are the decoder's loads still out (every one holds a claim)."""
+    return len(receiver.claims) == decoder.held
 
 
-def test_lookup_claim_plan_and_release_on_the_report():
+def test_the_load_is_planned_at_allocation_and_its_claim_released_once_on_the_report():
     decoder, receiver, req = decoder_with(CHUNK * 2 + 78)  # 2 chunks + a 77-token tail
     assert decoder.lookup(req, 0, PrefixHasher(NS, CHUNK)) == CHUNK * 2 + 77
-    assert decoder.after_alloc(req, CHUNK * 2 + 77, list(range(5)))
-    (job,) = decoder.plan(scheduled("d-1", list(range(100, 105))))
+    assert decoder.after_alloc(req, CHUNK * 2 + 77, list(range(100, 105)))
+    (job,) = decoder.take_jobs()  # vLLM parks the request: the load goes out in this very step
     assert [c.block_ids for c in job.chunks] == [(100, 101), (102, 103), (104,)]
     assert [c.num_tokens for c in job.chunks] == [CHUNK, CHUNK, 77]
-    assert job.chunks[0].where == (("buf", 0, 100),)
-    assert receiver.claims  # held while the workers load
+    assert job.chunks[0].where == (("buf", 0, 100),) and job.fail_blocks == ()
+    assert decoder.take_jobs() == [] and receiver.claims and claims_agree(decoder, receiver)
     decoder.on_results({"d-1": PDLoadResult(True)})
-    assert receiver.released == ["d-1"] and decoder.held == 0
+    assert receiver.released == ["d-1"] and decoder.held == 0 and claims_agree(decoder, receiver)
+    assert decoder.readmitted("d-1") and not decoder.readmitted("d-1")  # vLLM schedules it once more
+    assert decoder.lookup(req, 0, PrefixHasher(NS, CHUNK)) == 0  # a request loads from the buffer once
     pd = decoder.finish("d-1")
     assert pd["outcome"] == "loaded" and pd["tokens"] == CHUNK * 2 + 77 and pd["bytes"] == 300
     assert receiver.released == ["d-1"]  # once
 
 
+@pytest.mark.parametrize(
+    ("failed", "loaded"), [({102, 103, 104}, CHUNK), ({100, 101, 102, 103, 104}, 0), ({104}, CHUNK * 2)]
+)
+def test_a_failed_load_counts_only_the_tokens_before_its_first_failed_block(failed, loaded):
+    decoder, receiver, req = decoder_with(CHUNK * 2 + 78)
+    decoder.lookup(req, 0, PrefixHasher(NS, CHUNK))
+    decoder.after_alloc(req, CHUNK * 2 + 77, list(range(100, 105)))
+    decoder.take_jobs()
+    decoder.on_results({"d-1": PDLoadResult(False, "load_failed", failed)})
+    assert receiver.released == ["d-1"] and claims_agree(decoder, receiver)
+    (reported,) = decoder.take_reported()
+    assert reported[1].outcome == "failed" and reported[1].tokens == loaded  # what vLLM keeps
+    pd = decoder.finish("d-1")
+    assert (pd["outcome"], pd["reason"], pd["tokens"]) == ("failed", "load_failed", loaded)
+
+
 def test_vllms_own_hit_is_not_loaded_again():
     decoder, _, req = decoder_with(CHUNK * 2 + 1)
     assert decoder.lookup(req, BLOCK, PrefixHasher(NS, CHUNK)) == CHUNK * 2 - BLOCK
-    assert decoder.after_alloc(req, CHUNK * 2 - BLOCK, list(range(4)))
-    (job,) = decoder.plan(scheduled("d-1", [7, 8, 9, 10]))
+    assert decoder.after_alloc(req, CHUNK * 2 - BLOCK, [7, 8, 9, 10])
+    (job,) = decoder.take_jobs()
     assert [(c.block_ids, c.first_block) for c in job.chunks] == [((8,), 1), ((9, 10), 0)]
+    decoder.on_results({"d-1": PDLoadResult(False, "load_failed", {9, 10})})
+    assert decoder.finish("d-1")["tokens"] == BLOCK  # block 8 loaded; vLLM had block 7
 
 
-def test_an_abort_before_the_load_releases_at_once_and_after_it_only_on_the_report():
+@pytest.mark.parametrize("late_steps", [0, 1, 3])
+def test_an_abort_while_the_load_is_out_releases_its_claim_once_when_the_report_comes(late_steps):
     decoder, receiver, req = decoder_with(CHUNK + 1)
     decoder.lookup(req, 0, PrefixHasher(NS, CHUNK))
     decoder.after_alloc(req, CHUNK, [1, 2])
-    assert decoder.finish("d-1")["reason"] == "aborted" and receiver.released == ["d-1"]
-
-    decoder, receiver, req = decoder_with(CHUNK + 1)
-    decoder.lookup(req, 0, PrefixHasher(NS, CHUNK))
-    decoder.after_alloc(req, CHUNK, [1, 2])
-    decoder.plan(scheduled("d-1", [1, 2]))
-    decoder.finish("d-1")  # the workers may be reading its slots
-    assert receiver.released == []
+    decoder.take_jobs()
+    assert decoder.finish("d-1")["outcome"] == "none"  # aborted: the workers may be reading the slots
+    for _ in range(late_steps):  # vLLM's asynchronous scheduling: steps go on before the report
+        assert decoder.take_jobs() == [] and receiver.released == [] and claims_agree(decoder, receiver)
+        decoder.step()
     decoder.on_results({"d-1": PDLoadResult(False, "load_failed", {2})})
-    assert receiver.released == ["d-1"] and decoder.held == 0
+    decoder.on_results({"d-1": PDLoadResult(False, "load_failed", {2})})  # a stray duplicate
+    assert receiver.released == ["d-1"] and decoder.held == 0 and claims_agree(decoder, receiver)
+    assert [rid for rid, _ in decoder.take_reported()] == ["d-1"]  # counted once, in pd_loads
+    assert not decoder.readmitted("d-1")  # it never comes back
+    assert decoder.finish("d-1")["outcome"] == "none"  # nothing kept for it
 
 
-def test_records_gone_at_allocation_fail_the_blocks_for_recompute():
+def test_an_abort_before_allocation_claims_nothing():
+    decoder, receiver, req = decoder_with(CHUNK + 1)
+    assert decoder.lookup(req, 0, PrefixHasher(NS, CHUNK)) == CHUNK
+    assert decoder.finish("d-1")["outcome"] == "none"
+    assert not decoder.after_alloc(req, CHUNK, [1, 2])  # a stale lookup is never claimed
+    assert receiver.claims == {} and receiver.released == [] and decoder.take_jobs() == []
+
+
+def test_records_gone_at_allocation_still_end_the_load_with_every_block_failed():
     decoder, receiver, req = decoder_with(CHUNK + 1)
     decoder.lookup(req, 0, PrefixHasher(NS, CHUNK))
     receiver.held.clear()  # expired between lookup and allocation
-    assert not decoder.after_alloc(req, CHUNK, [4, 5])
-    assert decoder.take_fail_blocks() == [4, 5]
-    assert decoder.finish("d-1")["outcome"] == "failed"
+    assert decoder.after_alloc(req, CHUNK, [4, 5])  # vLLM waits for the report: a job must go out
+    (job,) = decoder.take_jobs()
+    assert job.chunks == () and job.fail_blocks == (4, 5) and job.fail_reason == "claim_lost"
+    decoder.on_results({"d-1": PDLoadResult(False, "claim_lost", {4, 5})})
+    assert receiver.released == []  # nothing was claimed
+    assert decoder.finish("d-1")["reason"] == "claim_lost"
+
+
+def test_a_claim_short_of_the_lookup_loads_what_it_holds_and_fails_the_rest():
+    decoder, receiver, req = decoder_with(CHUNK * 2 + 78)
+    keys = pd_lookup_keys(PrefixHasher(NS, CHUNK), req.all_token_ids, req.num_prompt_tokens)
+    decoder.lookup(req, 0, PrefixHasher(NS, CHUNK))
+    del receiver.held[keys[1].hex]  # the second chunk expired meanwhile
+    assert decoder.after_alloc(req, CHUNK * 2 + 77, list(range(100, 105)))
+    (job,) = decoder.take_jobs()
+    assert [c.block_ids for c in job.chunks] == [(100, 101)]
+    assert job.fail_blocks == (102, 103, 104) and job.fail_reason == "claim_lost"
+
+
+def test_two_requests_on_the_same_records_each_release_their_own_claim():
+    decoder, receiver, req = decoder_with(CHUNK + 1)
+    twin = request("d-2", CHUNK + 1)
+    for r, blocks in ((req, [1, 2]), (twin, [3, 4])):
+        decoder.lookup(r, 0, PrefixHasher(NS, CHUNK))
+        assert decoder.after_alloc(r, CHUNK, blocks)
+    assert [j.request_id for j in decoder.take_jobs()] == ["d-1", "d-2"]
+    assert claims_agree(decoder, receiver) and decoder.held == 2
+    decoder.on_results({"d-2": PDLoadResult(True)})
+    assert receiver.released == ["d-2"] and claims_agree(decoder, receiver)
+    decoder.finish("d-1")
+    decoder.on_results({"d-1": PDLoadResult(True)})
+    assert receiver.released == ["d-2", "d-1"] and claims_agree(decoder, receiver)
 
 
 def test_no_record_no_hit_and_outcome_none():

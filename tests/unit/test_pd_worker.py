@@ -1,6 +1,7 @@
 """A worker rank's PD work with fakes: gathered bytes stay alive until the sender is done, the proxy
 hears once per transfer end (success or failure), nothing is sent over a failed load; records load
-from the receive buffer into the blocks, and a failure fails that chunk and every later one."""
+from the receive buffer into the blocks, a failure fails that chunk and every later one, and every
+load is reported finished (vLLM's finished_recving) in the step that ran it, whatever happened."""
 
 from __future__ import annotations
 
@@ -148,10 +149,49 @@ def test_records_load_into_blocks_and_a_bad_one_fails_it_and_every_later_chunk()
     copier = FakeCopier()
     failed = loads.run([PDLoadJob("d", (good, bad, later))], copier)
     assert failed == {12, 13} and set(copier.blocks) == {10, 11} and attached == ["buf"]
+    assert loads.take_finished() == {"d"} and loads.take_finished() == set()  # reported in this step
     result = loads.take_results()["d"]
-    assert not result.ok and result.tokens == 256 and result.failed_block_ids == {12, 13}
+    assert not result.ok and result.reason == "load_failed" and result.failed_block_ids == {12, 13}
     loads.close()
     assert buffer.closed
+
+
+def test_a_record_that_is_not_whole_blocks_fails_with_its_request_reported_finished():
+    buffer = FakeBuffer(bytes(64))
+    loads = PDLoads(0, lambda name: buffer)
+    short = PDChunkLoad("k0", (10, 11), 0, 256, (("buf", 0, 12),))  # 12 bytes: 1.5 blocks of 8
+    job = PDLoadJob("d", (short, PDChunkLoad("k1", (12,), 0, 77, (("buf", 16, 8),))))
+    assert loads.run([job], FakeCopier()) == {10, 11, 12}
+    assert loads.take_finished() == {"d"}
+    assert loads.take_results()["d"].failed_block_ids == {10, 11, 12}
+
+
+def test_blocks_of_records_lost_before_the_load_fail_after_what_loaded():
+    buffer = FakeBuffer(np.arange(64, dtype=np.uint8).tobytes())
+    loads = PDLoads(0, lambda name: buffer)
+    good = PDChunkLoad("k0", (10, 11), 0, 256, (("buf", 0, 16),))
+    gone = PDLoadJob("d", (good,), fail_blocks=(12, 13), fail_reason="claim_lost")
+    lost = PDLoadJob("e", (), fail_blocks=(20,), fail_reason="claim_lost")
+    copier = FakeCopier()
+    assert loads.run([gone, lost], copier) == {12, 13, 20} and set(copier.blocks) == {10, 11}
+    assert loads.take_finished() == {"d", "e"}
+    results = loads.take_results()
+    assert (results["d"].reason, results["d"].failed_block_ids) == ("claim_lost", {12, 13})
+    assert (results["e"].reason, results["e"].failed_block_ids) == ("claim_lost", {20})
+
+
+def test_a_load_that_raises_unexpectedly_still_ends_reported_with_every_block_failed():
+    class BrokenCopier(FakeCopier):
+        def scatter(self, payload, block_ids, first_block):
+            raise TypeError("a defect")
+
+    loads = PDLoads(0, lambda name: FakeBuffer(bytes(64)))
+    job = PDLoadJob("d", (PDChunkLoad("k0", (10, 11), 0, 256, (("buf", 0, 16),)),), (12,), "claim_lost")
+    assert loads.run([job], BrokenCopier()) == {10, 11, 12}
+    assert loads.take_finished() == {"d"}
+    assert loads.take_results()["d"].reason == "internal"
+    assert loads.run([PDLoadJob("e", job.chunks)], None) == {10, 11}  # no KV cache registered
+    assert loads.take_finished() == {"e"}
 
 
 def test_a_notice_that_waits_never_holds_the_batch():
