@@ -13,6 +13,14 @@ layouts are equal (rank r sends rank r its records as they are), each is in its 
 has one init and one alloc port per rank reachable from here, and the prefiller's proxy
 (``pd_proxy_host:pd_proxy_port``) is reachable from here. Reachability is a TCP connect made by
 the caller's ``probe`` (``tcp_probe``); without one it is not checked.
+
+A diagnosis must not count as a failure on the decoder. Doctor does not speak the PD handshake
+(``pd.probe.probe_receiver``): it has no PD key, and a handshake it cannot finish against a keyed
+decoder is an ``auth_failed`` there (a TLS decoder would need the CA too), while identities are
+compared from ``vllm:kvlens_info`` anyway. It connects and closes before sending a byte, which
+no transfer ever does, and the receiver takes such a connection as a probe, counted nowhere
+(``pd/receiver.py`` ``_closes_unheard``; load balancers' and Kubernetes's TCP checks look the
+same). So one check serves keyed, loopback, unauthenticated and TLS decoders alike.
 """
 
 from __future__ import annotations
@@ -171,7 +179,8 @@ _PD_EQUAL = (
 
 
 def tcp_probe(host: str, port: int, timeout_s: float = 2.0) -> str | None:
-    """None when ``host:port`` accepts a TCP connection (closed at once), else the OS's reason."""
+    """None when ``host:port`` accepts a TCP connection, else the OS's reason. Nothing is sent: a
+    PD receiver takes a connection closed before its first byte as a probe, not a failure."""
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
             return None

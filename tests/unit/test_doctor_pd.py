@@ -1,5 +1,6 @@
 """``kvlens doctor`` on PD: whether a prefiller and a decoder can pair, and what differs when
-not, from their vllm:kvlens_info labels; the decoder's ports and the proxy probed from here."""
+not, from their vllm:kvlens_info labels; the decoder's ports and the proxy probed from here, and
+a real receiver's failure counters left as they were by the probing."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import pytest
 
 from connector.ops import doctor
 from connector.ops.cli import main
+from connector.pd.probe import probe_receiver
+
+from .pd_wire_support import HOST, identity, receiver, tls_files_in, wait_until
 
 IDENTITY = {
     "version": "0.1.0",
@@ -224,3 +228,71 @@ def test_doctor_says_when_a_pair_runs_without_a_key_beyond_loopback():
     assert pair.can_pair and len(pair.warnings) == 2
     assert "UNAUTHENTICATED (pd_allow_unauthenticated: true)" in pair.verdict()
     assert _pair(prefiller={"pd_auth": "key"}, decoder={"pd_auth": "key"}).warnings == []
+
+
+# ---- a diagnosis is not a failure: doctor against a real PD receiver -----------------------------
+@pytest.fixture
+def tls_files(tmp_path):  # type: ignore[no-untyped-def]
+    return tls_files_in(str(tmp_path))
+
+
+@pytest.mark.parametrize("auth", ["loopback", "key", "key+tls"])
+def test_a_doctor_run_leaves_every_failure_counter_of_the_receiver_where_it_was(auth, tls_files):
+    """kvlens doctor connects to each of the decoder's ports and closes at once: the receiver
+    must not count that as a failed transfer (peer_closed, or tls_failed on a TLS decoder), or
+    every diagnosis feeds the "Refused or failed" panel and the KVLensPDTransfersRefused alert."""
+    from connector.pd.auth import PDAuth
+    from connector.pd.tls import ClientTLS, ServerTLS, TLSFiles
+
+    key = PDAuth(b"operator's PD key, 32 characters") if auth != "loopback" else None
+    server_tls = ServerTLS(TLSFiles(tls_files.cert, tls_files.key)) if auth == "key+tls" else None
+    client_tls = ClientTLS(TLSFiles(ca_file=tls_files.cert)) if server_tls else None
+    proxy = socket.create_server((HOST, 0))
+    with receiver(tp=2, auth=key, tls=server_tls) as rx:
+        decoder = {
+            **DECODER,
+            "pd_host": HOST,
+            "pd_init_ports": ",".join(map(str, rx.init_ports)),
+            "pd_alloc_ports": ",".join(map(str, rx.alloc_ports)),
+            "pd_auth": auth.split("+")[0],
+            "pd_tls": "on" if server_tls else "",
+        }
+        prefiller = {**PREFILLER, "pd_proxy": f"{HOST}:{proxy.getsockname()[1]}"}
+        prefiller.update({k: decoder[k] for k in ("pd_auth", "pd_tls")})
+        servers = [_serve(prefiller), _serve(decoder)]
+        urls = [f"http://{HOST}:{s.server_address[1]}" for s in servers]
+        before = rx.stats()
+        try:
+            for _ in range(3):
+                assert main(["doctor", *urls]) == 0
+        finally:
+            for s in servers:
+                s.shutdown()
+            proxy.close()
+        # A handshake on each port after doctor's connections: each port accepts in order, so once
+        # it is answered the receiver has taken doctor's connection on that port too.
+        for rank, ports in enumerate(zip(rx.init_ports, rx.alloc_ports, strict=True)):
+            for port in ports:
+                assert probe_receiver(HOST, port, identity(rank, 2), 10.0, key, client_tls).ok
+        wait_until(lambda: rx.stats().connections == 0, what="every connection served")
+        after = rx.stats()
+    assert after.failed == before.failed == {}
+    assert after.transfers == before.transfers
+
+
+def test_only_a_connection_closed_before_its_first_byte_is_a_probe():
+    import struct
+
+    with receiver() as rx:
+        for how in ("close", "reset"):
+            s = socket.create_connection((HOST, rx.alloc_ports[0]))
+            if how == "reset":
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+        half = socket.create_connection((HOST, rx.init_ports[0]))
+        half.sendall(b"KP")  # a peer that began a frame and went: a failure, as before
+        half.close()
+        wait_until(lambda: rx.stats().failed, what="the half frame counted")
+        assert probe_receiver(HOST, rx.alloc_ports[0], identity(), 10.0).ok  # the two probes were taken
+        wait_until(lambda: rx.stats().connections == 0, what="every connection served")
+        assert rx.stats().failed == {"peer_closed": 1}
