@@ -33,7 +33,8 @@ from typing import Any
 from ..engine.namespace_records import Selector
 from ..scheduler.admin_token import TOKEN_ENV, client_token, default_path
 from ..tiers.store_records import DiskRecords, RedisRecords, Store, clear
-from . import doctor, inspect_report
+from . import doctor, doctor_pd, inspect_report
+from .units import human_bytes
 
 HTTP_TIMEOUT_S = 180.0  # a clear through an engine waits for loads in flight (at most 60 s)
 TOKEN_HELP = (
@@ -155,7 +156,7 @@ def _clear_text(result: dict[str, Any]) -> str:
     if "engine" not in result:
         return (
             f"{result['where']}: cleared {result['selection']}: {result['chunks']} chunks, "
-            f"{result['records']} records, {inspect_report.human_bytes(result['bytes'])}; "
+            f"{result['records']} records, {human_bytes(result['bytes'])}; "
             f"namespace records removed: {len(result['namespaces'])}"
         )
     engine = result["engine"]
@@ -172,9 +173,7 @@ def _clear_text(result: dict[str, Any]) -> str:
             if "error" in r:
                 lines.append(f"  {tier}: failed: {r['error']}")
             else:
-                lines.append(
-                    f"  {tier}: removed {r['chunks']} chunks, {inspect_report.human_bytes(r['bytes'])}"
-                )
+                lines.append(f"  {tier}: removed {r['chunks']} chunks, {human_bytes(r['bytes'])}")
     return "\n".join(lines)
 
 
@@ -199,7 +198,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         if not engines:
             unreachable[url] = "no vllm:kvlens_info series: KVLens is not loaded there"
         found += engines
-    result = doctor.diagnose(found, unreachable, probe=doctor.tcp_probe)
+    result = doctor.diagnose(found, unreachable, probe=doctor_pd.tcp_probe)
     print(json.dumps(result.to_json(), indent=2) if args.json else doctor.text(result))
     return 2 if unreachable else 1 if any(not p.can_pair for p in result.pd) else 0
 
