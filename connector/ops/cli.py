@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import urllib.error
@@ -265,13 +266,30 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # a reader that left shows here, not in Python's flush at exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except UsageError as e:
         print(f"kvlens {args.command}: {e}", file=sys.stderr)
         return 1
     except OSError as e:
         print(f"kvlens {args.command}: {e}", file=sys.stderr)
         return 1
+
+
+def _reader_gone() -> int:
+    """``kvlens inspect DIR | head``: the reader left before the report ended. Said nowhere, as a
+    Unix tool says nothing (it dies of SIGPIPE: status 128 + 13); stdout goes to /dev/null so
+    that Python's own flush at exit has nothing left to complain about."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # a stdout without a file descriptor (embedded, tests)
+        pass
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":  # pragma: no cover

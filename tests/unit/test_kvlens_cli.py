@@ -142,3 +142,26 @@ def test_records_written_after_the_cutoff_are_left_alone(store):
 
     cutoff = time.time() - 3600
     assert clear(DiskRecords(str(store)), Selector(), before_s=cutoff).chunks == 0
+
+
+def test_inspect_into_a_closed_pipe_exits_quietly_as_unix_tools_do(store):
+    """``kvlens inspect DIR | head``: the reader leaves early; no "[Errno 32] Broken pipe", no
+    traceback, the status a tool killed by SIGPIPE has (128 + 13)."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before kvlens writes a byte
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "connector.ops.cli", "inspect", str(store)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            cwd=repo,
+            env={**os.environ, "PYTHONPATH": str(repo)},
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert done.stderr.decode() == "" and done.returncode == 141
