@@ -1,6 +1,7 @@
 """The ``kvlens`` command: inspect and clear KVLens stores, and diagnose running instances.
 
     kvlens inspect DISK_DIR | REDIS_URL | ADMIN_URL      what is stored, by namespace and age
+                                                        (an admin URL: the namespaces only)
     kvlens clear   DISK_DIR | REDIS_URL | ADMIN_URL  (--all | --namespace FP | --model M |
                    --salt S | --tag NAME=VALUE ...)     remove it, all or one namespace
     kvlens doctor  URL [URL ...]                        who can share KV, tier health, sizing,
@@ -138,6 +139,10 @@ def _namespaces_text(reply: dict[str, Any]) -> str:
         tags = ",".join(ns.get("tag_names", [])) or "-"
         salted = "yes" if ns.get("salted") else "no"
         lines.append(f"  {ns['fingerprint']}  salted {salted}  tags {tags}  model {ns['model'][:60]}{mark}")
+    lines.append(
+        "chunks, bytes, ages and damaged records: kvlens inspect on the engine's disk directory or "
+        "Redis URL (its admin endpoint lists namespaces only)"
+    )
     return "\n".join(lines)
 
 
@@ -222,8 +227,11 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     target = "a disk tier directory, a Redis URL, or a running engine's admin URL (http://...)"
 
-    ins = sub.add_parser("inspect", help="what a store holds: chunks, bytes, namespaces, ages, damage")
-    ins.add_argument("target", help=target)
+    ins = sub.add_parser(
+        "inspect",
+        help="what a store holds: chunks, bytes, namespaces, ages, damage (an admin URL: its namespaces)",
+    )
+    ins.add_argument("target", help=target + "; an admin URL lists the namespaces only")
     ins.add_argument("--prefix", default="kvlens", help="Redis key prefix (extra_config.remote_key_prefix)")
     ins.add_argument("--verify", action="store_true", help="read whole records and check their checksums")
     ins.add_argument("--token-file", help=TOKEN_HELP)

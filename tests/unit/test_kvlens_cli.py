@@ -165,3 +165,39 @@ def test_inspect_into_a_closed_pipe_exits_quietly_as_unix_tools_do(store):
     finally:
         os.close(write)
     assert done.stderr.decode() == "" and done.returncode == 141
+
+
+def test_inspect_on_an_admin_url_lists_namespaces_and_says_where_chunks_bytes_and_ages_are(tmp_path, capsys):
+    """The admin endpoint serves namespace records only (GET /kvlens/namespaces): the report says
+    so instead of leaving chunks, bytes and ages unsaid."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    record = json.loads(NamespaceRecord.of(TAGGED, 256).to_json())
+    body = json.dumps({"namespaces": [{**record, "this_engine": True}]}).encode()
+
+    class Admin(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            ok = self.path == "/kvlens/namespaces" and self.headers["Authorization"] == "Bearer t"
+            self.send_response(200 if ok else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    token = tmp_path / "token"
+    token.write_text("t")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Admin)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        code, out, _ = _run(capsys, "inspect", url, "--token-file", str(token))
+    finally:
+        server.shutdown()
+    assert code == 0
+    assert f"{key_fingerprint(TAGGED)}  salted no  tags team" in out and "(stored by this engine)" in out
+    assert out.rstrip().endswith(
+        "chunks, bytes, ages and damaged records: kvlens inspect on the engine's disk directory or "
+        "Redis URL (its admin endpoint lists namespaces only)"
+    )
