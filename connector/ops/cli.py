@@ -39,6 +39,7 @@ from . import doctor, doctor_pd, inspect_report
 from .units import human_bytes
 
 HTTP_TIMEOUT_S = 180.0  # a clear through an engine waits for loads in flight (at most 60 s)
+SCRAPE_TIMEOUT_S = 10.0  # doctor's read of one /metrics
 TOKEN_HELP = (
     f"the admin endpoint's token file (default: ${TOKEN_ENV}, else the file the engine wrote for the "
     "URL's port under ~/.cache/kvlens)"
@@ -187,7 +188,7 @@ def _scrape(url: str) -> list[doctor.Sample]:
     from prometheus_client.parser import text_string_to_metric_families
 
     target = url if url.rstrip("/").endswith("/metrics") else url.rstrip("/") + "/metrics"
-    with urllib.request.urlopen(target, timeout=10) as r:
+    with urllib.request.urlopen(target, timeout=SCRAPE_TIMEOUT_S) as r:
         body = r.read().decode()
     return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(body) for s in f.samples]
 
@@ -220,25 +221,53 @@ def cmd_pd_proxy(args: argparse.Namespace) -> int:
     return run(settings)
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """Every option's default in its help, as argparse's ArgumentDefaultsHelpFormatter writes it,
+    but never "(default: None)" or "(default: False)", and a list as it is typed (8300,8301)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text, default = action.help or "", action.default
+        if not action.option_strings or default is None or default is False or default == argparse.SUPPRESS:
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
+DOCTOR_DESCRIPTION = (
+    f"Reads each URL's /metrics ({SCRAPE_TIMEOUT_S:g} s each) and says which instances can share KV "
+    "and why others cannot, how their tiers are, what the what-if curves advise, and whether each PD "
+    "prefiller can pair with each decoder. For a pair that can, it connects to the decoder's PD ports "
+    f"and the prefiller's proxy from here ({doctor_pd.PROBE_TIMEOUT_S:g} s each) and closes at once: "
+    "nothing is sent, and the decoder counts no failure. Exit status 0; 1 when a PD pair cannot pair; "
+    "2 when a URL could not be read or runs no KVLens."
+)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvlens", description="Inspect and clear KVLens stores; diagnose running instances."
     )
     sub = p.add_subparsers(dest="command", required=True)
     target = "a disk tier directory, a Redis URL, or a running engine's admin URL (http://...)"
+    json_help = "print machine-readable JSON"
 
     ins = sub.add_parser(
         "inspect",
         help="what a store holds: chunks, bytes, namespaces, ages, damage (an admin URL: its namespaces)",
+        formatter_class=DefaultsShown,
     )
     ins.add_argument("target", help=target + "; an admin URL lists the namespaces only")
     ins.add_argument("--prefix", default="kvlens", help="Redis key prefix (extra_config.remote_key_prefix)")
     ins.add_argument("--verify", action="store_true", help="read whole records and check their checksums")
     ins.add_argument("--token-file", help=TOKEN_HELP)
-    ins.add_argument("--json", action="store_true")
+    ins.add_argument("--json", action="store_true", help=json_help)
     ins.set_defaults(run=cmd_inspect)
 
-    clr = sub.add_parser("clear", help="remove stored KV: everything, or one model / tag / salt namespace")
+    clr = sub.add_parser(
+        "clear",
+        help="remove stored KV: everything, or one model / tag / salt namespace",
+        formatter_class=DefaultsShown,
+    )
     clr.add_argument("target", help=target)
     clr.add_argument("--prefix", default="kvlens", help="Redis key prefix (extra_config.remote_key_prefix)")
     clr.add_argument("--all", action="store_true", help="everything under the directory or prefix")
@@ -248,16 +277,23 @@ def parser() -> argparse.ArgumentParser:
     clr.add_argument("--salt-env", metavar="VAR", help="read the salt from this environment variable")
     clr.add_argument("--tag", action="append", metavar="NAME=VALUE", help="lmcache.tag.NAME=VALUE (repeat)")
     clr.add_argument("--token-file", help=TOKEN_HELP)
-    clr.add_argument("--json", action="store_true")
+    clr.add_argument("--json", action="store_true", help=json_help)
     clr.set_defaults(run=cmd_clear)
 
     doc = sub.add_parser(
         "doctor",
         help="which instances can share KV, tier health, what-if advice, whether PD prefillers and "
         "decoders can pair (exit 1 when one cannot)",
+        description=DOCTOR_DESCRIPTION,
+        formatter_class=DefaultsShown,
     )
-    doc.add_argument("urls", nargs="+", metavar="URL", help="vLLM server URLs (their /metrics is read)")
-    doc.add_argument("--json", action="store_true")
+    doc.add_argument(
+        "urls",
+        nargs="+",
+        metavar="URL",
+        help="vLLM server URLs (their /metrics, or the URL as given when it ends in /metrics)",
+    )
+    doc.add_argument("--json", action="store_true", help=json_help)
     doc.set_defaults(run=cmd_doctor)
 
     from ..pd_proxy.backends import add_arguments
@@ -265,6 +301,7 @@ def parser() -> argparse.ArgumentParser:
     pdp = sub.add_parser(
         "pd-proxy",
         help="prefill/decode proxy: LMCache's example proxy's protocol and flags, a bounded wait, metrics",
+        formatter_class=DefaultsShown,
     )
     add_arguments(pdp)
     pdp.set_defaults(run=cmd_pd_proxy)

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 from .instances import Instance
 from .units import human_bytes
 
+PROBE_TIMEOUT_S = 2.0  # per port: a connect that takes longer is "timed out" from here
 Probe = Callable[[str, int], str | None]  # (host, port) -> None when it accepts a connection, else why
 SENDER, RECEIVER = "sender", "receiver"
 USUAL_ROLE = {SENDER: "kv_producer", RECEIVER: "kv_consumer"}
@@ -46,7 +47,7 @@ _PD_EQUAL = (
 )
 
 
-def tcp_probe(host: str, port: int, timeout_s: float = 2.0) -> str | None:
+def tcp_probe(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
     """None when ``host:port`` accepts a TCP connection, else the OS's reason. Nothing is sent: a
     PD receiver takes a connection closed before its first byte as a probe, not a failure."""
     try:

@@ -1,5 +1,6 @@
 """``kvlens inspect`` and ``kvlens clear`` on a disk directory (Redis: tests/redis)."""
 
+import argparse
 import json
 import os
 import time
@@ -201,3 +202,28 @@ def test_inspect_on_an_admin_url_lists_namespaces_and_says_where_chunks_bytes_an
         "chunks, bytes, ages and damaged records: kvlens inspect on the engine's disk directory or "
         "Redis URL (its admin endpoint lists namespaces only)"
     )
+
+
+def _help(command: str) -> tuple[argparse.ArgumentParser, str]:
+    from connector.ops.cli import parser
+
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    return sub, " ".join(sub.format_help().split())
+
+
+@pytest.mark.parametrize("command", ["inspect", "clear", "doctor", "pd-proxy"])
+def test_every_option_with_a_default_shows_it_in_help(command):
+    sub, text = _help(command)
+    for action in sub._actions:
+        default = action.default
+        if not action.option_strings or default is None or default is False or default == argparse.SUPPRESS:
+            continue
+        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+        assert f"(default: {shown})" in text, (action.option_strings, text)
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_doctor_help_says_what_it_reads_how_long_it_waits_and_what_its_status_means():
+    _, text = _help("doctor")
+    assert "/metrics (10 s each)" in text and "2 s each" in text and "nothing is sent" in text
+    assert "Exit status 0; 1 when a PD pair cannot pair; 2 when a URL could not be read" in text
