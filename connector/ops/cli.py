@@ -198,12 +198,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     unreachable: dict[str, str] = {}
     for url in args.urls:
         try:
-            engines = doctor.instances(url, _scrape(url))
+            samples = _scrape(url)
         except (urllib.error.URLError, OSError, ValueError) as e:
             unreachable[url] = str(getattr(e, "reason", e))
             continue
+        engines = doctor.instances(url, samples)
         if not engines:
-            unreachable[url] = "no vllm:kvlens_info series: KVLens is not loaded there"
+            unreachable[url] = doctor.why_no_instance(samples)
         found += engines
     result = doctor.diagnose(found, unreachable, probe=doctor_pd.tcp_probe)
     print(json.dumps(result.to_json(), indent=2) if args.json else doctor.text(result))

@@ -16,7 +16,7 @@ PD (prefill/decode disaggregation): whether each prefiller can pair with each de
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,18 @@ from .instances import instances as instances
 HEALTH_WORDS = {2: "healthy", 1: "failing (still used)", 0: "skipped (unusable)"}
 GROW_GAIN = 0.05  # a doubled tier that hits this much more is worth growing
 SHRINK_LOSS = 0.01  # a halved tier that hits at most this much less could be smaller
+
+
+def why_no_instance(samples: Iterable[Sample]) -> str:
+    """Why a URL's samples describe no KVLens engine. vLLM publishes a connector's series with
+    the engine's steps, so a KVLens engine that has served nothing yet shows its zeroed families
+    but no ``vllm:kvlens_info``: that is not "KVLens is not loaded"."""
+    if any(name.startswith("vllm:kvlens_") for name, _, _ in samples):
+        return (
+            "KVLens is loaded, but has not published vllm:kvlens_info yet: vLLM publishes it when the "
+            "engine first steps (serve it one request, then run doctor again)"
+        )
+    return "no vllm:kvlens_info series: KVLens is not loaded there"
 
 
 def differences(a: Instance, b: Instance) -> list[str]:
