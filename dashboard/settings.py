@@ -89,9 +89,17 @@ def _positive(raw: str | float | None, default: float) -> float:
     return value if value > 0 else default
 
 
-def parse(argv: Sequence[str], env: Mapping[str, str]) -> Settings:
+# What http_url and metrics_url (urls.py) accept, said once for the flag and the docs.
+METRICS_HELP = (
+    "a vLLM server: host, host:port or host:port/path (read over http://), or an http:// or https:// "
+    "URL; without a path its /metrics is read, with one that path; several comma-separated, or "
+    "repeat the flag (any other scheme stops the app)"
+)
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="streamlit run dashboard/app.py --", add_help=False)
-    p.add_argument("--metrics", action="append", default=[], help="a vLLM /metrics endpoint (repeatable)")
+    p.add_argument("--metrics", action="append", default=[], help=METRICS_HELP)
     p.add_argument("--prometheus", default=None, help="a Prometheus URL (instead of reading /metrics)")
     p.add_argument("--events", action="append", default=[], help="a failed-load event log (repeatable)")
     p.add_argument("--requests", action="append", default=[], help="a per-request log (repeatable)")
@@ -103,7 +111,11 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> Settings:
         action="store_true",
         help="let the page edit the endpoint and Prometheus URLs (http and https only)",
     )
-    args, _unknown = p.parse_known_args(list(argv))
+    return p
+
+
+def parse(argv: Sequence[str], env: Mapping[str, str]) -> Settings:
+    args, _unknown = parser().parse_known_args(list(argv))
     endpoints = tuple(e for raw in args.metrics for e in split_list(raw))
     _checked(endpoints, "--metrics")
     if not endpoints:

@@ -20,6 +20,7 @@ import yaml
 from pydantic import SecretStr, ValidationError
 
 from ..tiers.remote_url import parse_remote_url, with_credentials, with_database
+from .disk_space import disk_budget_warning
 from .keys import (
     ALIASES,
     EXTRA_FEATURES,
@@ -178,6 +179,8 @@ def build(layers: list[list[Setting]], env: Mapping[str, str]) -> KVLensConfig:
         )
     if v.unused:
         logger.warning("KVLens accepts and does not use these LMCache settings: %s", "; ".join(v.unused))
+    if (said := disk_budget_warning(config, v.sources.get("max_local_disk_size", "default"))) is not None:
+        logger.warning("%s", said)
     return config
 
 

@@ -1,6 +1,7 @@
 """The ``kvlens`` command: inspect and clear KVLens stores, and diagnose running instances.
 
     kvlens inspect DISK_DIR | REDIS_URL | ADMIN_URL      what is stored, by namespace and age
+                                                        (an admin URL: the namespaces only)
     kvlens clear   DISK_DIR | REDIS_URL | ADMIN_URL  (--all | --namespace FP | --model M |
                    --salt S | --tag NAME=VALUE ...)     remove it, all or one namespace
     kvlens doctor  URL [URL ...]                        who can share KV, tier health, sizing,
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import urllib.error
@@ -33,9 +35,11 @@ from typing import Any
 from ..engine.namespace_records import Selector
 from ..scheduler.admin_token import TOKEN_ENV, client_token, default_path
 from ..tiers.store_records import DiskRecords, RedisRecords, Store, clear
-from . import doctor, inspect_report
+from . import doctor, doctor_pd, inspect_report
+from .units import human_bytes
 
 HTTP_TIMEOUT_S = 180.0  # a clear through an engine waits for loads in flight (at most 60 s)
+SCRAPE_TIMEOUT_S = 10.0  # doctor's read of one /metrics
 TOKEN_HELP = (
     f"the admin endpoint's token file (default: ${TOKEN_ENV}, else the file the engine wrote for the "
     "URL's port under ~/.cache/kvlens)"
@@ -136,6 +140,10 @@ def _namespaces_text(reply: dict[str, Any]) -> str:
         tags = ",".join(ns.get("tag_names", [])) or "-"
         salted = "yes" if ns.get("salted") else "no"
         lines.append(f"  {ns['fingerprint']}  salted {salted}  tags {tags}  model {ns['model'][:60]}{mark}")
+    lines.append(
+        "chunks, bytes, ages and damaged records: kvlens inspect on the engine's disk directory or "
+        "Redis URL (its admin endpoint lists namespaces only)"
+    )
     return "\n".join(lines)
 
 
@@ -155,7 +163,7 @@ def _clear_text(result: dict[str, Any]) -> str:
     if "engine" not in result:
         return (
             f"{result['where']}: cleared {result['selection']}: {result['chunks']} chunks, "
-            f"{result['records']} records, {inspect_report.human_bytes(result['bytes'])}; "
+            f"{result['records']} records, {human_bytes(result['bytes'])}; "
             f"namespace records removed: {len(result['namespaces'])}"
         )
     engine = result["engine"]
@@ -172,9 +180,7 @@ def _clear_text(result: dict[str, Any]) -> str:
             if "error" in r:
                 lines.append(f"  {tier}: failed: {r['error']}")
             else:
-                lines.append(
-                    f"  {tier}: removed {r['chunks']} chunks, {inspect_report.human_bytes(r['bytes'])}"
-                )
+                lines.append(f"  {tier}: removed {r['chunks']} chunks, {human_bytes(r['bytes'])}")
     return "\n".join(lines)
 
 
@@ -182,7 +188,7 @@ def _scrape(url: str) -> list[doctor.Sample]:
     from prometheus_client.parser import text_string_to_metric_families
 
     target = url if url.rstrip("/").endswith("/metrics") else url.rstrip("/") + "/metrics"
-    with urllib.request.urlopen(target, timeout=10) as r:
+    with urllib.request.urlopen(target, timeout=SCRAPE_TIMEOUT_S) as r:
         body = r.read().decode()
     return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(body) for s in f.samples]
 
@@ -192,14 +198,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     unreachable: dict[str, str] = {}
     for url in args.urls:
         try:
-            engines = doctor.instances(url, _scrape(url))
+            samples = _scrape(url)
         except (urllib.error.URLError, OSError, ValueError) as e:
             unreachable[url] = str(getattr(e, "reason", e))
             continue
+        engines = doctor.instances(url, samples)
         if not engines:
-            unreachable[url] = "no vllm:kvlens_info series: KVLens is not loaded there"
+            unreachable[url] = doctor.why_no_instance(samples)
         found += engines
-    result = doctor.diagnose(found, unreachable, probe=doctor.tcp_probe)
+    result = doctor.diagnose(found, unreachable, probe=doctor_pd.tcp_probe)
     print(json.dumps(result.to_json(), indent=2) if args.json else doctor.text(result))
     return 2 if unreachable else 1 if any(not p.can_pair for p in result.pd) else 0
 
@@ -215,22 +222,53 @@ def cmd_pd_proxy(args: argparse.Namespace) -> int:
     return run(settings)
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """Every option's default in its help, as argparse's ArgumentDefaultsHelpFormatter writes it,
+    but never "(default: None)" or "(default: False)", and a list as it is typed (8300,8301)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text, default = action.help or "", action.default
+        if not action.option_strings or default is None or default is False or default == argparse.SUPPRESS:
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
+DOCTOR_DESCRIPTION = (
+    f"Reads each URL's /metrics ({SCRAPE_TIMEOUT_S:g} s each) and says which instances can share KV "
+    "and why others cannot, how their tiers are, what the what-if curves advise, and whether each PD "
+    "prefiller can pair with each decoder. For a pair that can, it connects to the decoder's PD ports "
+    f"and the prefiller's proxy from here ({doctor_pd.PROBE_TIMEOUT_S:g} s each) and closes at once: "
+    "nothing is sent, and the decoder counts no failure. Exit status 0; 1 when a PD pair cannot pair; "
+    "2 when a URL could not be read or runs no KVLens."
+)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvlens", description="Inspect and clear KVLens stores; diagnose running instances."
     )
     sub = p.add_subparsers(dest="command", required=True)
     target = "a disk tier directory, a Redis URL, or a running engine's admin URL (http://...)"
+    json_help = "print machine-readable JSON"
 
-    ins = sub.add_parser("inspect", help="what a store holds: chunks, bytes, namespaces, ages, damage")
-    ins.add_argument("target", help=target)
+    ins = sub.add_parser(
+        "inspect",
+        help="what a store holds: chunks, bytes, namespaces, ages, damage (an admin URL: its namespaces)",
+        formatter_class=DefaultsShown,
+    )
+    ins.add_argument("target", help=target + "; an admin URL lists the namespaces only")
     ins.add_argument("--prefix", default="kvlens", help="Redis key prefix (extra_config.remote_key_prefix)")
     ins.add_argument("--verify", action="store_true", help="read whole records and check their checksums")
     ins.add_argument("--token-file", help=TOKEN_HELP)
-    ins.add_argument("--json", action="store_true")
+    ins.add_argument("--json", action="store_true", help=json_help)
     ins.set_defaults(run=cmd_inspect)
 
-    clr = sub.add_parser("clear", help="remove stored KV: everything, or one model / tag / salt namespace")
+    clr = sub.add_parser(
+        "clear",
+        help="remove stored KV: everything, or one model / tag / salt namespace",
+        formatter_class=DefaultsShown,
+    )
     clr.add_argument("target", help=target)
     clr.add_argument("--prefix", default="kvlens", help="Redis key prefix (extra_config.remote_key_prefix)")
     clr.add_argument("--all", action="store_true", help="everything under the directory or prefix")
@@ -240,16 +278,23 @@ def parser() -> argparse.ArgumentParser:
     clr.add_argument("--salt-env", metavar="VAR", help="read the salt from this environment variable")
     clr.add_argument("--tag", action="append", metavar="NAME=VALUE", help="lmcache.tag.NAME=VALUE (repeat)")
     clr.add_argument("--token-file", help=TOKEN_HELP)
-    clr.add_argument("--json", action="store_true")
+    clr.add_argument("--json", action="store_true", help=json_help)
     clr.set_defaults(run=cmd_clear)
 
     doc = sub.add_parser(
         "doctor",
         help="which instances can share KV, tier health, what-if advice, whether PD prefillers and "
         "decoders can pair (exit 1 when one cannot)",
+        description=DOCTOR_DESCRIPTION,
+        formatter_class=DefaultsShown,
     )
-    doc.add_argument("urls", nargs="+", metavar="URL", help="vLLM server URLs (their /metrics is read)")
-    doc.add_argument("--json", action="store_true")
+    doc.add_argument(
+        "urls",
+        nargs="+",
+        metavar="URL",
+        help="vLLM server URLs (their /metrics, or the URL as given when it ends in /metrics)",
+    )
+    doc.add_argument("--json", action="store_true", help=json_help)
     doc.set_defaults(run=cmd_doctor)
 
     from ..pd_proxy.backends import add_arguments
@@ -257,6 +302,7 @@ def parser() -> argparse.ArgumentParser:
     pdp = sub.add_parser(
         "pd-proxy",
         help="prefill/decode proxy: LMCache's example proxy's protocol and flags, a bounded wait, metrics",
+        formatter_class=DefaultsShown,
     )
     add_arguments(pdp)
     pdp.set_defaults(run=cmd_pd_proxy)
@@ -266,13 +312,30 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # a reader that left shows here, not in Python's flush at exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except UsageError as e:
         print(f"kvlens {args.command}: {e}", file=sys.stderr)
         return 1
     except OSError as e:
         print(f"kvlens {args.command}: {e}", file=sys.stderr)
         return 1
+
+
+def _reader_gone() -> int:
+    """``kvlens inspect DIR | head``: the reader left before the report ended. Said nowhere, as a
+    Unix tool says nothing (it dies of SIGPIPE: status 128 + 13); stdout goes to /dev/null so
+    that Python's own flush at exit has nothing left to complain about."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # a stdout without a file descriptor (embedded, tests)
+        pass
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":  # pragma: no cover

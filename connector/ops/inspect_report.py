@@ -10,6 +10,7 @@ from typing import Any
 
 from ..engine.namespace_records import NamespaceRecord
 from ..tiers.store_records import ChunkRecord
+from .units import human_bytes
 
 AGE_BUCKETS = (
     (60.0, "< 1 min"),
@@ -119,14 +120,6 @@ def _age_bucket(written_s: float | None, now_s: float) -> str:
         return UNKNOWN_AGE
     age = max(now_s - written_s, 0.0)
     return next(label for limit, label in AGE_BUCKETS if age < limit)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover - the loop returns
 
 
 def text(report: InspectReport) -> str:

@@ -246,9 +246,12 @@ class PDReceiver:
     def _serve(self, slot: Connection, port: _Port) -> None:
         conn = slot.sock
         try:
+            deadline = Deadline(self._handshake_s)
+            if _closes_unheard(conn, deadline):
+                return  # a reachability probe, not a failure (kvlens doctor, a TCP health check)
             if self._tls is not None:
                 conn = self._wrap_tls(conn)
-            trailers = self._handshake(conn, port.rank)
+            trailers = self._handshake(conn, port.rank, deadline)
             seq = 0
             while port.carries_data and not self._stopping.is_set():
                 if not self._table.set_state(slot, IDLE):
@@ -316,9 +319,8 @@ class PDReceiver:
             pass
         raise _Counted(reason)
 
-    def _handshake(self, conn: socket.socket, rank: int) -> ChunkTags | Checksums:
-        """The receiver's side (``wire.py``); the connection's chunk trailers."""
-        deadline = Deadline(self._handshake_s)
+    def _handshake(self, conn: socket.socket, rank: int, deadline: Deadline) -> ChunkTags | Checksums:
+        """The receiver's side (``wire.py``) within ``deadline``; the connection's chunk trailers."""
         kind, body = wire.recv_frame(conn, deadline, self._handshake_s)
         if kind is not FrameType.HELLO:
             raise WireError("bad_frame", f"{kind.name} where HELLO was expected")
@@ -465,6 +467,23 @@ class PDReceiver:
             self._outcomes["failed"] += 1
             self._failed[reason] += 1
             self._finished.append(FinishedTransfer(rank, req_id, False, reason, 0, 0.0))
+
+
+def _closes_unheard(conn: socket.socket, deadline: Deadline) -> bool:
+    """True when the peer closes (or resets) the connection before its first byte. No transfer
+    does that: it is a reachability check (``kvlens doctor``, a load balancer's or Kubernetes's
+    TCP probe), so it is not counted as a failure; counted, every diagnosis would show as a
+    refused transfer. Looked at before TLS, which would call it ``tls_failed``. A peer silent
+    past ``deadline`` is a ``Timeout``, as in the handshake."""
+    conn.settimeout(deadline.left())
+    try:
+        return not conn.recv(1, socket.MSG_PEEK)
+    except TimeoutError:
+        raise wire.Timeout() from None
+    except OSError:
+        return True
+    finally:
+        conn.settimeout(None)
 
 
 class _Counted(WireError):

@@ -117,7 +117,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=d.host, help="this proxy's HTTP address")
     p.add_argument("--prefiller-host", type=csv_strs, default=d.prefiller_host, help="host[,host...]")
     p.add_argument("--prefiller-port", type=csv_ints, default=d.prefiller_port, help="port[,port...]")
-    p.add_argument("--num-prefillers", type=int, default=d.num_prefillers)
+    p.add_argument(
+        "--num-prefillers",
+        type=int,
+        default=d.num_prefillers,
+        help="with one prefiller host and port: this many on consecutive ports",
+    )
     p.add_argument("--decoder-host", type=csv_strs, default=d.decoder_host, help="host[,host...]")
     p.add_argument("--decoder-port", type=csv_ints, default=d.decoder_port, help="port[,port...]")
     p.add_argument(
@@ -126,7 +131,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decoder-alloc-port", type=csv_ints, default=d.decoder_alloc_port, help="one per decoder TP rank"
     )
-    p.add_argument("--num-decoders", type=int, default=d.num_decoders)
+    p.add_argument(
+        "--num-decoders",
+        type=int,
+        default=d.num_decoders,
+        help="with one decoder host and port: this many on consecutive ports (receiver ports count up alike)",
+    )
     p.add_argument("--proxy-host", default=d.proxy_host, help="address the prefillers notify (ZMQ PULL)")
     p.add_argument("--proxy-port", type=int, default=d.proxy_port, help="port the prefillers notify")
     p.add_argument(
@@ -141,8 +151,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no disaggregation: requests go round-robin to the --decoder-* servers as they are",
     )
-    p.add_argument("--backend-timeout", type=float, default=d.backend_timeout_s, help="seconds")
-    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
+    p.add_argument(
+        "--backend-timeout",
+        type=float,
+        default=d.backend_timeout_s,
+        help="seconds a backend may stay silent (connecting, or between bytes) before the client gets 504",
+    )
+    p.add_argument(
+        "--max-request-bytes", type=int, default=d.max_request_bytes, help="larger request bodies get 413"
+    )
     p.add_argument("--records", type=int, default=d.records, help="records kept for /kvlens/pd/requests")
     p.add_argument("--request-log", metavar="FILE", help="append one JSON line per request")
 

@@ -128,3 +128,18 @@ def test_doctor_command_reads_metrics_and_says_who_cannot_be_read(capsys):
         "KVLens is not loaded" in result["unreachable"][urls[1]]
         and "http://127.0.0.1:1" in result["unreachable"]
     )
+
+
+def test_an_engine_that_has_not_stepped_yet_is_not_said_to_run_no_kvlens(capsys):
+    """vLLM publishes KVLens's series with the engine's steps: before its first request an engine
+    serves KVLens's zeroed families but no vllm:kvlens_info."""
+    fresh = _serve('# TYPE vllm:kvlens_lookups_total counter\nvllm:kvlens_lookups_total{engine="0"} 0.0\n')
+    try:
+        url = f"http://127.0.0.1:{fresh.server_address[1]}"
+        code = main(["doctor", url])
+        out = capsys.readouterr().out
+    finally:
+        fresh.shutdown()
+    assert code == 2 and "not loaded" not in out
+    assert f"{url}: not read (KVLens is loaded, but has not published vllm:kvlens_info yet" in out
+    assert "serve it one request, then run doctor again" in out

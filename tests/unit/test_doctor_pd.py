@@ -1,5 +1,6 @@
 """``kvlens doctor`` on PD: whether a prefiller and a decoder can pair, and what differs when
-not, from their vllm:kvlens_info labels; the decoder's ports and the proxy probed from here."""
+not, from their vllm:kvlens_info labels; the decoder's ports and the proxy probed from here, and
+a real receiver's failure counters left as they were by the probing."""
 
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from connector.ops import doctor
+from connector.ops import doctor, doctor_pd
 from connector.ops.cli import main
+from connector.pd.probe import probe_receiver
+
+from .pd_wire_support import HOST, identity, receiver, tls_files_in, wait_until
 
 IDENTITY = {
     "version": "0.1.0",
     "chunk_size": "256",
     "key_fingerprint": "aaaaaaaaaaaa",
-    "tiers": "cpu",
+    "tiers": "",  # PD engines run local_cpu: False and no other tier
     "storage": "",
     "model_identity": "ckpt:1111",
     "quantization": "none",
@@ -25,6 +29,8 @@ IDENTITY = {
     "tp_size": "2",
     "block_size": "16",
     "record_layout": "bfloat16/24x65536/0a1b2c3d",
+    "pd_auth": "loopback",
+    "pd_tls": "",
 }
 PREFILLER = {**IDENTITY, "role": "kv_producer", "pd_role": "sender", "pd_proxy": "10.0.0.9:7500"}
 DECODER = {
@@ -43,10 +49,10 @@ def _instance(url: str, labels: dict[str, str]) -> doctor.Instance:
     return inst
 
 
-def _pair(prefiller=None, decoder=None, probe=None) -> doctor.PDPair:
+def _pair(prefiller=None, decoder=None, probe=None) -> doctor_pd.PDPair:
     p = _instance("http://p:8100", {**PREFILLER, **(prefiller or {})})
     d = _instance("http://d:8200", {**DECODER, **(decoder or {})})
-    (pair,) = doctor.pd_pairs([p, d], probe)
+    (pair,) = doctor_pd.pd_pairs([p, d], probe)
     return pair
 
 
@@ -61,7 +67,10 @@ def test_a_matching_prefiller_and_decoder_can_pair_and_every_port_is_probed():
         probed.append((host, port))
 
     pair = _pair(probe=probe)
-    assert pair.can_pair and pair.verdict() == "PD http://p:8100 -> http://d:8200: can pair"
+    assert pair.can_pair and pair.verdict() == (
+        "PD http://p:8100 -> http://d:8200: can pair (decoder ports 10.0.0.2:7300,7301,7400,7401 and "
+        "proxy 10.0.0.9:7500 reachable from here)"
+    )
     assert probed == [
         ("10.0.0.2", 7300),
         ("10.0.0.2", 7301),
@@ -99,10 +108,10 @@ def test_a_matching_prefiller_and_decoder_can_pair_and_every_port_is_probed():
 def test_each_field_that_differs_is_named_in_the_verdict(prefiller, decoder, words):
     p = _instance("http://p:8100", {**PREFILLER, **prefiller})
     d = _instance("http://d:8200", {**DECODER, **decoder})
-    why = doctor.pd_differences(p, d)
+    why = doctor_pd.pd_differences(p, d)
     assert len(why) == 1 and why[0].startswith(words), why
     if p.pd_role == "sender" and d.pd_role == "receiver":
-        (pair,) = doctor.pd_pairs([p, d], _all_open)
+        (pair,) = doctor_pd.pd_pairs([p, d], _all_open)
         assert not pair.can_pair and pair.verdict().startswith(
             "PD http://p:8100 -> http://d:8200: CANNOT pair: "
         )
@@ -127,16 +136,16 @@ def test_every_sender_meets_every_receiver_and_a_missing_partner_is_said():
     p1, p2 = _instance("http://p1", PREFILLER), _instance("http://p2", {**PREFILLER, "tp_size": "4"})
     d = _instance("http://d", DECODER)
     plain = _instance("http://x", {**IDENTITY, "role": "kv_both"})
-    pairs = doctor.pd_pairs([p1, plain, p2, d])
+    pairs = doctor_pd.pd_pairs([p1, plain, p2, d])
     assert [(p.sender.url, p.receiver.url, p.can_pair) for p in pairs] == [
         ("http://p1", "http://d", True),
         ("http://p2", "http://d", False),
     ]
-    assert doctor.pd_missing_partner([p1, plain]).startswith(
+    assert doctor_pd.pd_missing_partner([p1, plain]).startswith(
         "PD: a prefiller (pd_role sender) but no decoder"
     )
-    assert doctor.pd_missing_partner([d]).startswith("PD: a decoder (pd_role receiver) but no prefiller")
-    assert doctor.pd_missing_partner([plain]) is None and doctor.pd_pairs([plain]) == []
+    assert doctor_pd.pd_missing_partner([d]).startswith("PD: a decoder (pd_role receiver) but no prefiller")
+    assert doctor_pd.pd_missing_partner([plain]) is None and doctor_pd.pd_pairs([plain]) == []
     text = doctor.text(doctor.diagnose([p1, d]))
     assert "PD http://p1 -> http://d: can pair (ports not probed)" in text
 
@@ -144,8 +153,51 @@ def test_every_sender_meets_every_receiver_and_a_missing_partner_is_said():
 def test_tcp_probe_says_whether_a_port_accepts():
     with socket.create_server(("127.0.0.1", 0)) as listening:
         port = listening.getsockname()[1]
-        assert doctor.tcp_probe("127.0.0.1", port) is None
-    assert doctor.tcp_probe("127.0.0.1", port) == "Connection refused"
+        assert doctor_pd.tcp_probe("127.0.0.1", port) is None
+    assert doctor_pd.tcp_probe("127.0.0.1", port) == "Connection refused"
+
+
+def test_a_pd_pair_is_told_as_pd_only_never_as_instances_that_cannot_share_through_stores():
+    p, d = _instance("http://p:8100", PREFILLER), _instance("http://d:8200", DECODER)
+    diagnosis = doctor.diagnose([p, d], probe=_all_open)
+    text = doctor.text(diagnosis)
+    assert "share" not in text and "CPU only" not in text and "group" not in text, text
+    assert diagnosis.groups == [] and diagnosis.apart == []
+    assert text.splitlines() == [
+        "PD http://p:8100 -> http://d:8200: can pair (decoder ports 10.0.0.2:7300,7301,7400,7401 and "
+        "proxy 10.0.0.9:7500 reachable from here)",
+        "http://p:8100: PD prefiller, no KVLens tier; notifies the proxy at 10.0.0.9:7500; no PD key "
+        "(loopback only)",
+        "http://d:8200: PD decoder, no KVLens tier; receives on 10.0.0.2 (init ports 7300,7301, alloc "
+        "ports 7400,7401), buffer 1.0 GiB per rank; no PD key (loopback only)",
+    ]
+    result = diagnosis.to_json()
+    assert result["share_groups"] == [] and result["cannot_share"] == []
+    assert [i["summary"] for i in result["instances"]] == text.splitlines()[1:]
+
+
+def test_pd_instances_beside_instances_with_tiers_leave_the_sharing_groups_to_those():
+    p, d = (
+        _instance("http://p", PREFILLER),
+        _instance("http://d", {**DECODER, "pd_auth": "key", "pd_tls": "on"}),
+    )
+    store = {**IDENTITY, "tiers": "cpu+remote", "storage": "remote:redis://r/kvlens", "role": "kv_both"}
+    a, b = _instance("http://a", store), _instance("http://b", store)
+    c = _instance("http://c", {**store, "storage": ""})
+    diagnosis = doctor.diagnose([p, a, d, b, c])
+    assert [[i.url for i in g] for g in diagnosis.groups] == [["http://a", "http://b"], ["http://c"]]
+    text = doctor.text(diagnosis)
+    assert "http://a / http://c: no common store (remote:redis://r/kvlens vs CPU only)" in text
+    (line,) = [x for x in text.splitlines() if x.startswith("http://d:")]
+    assert line.startswith("http://d: PD decoder, no KVLens tier;") and line.endswith("; PD key, TLS")
+    assert "http://a: tiers cpu+remote, role kv_both" in text
+
+
+def test_an_engine_without_a_tier_is_not_cpu_only():
+    none = _instance("http://n", {**IDENTITY, "role": "kv_both"})
+    cpu = _instance("http://c", {**IDENTITY, "tiers": "cpu", "role": "kv_both"})
+    assert doctor.differences(none, cpu) == ["no common store (no KVLens tier vs CPU only)"]
+    assert doctor.summary(none) == "no KVLens tier, role kv_both"
 
 
 # ---- the command, against fake instances serving /metrics ---------------------------------------
@@ -224,3 +276,71 @@ def test_doctor_says_when_a_pair_runs_without_a_key_beyond_loopback():
     assert pair.can_pair and len(pair.warnings) == 2
     assert "UNAUTHENTICATED (pd_allow_unauthenticated: true)" in pair.verdict()
     assert _pair(prefiller={"pd_auth": "key"}, decoder={"pd_auth": "key"}).warnings == []
+
+
+# ---- a diagnosis is not a failure: doctor against a real PD receiver -----------------------------
+@pytest.fixture
+def tls_files(tmp_path):  # type: ignore[no-untyped-def]
+    return tls_files_in(str(tmp_path))
+
+
+@pytest.mark.parametrize("auth", ["loopback", "key", "key+tls"])
+def test_a_doctor_run_leaves_every_failure_counter_of_the_receiver_where_it_was(auth, tls_files):
+    """kvlens doctor connects to each of the decoder's ports and closes at once: the receiver
+    must not count that as a failed transfer (peer_closed, or tls_failed on a TLS decoder), or
+    every diagnosis feeds the "Refused or failed" panel and the KVLensPDTransfersRefused alert."""
+    from connector.pd.auth import PDAuth
+    from connector.pd.tls import ClientTLS, ServerTLS, TLSFiles
+
+    key = PDAuth(b"operator's PD key, 32 characters") if auth != "loopback" else None
+    server_tls = ServerTLS(TLSFiles(tls_files.cert, tls_files.key)) if auth == "key+tls" else None
+    client_tls = ClientTLS(TLSFiles(ca_file=tls_files.cert)) if server_tls else None
+    proxy = socket.create_server((HOST, 0))
+    with receiver(tp=2, auth=key, tls=server_tls) as rx:
+        decoder = {
+            **DECODER,
+            "pd_host": HOST,
+            "pd_init_ports": ",".join(map(str, rx.init_ports)),
+            "pd_alloc_ports": ",".join(map(str, rx.alloc_ports)),
+            "pd_auth": auth.split("+")[0],
+            "pd_tls": "on" if server_tls else "",
+        }
+        prefiller = {**PREFILLER, "pd_proxy": f"{HOST}:{proxy.getsockname()[1]}"}
+        prefiller.update({k: decoder[k] for k in ("pd_auth", "pd_tls")})
+        servers = [_serve(prefiller), _serve(decoder)]
+        urls = [f"http://{HOST}:{s.server_address[1]}" for s in servers]
+        before = rx.stats()
+        try:
+            for _ in range(3):
+                assert main(["doctor", *urls]) == 0
+        finally:
+            for s in servers:
+                s.shutdown()
+            proxy.close()
+        # A handshake on each port after doctor's connections: each port accepts in order, so once
+        # it is answered the receiver has taken doctor's connection on that port too.
+        for rank, ports in enumerate(zip(rx.init_ports, rx.alloc_ports, strict=True)):
+            for port in ports:
+                assert probe_receiver(HOST, port, identity(rank, 2), 10.0, key, client_tls).ok
+        wait_until(lambda: rx.stats().connections == 0, what="every connection served")
+        after = rx.stats()
+    assert after.failed == before.failed == {}
+    assert after.transfers == before.transfers
+
+
+def test_only_a_connection_closed_before_its_first_byte_is_a_probe():
+    import struct
+
+    with receiver() as rx:
+        for how in ("close", "reset"):
+            s = socket.create_connection((HOST, rx.alloc_ports[0]))
+            if how == "reset":
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+        half = socket.create_connection((HOST, rx.init_ports[0]))
+        half.sendall(b"KP")  # a peer that began a frame and went: a failure, as before
+        half.close()
+        wait_until(lambda: rx.stats().failed, what="the half frame counted")
+        assert probe_receiver(HOST, rx.alloc_ports[0], identity(), 10.0).ok  # the two probes were taken
+        wait_until(lambda: rx.stats().connections == 0, what="every connection served")
+        assert rx.stats().failed == {"peer_closed": 1}

@@ -1,5 +1,6 @@
 """``kvlens inspect`` and ``kvlens clear`` on a disk directory (Redis: tests/redis)."""
 
+import argparse
 import json
 import os
 import time
@@ -142,3 +143,87 @@ def test_records_written_after_the_cutoff_are_left_alone(store):
 
     cutoff = time.time() - 3600
     assert clear(DiskRecords(str(store)), Selector(), before_s=cutoff).chunks == 0
+
+
+def test_inspect_into_a_closed_pipe_exits_quietly_as_unix_tools_do(store):
+    """``kvlens inspect DIR | head``: the reader leaves early; no "[Errno 32] Broken pipe", no
+    traceback, the status a tool killed by SIGPIPE has (128 + 13)."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before kvlens writes a byte
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "connector.ops.cli", "inspect", str(store)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            cwd=repo,
+            env={**os.environ, "PYTHONPATH": str(repo)},
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert done.stderr.decode() == "" and done.returncode == 141
+
+
+def test_inspect_on_an_admin_url_lists_namespaces_and_says_where_chunks_bytes_and_ages_are(tmp_path, capsys):
+    """The admin endpoint serves namespace records only (GET /kvlens/namespaces): the report says
+    so instead of leaving chunks, bytes and ages unsaid."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    record = json.loads(NamespaceRecord.of(TAGGED, 256).to_json())
+    body = json.dumps({"namespaces": [{**record, "this_engine": True}]}).encode()
+
+    class Admin(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            ok = self.path == "/kvlens/namespaces" and self.headers["Authorization"] == "Bearer t"
+            self.send_response(200 if ok else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    token = tmp_path / "token"
+    token.write_text("t")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Admin)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        code, out, _ = _run(capsys, "inspect", url, "--token-file", str(token))
+    finally:
+        server.shutdown()
+    assert code == 0
+    assert f"{key_fingerprint(TAGGED)}  salted no  tags team" in out and "(stored by this engine)" in out
+    assert out.rstrip().endswith(
+        "chunks, bytes, ages and damaged records: kvlens inspect on the engine's disk directory or "
+        "Redis URL (its admin endpoint lists namespaces only)"
+    )
+
+
+def _help(command: str) -> tuple[argparse.ArgumentParser, str]:
+    from connector.ops.cli import parser
+
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    return sub, " ".join(sub.format_help().split())
+
+
+@pytest.mark.parametrize("command", ["inspect", "clear", "doctor", "pd-proxy"])
+def test_every_option_with_a_default_shows_it_in_help(command):
+    sub, text = _help(command)
+    for action in sub._actions:
+        default = action.default
+        if not action.option_strings or default is None or default is False or default == argparse.SUPPRESS:
+            continue
+        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+        assert f"(default: {shown})" in text, (action.option_strings, text)
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_doctor_help_says_what_it_reads_how_long_it_waits_and_what_its_status_means():
+    _, text = _help("doctor")
+    assert "/metrics (10 s each)" in text and "2 s each" in text and "nothing is sent" in text
+    assert "Exit status 0; 1 when a PD pair cannot pair; 2 when a URL could not be read" in text
