@@ -16,14 +16,14 @@ from .model import GB, KVLensConfig
 
 
 def disk_budget_warning(
-    config: KVLensConfig, source: str = "config", statvfs: Callable[[str], os.statvfs_result] = os.statvfs
+    config: KVLensConfig, source: str = "config", statvfs: Callable[[str], os.statvfs_result] | None = None
 ) -> str | None:
     """The warning when the disk budget exceeds the free space (None: it fits, or no disk tier)."""
     if not config.local_disk:
         return None
     where = _nearest_existing(os.path.abspath(config.local_disk))  # the tier creates the rest
     try:
-        st = statvfs(where)
+        st = (statvfs or os.statvfs)(where)
     except OSError:  # the disk tier's own start says why it cannot use the directory
         return None
     free = st.f_bavail * st.f_frsize
