@@ -269,10 +269,11 @@ class KVLensConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         result = self._scheduler.finish(request)
         self._scheduler_telemetry.finished(request.request_id, result.unscheduled_lookup)
-        self._scheduler_telemetry.requests_done(self._scheduler.take_done())
-        if self._pd_scheduler is not None:
-            return False, self._pd_scheduler.finish(request, result.params)
-        return False, result.params
+        params, done = result.params, self._scheduler.take_done()
+        if self._pd_scheduler is not None:  # tokens a prefiller sent count as KVLens's
+            params, done = self._pd_scheduler.finish(request, params, done)
+        self._scheduler_telemetry.requests_done(done)
+        return False, params
 
     def has_pending_push_work(self) -> bool:
         """Background writes still landing, or what-if references to publish: keep stepping."""

@@ -18,12 +18,14 @@ from .config.model import ConfigError, KVLensConfig
 from .config.pd import PDConfig
 from .engine.facts import EngineFacts
 from .engine.keys import key_fingerprint
+from .engine.outcomes import RequestSummary
 from .engine.pd_jobs import PDLoadResult, PDSendReport
 from .engine.policy import trace_headers
 from .pd.identity import PeerIdentity
 from .scheduler.exit_cleanup import remove_at_exit
 from .scheduler.pd_decoder import PDDecoder
 from .scheduler.pd_prefiller import PDPrefiller
+from .scheduler.pd_usage import received_tokens, summary_with_received, with_received
 from .worker.pd_worker import PDLoads, PDSends
 
 logger = logging.getLogger("vllm.kvlens")
@@ -250,8 +252,11 @@ class SchedulerPD:
         self.recorder.sample(receiver_stats, self.sends_in_flight if self.prefiller is not None else None)
         return self.recorder.take()
 
-    def finish(self, request: Any, params: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The response's kv_transfer_params with PD's fields added."""
+    def finish(
+        self, request: Any, params: dict[str, Any] | None, done: list[RequestSummary]
+    ) -> tuple[dict[str, Any] | None, list[RequestSummary]]:
+        """The response's kv_transfer_params with PD's fields added, and the request log's lines
+        with the tokens the decoder loaded from a prefiller counted (``pd_usage``)."""
         extra: dict[str, Any] = {}
         pd: dict[str, Any] | None = None
         if self.prefiller is not None:
@@ -262,12 +267,15 @@ class SchedulerPD:
         if self.decoder is not None:
             pd = self.decoder.finish(request.request_id)
         if not extra and pd is None:
-            return params
-        out = dict(params or {})
+            return params, done
+        received = received_tokens(pd)
+        rid = request.request_id
+        done = [summary_with_received(d, received) if d.request_id == rid else d for d in done]
+        out = with_received(dict(params), received) if params is not None else {}
         out.update(extra)
         if pd is not None:
             out["kvlens"] = {**out.get("kvlens", {}), "pd": pd}
-        return out
+        return out, done
 
     def shutdown(self) -> None:
         if self.decoder is not None:

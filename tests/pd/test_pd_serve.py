@@ -36,6 +36,12 @@ def test_1p1d_outputs_equal_one_plain_instance_and_the_decoder_computes_no_sent_
     assert received["role"] == "receiver" and received["outcome"] == "loaded", received
     assert received["tokens"] == length  # every prompt token the prefiller computed
     assert received["bytes"] == sent["bytes"] and received["transfer_ms"] > 0
+    # what it received is what KVLens supplied: LMCache's field and the breakdown say so, no miss
+    params = got["decode"]["kv_transfer_params"]
+    assert params["num_lmcache_cached_tokens"] == length
+    usage = params["kvlens"]
+    assert usage["hit_tokens"] == length and usage["loaded_tokens"] == {"pd": length}
+    assert usage["miss_reason"] is None, usage
     with capsys.disabled():
         print(f"\nPD {length} tokens: {received}, proxy waited {got['waited_s'] * 1000:.1f} ms")
     # vLLM's own count: every sent token was a P2P hit on the decoder, computed by nobody there

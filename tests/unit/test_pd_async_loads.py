@@ -132,7 +132,7 @@ def test_a_record_not_whole_blocks_fails_its_blocks_and_later_ones_reported_with
         assert claims(sched) == 0 and sched.decoder.receiver.stats().entries == 0  # released, freed
         assert sched.readmitted("d-1")  # vLLM schedules it once more: not a new lookup
         assert sched.lookup(req, 0, 0) is None  # nor does it load again
-        pd = sched.finish(req, None)["kvlens"]["pd"]
+        pd = sched.finish(req, None, [])[0]["kvlens"]["pd"]
         assert (pd["outcome"], pd["reason"], pd["tokens"]) == ("failed", "load_failed", CHUNK)
         assert [p["outcome"] for p in recorder.loads] == ["failed"]
 
@@ -145,7 +145,7 @@ def test_a_good_load_counts_every_token_it_loaded():
         sched.after_alloc(req, need, [3, 4, 5, 6, 7])
         assert step(sched, worker, copier) == ({"d-1"}, set())
         assert copier.gather([5, 6]).eq(2).all() and copier.gather([7]).eq(3).all()
-        pd = sched.finish(req, None)["kvlens"]["pd"]
+        pd = sched.finish(req, None, [])[0]["kvlens"]["pd"]
         assert (pd["outcome"], pd["tokens"]) == ("loaded", need)  # vLLM counts `need` as P2P hits
         assert [p["outcome"] for p in recorder.loads] == ["loaded"]
 
@@ -159,10 +159,10 @@ def test_an_abort_while_the_load_is_out_releases_the_claim_once_on_the_report(ab
         sched.after_alloc(req, need, [3, 4, 5, 6, 7])
         _, loads = sched.plan(SimpleNamespace(total_num_scheduled_tokens=0), {}, {})
         if abort == "before_the_step":  # vLLM's asynchronous scheduling: the abort beats the copy
-            sched.finish(req, None)
+            sched.finish(req, None, [])
         worker.load(loads, copier, set())
         if abort == "after_the_copy":  # mid-load: the copy is done, its report not in yet
-            sched.finish(req, None)
+            sched.finish(req, None, [])
         assert claims(sched) == 1  # the workers may be reading the slots until they report
         assert worker.take_received() == {"d-1"}  # vLLM frees the blocks on this report
         results, _ = worker.take()
@@ -181,6 +181,6 @@ def test_records_that_expired_between_lookup_and_allocation_end_the_load_failed_
         sched.decoder.receiver.release("other")  # another request loaded them: freed meanwhile
         assert sched.after_alloc(req, need, [3, 4, 5, 6, 7])
         assert step(sched, worker, copier) == ({"d-1"}, {3, 4, 5, 6, 7})
-        pd = sched.finish(req, None)["kvlens"]["pd"]
+        pd = sched.finish(req, None, [])[0]["kvlens"]["pd"]
         assert (pd["outcome"], pd["reason"], pd["tokens"]) == ("failed", "claim_lost", 0)
         wait_until(lambda: sched.decoder.receiver.stats().entries == 0)
