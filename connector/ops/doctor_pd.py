@@ -20,6 +20,7 @@ same). So one check serves keyed, loopback, unauthenticated and TLS decoders ali
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -123,8 +124,12 @@ def pd_differences(sender: Instance, receiver: Instance) -> list[str]:
                 why.append(
                     f"{receiver.name} has {len(ports)} {label[3:-1].replace('_', ' ')}s for {ranks} ranks"
                 )
-    if sender.pd_role == SENDER and not s.get("pd_proxy"):
-        why.append(f"{sender.name} names no proxy (pd_proxy_host, pd_proxy_port)")
+    if receiver.pd_role == RECEIVER and _on_other_hosts(sender, receiver):
+        why.append(
+            f"{receiver.name} binds its PD ports to loopback ({r.get('pd_host')}), which a prefiller on "
+            f"another host ({sender.name}) cannot reach: bind pd_peer_host to an address it reaches "
+            "(with a PD key)"
+        )
     if (s.get("pd_auth") == "key") != (r.get("pd_auth") == "key"):
         keyed = sender if s.get("pd_auth") == "key" else receiver
         why.append(f"only {keyed.name} has a PD key (pd_auth_key): the handshake fails as auth_failed")
@@ -134,13 +139,36 @@ def pd_differences(sender: Instance, receiver: Instance) -> list[str]:
 
 
 def pd_warnings(sender: Instance, receiver: Instance) -> list[str]:
-    """What a pair that can pair exposes: PD without a key beyond loopback."""
-    return [
+    """What a pair that can pair exposes or lacks: PD without a key beyond loopback; no proxy."""
+    out = [
         f"{i.name} runs PD UNAUTHENTICATED (pd_allow_unauthenticated: true): anyone who reaches "
         "its PD ports can hand a decoder KV or receive a prefiller's; set pd_auth_key on both"
         for i in (sender, receiver)
         if i.info.get("pd_auth") == "unauthenticated"
     ]
+    if sender.pd_role == SENDER and not sender.info.get("pd_proxy"):
+        out.append(
+            f"{sender.name} names no proxy (pd_proxy_host, pd_proxy_port): a proxy that waits for its "
+            "notices (LMCache's, kvlens pd-proxy) waits out its bound on every request"
+        )
+    return out
+
+
+def _on_other_hosts(sender: Instance, receiver: Instance) -> bool:
+    """The decoder binds loopback and the two URLs name different hosts (neither a loopback name)."""
+    if not _is_loopback(receiver.info.get("pd_host", "")):
+        return False
+    a, b = urlsplit(sender.url).hostname or "", urlsplit(receiver.url).hostname or ""
+    return bool(a and b) and a.lower() != b.lower() and not (_is_loopback(a) or _is_loopback(b))
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _tp(info: Mapping[str, str]) -> int:

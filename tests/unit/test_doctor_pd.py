@@ -102,7 +102,6 @@ def test_a_matching_prefiller_and_decoder_can_pair_and_every_port_is_probed():
         ({}, {"pd_role": ""}, "http://d:8200 is not a PD receiver (pd_role unset: PD off)"),
         ({}, {"pd_init_ports": "7300"}, "http://d:8200 has 1 init ports for 2 ranks"),
         ({}, {"pd_alloc_ports": ""}, "http://d:8200 has 0 alloc ports for 2 ranks"),
-        ({"pd_proxy": ""}, {}, "http://p:8100 names no proxy"),
     ],
 )
 def test_each_field_that_differs_is_named_in_the_verdict(prefiller, decoder, words):
@@ -344,3 +343,18 @@ def test_only_a_connection_closed_before_its_first_byte_is_a_probe():
         assert probe_receiver(HOST, rx.alloc_ports[0], identity(), 10.0).ok  # the two probes were taken
         wait_until(lambda: rx.stats().connections == 0, what="every connection served")
         assert rx.stats().failed == {"peer_closed": 1}
+
+
+def test_a_prefiller_that_names_no_proxy_can_pair_and_is_told_what_that_costs():
+    pair = _pair(prefiller={"pd_proxy": ""}, probe=_all_open)
+    assert pair.can_pair
+    assert any("names no proxy" in w and "waits out its bound" in w for w in pair.warnings)
+
+
+def test_a_decoder_bound_to_loopback_cannot_pair_with_a_prefiller_on_another_host():
+    pair = _pair(decoder={"pd_host": "127.0.0.1"})  # _pair's URLs are http://p and http://d
+    assert not pair.can_pair
+    assert "binds its PD ports to loopback (127.0.0.1)" in pair.verdict()
+    p = _instance("http://localhost:7100", PREFILLER)
+    d = _instance("http://localhost:7200", {**DECODER, "pd_host": "127.0.0.1"})
+    assert doctor_pd.pd_differences(p, d) == []  # one host: loopback is right
