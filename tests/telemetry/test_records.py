@@ -26,6 +26,7 @@ SETTINGS = TelemetrySettings.from_env(None, {"KVLENS_TRACING": "0", "KVLENS_METR
 # Fields of the kv_transfer_params response object that share a metric's short name.
 RESPONSE_FIELDS = {
     ("connector/scheduler/responses.py", "hit_tokens"),
+    ("connector/scheduler/pd_usage.py", "hit_tokens"),  # the response's field, counting PD's tokens
     ("connector/engine/tracker.py", "hit_tokens"),
     ("connector/engine/tracker.py", "failed_blocks"),
     ("connector/engine/tracker.py", "recomputed_tokens"),
