@@ -12,8 +12,8 @@ reader sees either no file or a whole one; a crash mid-write leaves only a temp 
 scans ignore and remove once old.
 
 Several engines may share one directory (see ``connector/scheduler/disk_sync.py``). A file's access
-time records when an engine last used it for a load: a write sets it just past the
-modification time (so that reads on ``relatime`` mounts leave it alone), and a lookup that
+time records when an engine last used it for a load: a write sets it a second past the
+modification time (``WRITE_MARK_NS``: reads on ``relatime`` mounts leave it alone), and a lookup that
 pins the chunk sets it to the present and replaces the chunk's use mark (``.used-<digest>``)
 in the subdirectory, so the other engines' watchers re-list it and see the use; a file whose
 access time is later than its write by more than ``_TOUCHED_NS`` has been used. ``delete``
@@ -44,6 +44,13 @@ TEMP_PREFIX = ".tmp-"
 USE_MARK_PREFIX = ".used-"  # ``.used-<digest>``: recreated by each touch, so rescans see the use
 NEVER_USED_NS = 0  # FileInfo.used_ns of a file no engine has pinned for a load yet
 _TOUCHED_NS = 1_000_000  # an access time this much past the write time was set by a touch
+# A write sets the access time exactly this far past its modification time: ahead of the change
+# times the kernel stamps at the calls that follow (the utime, the rename), however late they run
+# on a loaded machine, so that a read on a relatime mount (Linux updates a read file's access time
+# when its change or modification time is at or after it) leaves it alone. This exact offset is
+# the mark of a record nobody has touched (any other access time past its write by more than
+# _TOUCHED_NS is a use).
+WRITE_MARK_NS = 1_000_000_007
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +142,7 @@ class DiskTier:
                 f.write(header)
                 f.write(payload)
             written = time.time_ns()
-            os.utime(tmp, ns=(written + 1, written))
+            os.utime(tmp, ns=(written + WRITE_MARK_NS, written))  # see WRITE_MARK_NS
             os.replace(tmp, path)
         except BaseException:
             _unlink(tmp)
@@ -206,7 +213,10 @@ class DiskTier:
             return
         path, st = found
         try:
-            os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
+            touched = max(time.time_ns(), st.st_mtime_ns + 2 * _TOUCHED_NS)  # a use, however soon
+            if touched == st.st_mtime_ns + WRITE_MARK_NS:
+                touched += 1  # never the untouched write's own mark
+            os.utime(path, ns=(touched, st.st_mtime_ns))
         except FileNotFoundError:
             pass
 
@@ -301,6 +311,8 @@ def file_info(stats: list[os.stat_result], identity: int = 0) -> FileInfo:
 
 def _used_ns(st: os.stat_result) -> int:
     """When a lookup last marked the file as about to be loaded (NEVER_USED_NS if never)."""
+    if st.st_atime_ns == st.st_mtime_ns + WRITE_MARK_NS:
+        return NEVER_USED_NS  # as written
     return st.st_atime_ns if st.st_atime_ns > st.st_mtime_ns + _TOUCHED_NS else NEVER_USED_NS
 
 

@@ -193,3 +193,22 @@ def test_a_lookup_that_times_out_once_costs_a_miss_not_the_whole_remote_tier():
     for rid in ("c", "d", "e"):  # timeouts in a row: now the tier is skipped
         lookup.present(rid, ["x"])
     assert not lookup.health.usable()
+
+
+def test_reading_a_record_never_marks_it_used_however_late_the_writer_ran(tmp_path, monkeypatch):
+    """The writer's clock read can lag the kernel's stamps (a tick, a process descheduled between
+    the two): the first read must still leave the access time alone on a relatime mount."""
+    import time as real_time
+
+    from connector.tiers import disk as disk_module
+
+    lagging = type("Clock", (), {"time_ns": staticmethod(lambda: real_time.time_ns() - 50_000_000)})
+    monkeypatch.setattr(disk_module, "time", lagging)
+    t = DiskTier(str(tmp_path), "layout-1", grace_s=30.0)
+    t.put(NAME, memoryview(b"x" * 64))
+    real_time.sleep(0.01)  # later than a tick
+    t.get(NAME)
+    st = os.stat(_record_path(tmp_path))
+    assert st.st_atime_ns == st.st_mtime_ns + disk_module.WRITE_MARK_NS  # as written: the read left it
+    monkeypatch.undo()
+    assert t.delete(NAME) is True
