@@ -385,12 +385,12 @@ KEEP_READABLE = (
 )
 
 
-def live(cfg: settings.Settings) -> None:
+def live(cfg: settings.Settings, section: str) -> None:
     with st.container(key="live"):
-        _live(cfg)
+        _live(cfg, section)
 
 
-def _live(cfg: settings.Settings) -> None:
+def _live(cfg: settings.Settings, section: str) -> None:
     with guarded("The data"):
         fleet, statuses, window = load(cfg)
         for status in statuses:
@@ -414,15 +414,25 @@ def _live(cfg: settings.Settings) -> None:
             "Tenants": lambda: tenants_page.show(frame, window),
             "PD": lambda: pd_page.show(frame, window, cfg),
         }
-        # Only the open tab is computed and sent, at each refresh and when another is opened
-        # (the refresh re-runs this fragment: the less it does, the less of the page is stale).
-        tabs = st.tabs(list(ROWS), key="section", on_change="rerun")
-        for tab, name in zip(tabs, ROWS, strict=True):
-            with tab:
-                if tab.open:
-                    with guarded(name):
-                        sections[name]()
+        with guarded(section):
+            sections[section]()
         st.caption(f"Updated {time.strftime('%H:%M:%S')}; refreshes every {cfg.refresh_s:g} s.")
+
+
+def tabs(cfg: settings.Settings) -> None:
+    """The tabs, and in the open one its live part, refreshed every ``cfg.refresh_s``.
+
+    The tabs stand outside the refreshed part on purpose. Inside it, each refresh sent them
+    again, and Streamlit disables a tab from the moment it is stale until the browser has drawn
+    it again: on a loaded machine (refreshes that take longer, a browser that lags) the tabs were
+    disabled for much of each refresh and a click on one was dropped. Here a refresh never
+    touches them, and a click reruns the page at once (it interrupts a refresh under way).
+    Only the open tab's part is computed and sent, at each refresh and when another is opened."""
+    opened = st.tabs(list(ROWS), key="section", on_change="rerun")
+    for tab, name in zip(opened, ROWS, strict=True):
+        if tab.open:
+            with tab:
+                st.fragment(run_every=cfg.refresh_s)(live)(cfg, name)
 
 
 def main() -> None:
@@ -443,7 +453,7 @@ def main() -> None:
         st.stop()
     with guarded("The settings"):
         cfg = sidebar.sidebar(started)
-        st.fragment(run_every=cfg.refresh_s)(live)(cfg)
+        tabs(cfg)
 
 
 main()
