@@ -37,6 +37,7 @@ from dashboard import (  # noqa: E402
     failures,
     insights_page,
     logfiles,
+    overview,
     pd_page,
     request_records,
     settings,
@@ -122,8 +123,8 @@ def load(cfg: settings.Settings) -> tuple[pd.DataFrame, list[sources.Status], fl
 WAITING = "Waiting for a second reading to compute rates."
 
 
-def overview(frame: pd.DataFrame, fleet: pd.DataFrame, window: float) -> None:
-    s = views.savings(frame)
+def overview_view(frame: pd.DataFrame, fleet: pd.DataFrame, window: float) -> None:
+    s = overview.savings(frame)
     a, b, c, d = st.columns(4)
     a.metric("Prompt tokens KVLens held", text.percent(s.hit_rate), help="Since the servers started.")
     b.metric(
@@ -144,14 +145,14 @@ def overview(frame: pd.DataFrame, fleet: pd.DataFrame, window: float) -> None:
     left, right = st.columns(2)
     with left:
         st.subheader("Hit rate")
-        chart(views.hit_rates(frame, window), charts.RATIO, NO_TRAFFIC, zero_to_one=True)
+        chart(overview.hit_rates(frame, window), charts.RATIO, NO_TRAFFIC, zero_to_one=True)
     with right:
         st.subheader("Where prompt tokens came from")
-        chart(views.token_sources(frame, window), charts.TOKENS_PER_S, NO_TRAFFIC, stack=True)
+        chart(overview.token_sources(frame, window), charts.TOKENS_PER_S, NO_TRAFFIC, stack=True)
     left, right = st.columns(2)
     with left:
         st.subheader("Prompt tokens since start, by source")
-        totals = views.token_totals(frame)
+        totals = overview.token_totals(frame)
         if totals.sum() > 0:
             st.altair_chart(charts.bars(totals, charts.TOKENS), width="stretch")
         else:
@@ -159,7 +160,7 @@ def overview(frame: pd.DataFrame, fleet: pd.DataFrame, window: float) -> None:
     with right:
         st.subheader("Per instance")
         percent = st.column_config.NumberColumn(format="percent")
-        table(views.instance_table(fleet), width="stretch", column_config={"KVLens hit rate": percent})
+        table(overview.instance_table(fleet), width="stretch", column_config={"KVLens hit rate": percent})
     st.caption(f"Rates over {window:.0f} s windows. KVLens per tier: tokens it loaded into vLLM.")
 
 
@@ -404,7 +405,7 @@ def _live(cfg: settings.Settings, section: str) -> None:
         frame = fleet if choice == ALL else views.for_instances(fleet, [choice])
         idle_for_s = max(30.0, 3 * cfg.refresh_s)
         sections = {
-            "Overview": lambda: overview(frame, fleet, window),
+            "Overview": lambda: overview_view(frame, fleet, window),
             "Hits and misses": lambda: hits_and_misses(frame, window),
             "Latency and throughput": lambda: latency_and_throughput(frame, window),
             "Tiers and leaks": lambda: tiers_and_leaks(frame, fleet, window, idle_for_s),

@@ -12,12 +12,12 @@ import pandas as pd
 
 from . import catalog as c
 from .catalog import INFO_LABELS, kvlens
+from .overview import prefill_cost_per_token
 from .views import (
     DEFAULT_WINDOW_S,
     gauge,
     increase,
     join,
-    prefill_cost_per_token,
     rate,
     scalar,
     select,

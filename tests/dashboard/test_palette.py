@@ -9,7 +9,7 @@ import json
 import pandas as pd
 import pytest
 
-from dashboard import charts, palette, views
+from dashboard import charts, overview, palette, views
 from dashboard.catalog import VLLM_PREFIX_HITS, VLLM_PREFIX_QUERIES, VLLM_PROMPT_BY_SOURCE, kvlens
 
 from .frames import frame, series
@@ -57,11 +57,11 @@ def token_frame(with_vllm: bool, tiers: tuple[str, ...]) -> pd.DataFrame:
 def app_charts(f: pd.DataFrame) -> dict[str, dict[str, str]]:
     """The colours of the charts the Overview and Hits tabs draw from ``f``, by chart."""
     return {
-        "hit rate": encoded_colours(charts.line(views.hit_rates(f), charts.RATIO, zero_to_one=True)),
+        "hit rate": encoded_colours(charts.line(overview.hit_rates(f), charts.RATIO, zero_to_one=True)),
         "token sources": encoded_colours(
-            charts.line(views.token_sources(f), charts.TOKENS_PER_S, stack=True)
+            charts.line(overview.token_sources(f), charts.TOKENS_PER_S, stack=True)
         ),
-        "token totals": encoded_colours(charts.bars(views.token_totals(f), charts.TOKENS)),
+        "token totals": encoded_colours(charts.bars(overview.token_totals(f), charts.TOKENS)),
         "hits by tier": encoded_colours(
             charts.line(views.rate(f, kvlens("hit_tokens"), ("tier",)), charts.TOKENS_PER_S, stack=True)
         ),
