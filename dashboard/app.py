@@ -125,21 +125,28 @@ WAITING = "Waiting for a second reading to compute rates."
 
 def overview_view(frame: pd.DataFrame, fleet: pd.DataFrame, window: float) -> None:
     s = overview.savings(frame)
+    with_pd = overview.received(fleet)
     a, b, c, d = st.columns(4)
-    a.metric("Prompt tokens KVLens held", text.percent(s.hit_rate), help="Since the servers started.")
+    a.metric(
+        "Prompt tokens KVLens held",
+        text.percent(s.hit_rate),
+        help=text.HELD_HELP + (" " + text.PD_SOURCE if with_pd else ""),
+    )
     b.metric(
         "Prompt tokens loaded by KVLens",
-        text.number(s.loaded_tokens),
-        delta=f"+{text.number(s.loaded_tokens_window)} in range",
+        text.number(s.supplied_tokens),
+        delta=f"+{text.number(s.supplied_tokens_window)} in range",
         delta_color="off",
+        help=text.loaded_help(s.loaded_tokens, s.pd_loaded_tokens) if with_pd else None,
     )
     c.metric(
         "Prefill time saved (estimated)",
         text.seconds(s.seconds_saved),
         help="The connector's estimate (vllm:kvlens_prefill_seconds_saved_total) when it exports one; "
-        "else tokens KVLens loaded times the engine's measured prefill seconds per token "
+        "else tokens KVLens loaded from its tiers times the engine's measured prefill seconds per token "
         "(vllm:kvlens_prefill_seconds_per_token). Unknown until the engine has measured a prefill. "
-        "An estimate: per-token prefill cost grows with context length.",
+        "An estimate: per-token prefill cost grows with context length. Tokens received from a "
+        "prefiller (PD) are not counted: their prefill ran on the prefiller.",
     )
     d.metric("Requests with failed loads", text.number(s.failed_loads), help="Since the servers started.")
     left, right = st.columns(2)
@@ -161,7 +168,7 @@ def overview_view(frame: pd.DataFrame, fleet: pd.DataFrame, window: float) -> No
         st.subheader("Per instance")
         percent = st.column_config.NumberColumn(format="percent")
         table(overview.instance_table(fleet), width="stretch", column_config={"KVLens hit rate": percent})
-    st.caption(f"Rates over {window:.0f} s windows. KVLens per tier: tokens it loaded into vLLM.")
+    st.caption(text.overview_caption(window, with_pd))
 
 
 def hits_and_misses(frame: pd.DataFrame, window: float) -> None:
@@ -197,7 +204,8 @@ def latency_and_throughput(frame: pd.DataFrame, window: float) -> None:
     left, right = st.columns(2)
     with left:
         st.subheader("Throughput by tier")
-        chart(views.throughput_by_tier(frame, window), charts.GB_PER_S, "No loads or stores in range.")
+        speed = views.throughput_by_tier(frame, window)
+        chart(speed, charts.bytes_unit(speed, per_s=True), "No loads or stores in range.")
         st.caption(
             "Bytes per second spent moving them, timed where they move: a store is the gather out of "
             "vLLM's KV cache plus the write to disk or remote; a load the read from disk or remote "
@@ -255,12 +263,12 @@ def tiers_and_leaks(frame: pd.DataFrame, fleet: pd.DataFrame, window: float, idl
     with right:
         st.subheader("Pinned bytes")
         pinned = views.gauge(frame, views.kvlens("pinned_bytes"), ("tier",))
-        chart(pinned, charts.MB, "No pinned bytes reported.")
+        chart(pinned, charts.bytes_unit(pinned), "No pinned bytes reported.")
     left, right = st.columns(2)
     with left:
         st.subheader("Retained bytes")
         retained = views.gauge(frame, views.kvlens("retention_bytes"), ("tier", "retention"))
-        chart(retained, charts.MB, "No retained chunks reported.")
+        chart(retained, charts.bytes_unit(retained), "No retained chunks reported.")
         st.caption(
             "Bytes per tier and retention class: 0 normal, 1-3 the priority requests asked for "
             "(kvlens.retention_priority, kvlens.retain_for_s); retained chunks are evicted last, "

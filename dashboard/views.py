@@ -289,7 +289,7 @@ def remote_errors(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd
     return rate(frame, kvlens("remote_errors"), ("operation", "kind"), window_s)
 
 
-def _added(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
+def added(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     """Two rate frames summed column by column (a missing column or time counts as 0)."""
     if a.empty or b.empty:
         return a if b.empty else b
@@ -307,8 +307,8 @@ def throughput_by_tier(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) 
     }
     stored = rate(frame, kvlens("store_bytes"), ("tier",), window_s)
     loaded = rate(frame, kvlens("transfer_bytes"), ("tier",), window_s, stage="copy")
-    store = ratio(stored, _added(seconds["gather"], seconds["write"])).add_prefix("store ")
-    load = ratio(loaded, _added(seconds["read"], seconds["copy"])).add_prefix("load ")
+    store = ratio(stored, added(seconds["gather"], seconds["write"])).add_prefix("store ")
+    load = ratio(loaded, added(seconds["read"], seconds["copy"])).add_prefix("load ")
     return join(store, load)
 
 

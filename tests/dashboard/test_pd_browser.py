@@ -1,9 +1,10 @@
 """The app as a person sees it, in headless Chromium: the app served by ``streamlit run`` against a
 prefiller, a decoder and a PD proxy serving the canned PD series and request records (no vLLM
-needed). The tabs stay clickable while the page refreshes (a click is never dropped); the PD tab
-draws each phase in its palette colour in every chart that shows it, and draws without an error
-(a screenshot is kept under .run/artifacts/). Waits are bounded by the app's refreshes, not by
-seconds: a loaded machine makes them longer, never failing."""
+needed). The tabs stay clickable while the page refreshes (a click is never dropped); the
+Overview draws what the decoder received as a source in its own colour; the PD tab draws each
+phase in its palette colour in every chart that shows it, names each engine by its role, and
+draws without an error (a screenshot is kept under .run/artifacts/). Waits are bounded by the
+app's refreshes, not by seconds: a loaded machine makes them longer, never failing."""
 
 from __future__ import annotations
 
@@ -88,6 +89,19 @@ def test_a_refresh_never_disables_the_tabs_so_every_click_lands(page):
     assert_no_exception(driver)
 
 
+def test_the_overview_draws_what_the_decoder_received_as_a_source_in_its_colour(page):
+    driver = page.driver
+    show_tab(driver, "Overview", "Where prompt tokens came from")
+    received = wait_for(
+        driver,
+        lambda: [c for c in legend_colours(driver, "Overview") if c[1] == palette.PD_RECEIVED],
+        "the PD source in a legend",
+    )
+    assert {drawn for _, _, drawn in received} == {palette.SOURCES[palette.PD_RECEIVED]}
+    assert palette.PD_RECEIVED in panel_text(driver)  # the caption says what it is
+    assert_no_exception(driver)
+
+
 def test_the_pd_tab_in_headless_chromium(page):
     driver = page.driver
     show_tab(driver, "PD", "Time to first token, split")
@@ -103,3 +117,9 @@ def test_the_pd_tab_in_headless_chromium(page):
     assert {name for _, name, _ in colours} == set(palette.PHASES)
     assert all(drawn == palette.PHASES[name] for _, name, drawn in colours), colours
     assert len({chart for chart, _, _ in colours}) >= 2  # the pairs' bars and the request's bar
+    named = {name for _, name, _ in legend_colours(driver, "PD")}
+    sides = {f"prefiller {page.prefiller.endpoint} sent", f"decoder {page.decoder.endpoint} received"}
+    assert sides <= named, named  # each engine named by its role, on its side only
+    assert not any(
+        n.endswith((f"{page.decoder.endpoint} sent", f"{page.prefiller.endpoint} received")) for n in named
+    )
