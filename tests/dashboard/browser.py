@@ -81,6 +81,12 @@ def panel_text(driver) -> str:
     return driver.execute_script(f"const p = {_PANEL}; return p ? p.innerText : '';")
 
 
+def panel_html(driver) -> str:
+    """The open tab's panel as HTML: what its tables hold too (a table draws its cells on a
+    canvas, not as text)."""
+    return driver.execute_script(f"const p = {_PANEL}; return p ? p.innerHTML : '';")
+
+
 def updated_stamp(driver) -> str:
     """The "Updated HH:MM:SS" line (the open tab's, where it has one): it changes each time a
     refresh ends."""

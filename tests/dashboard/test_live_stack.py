@@ -37,7 +37,7 @@ from .browser import (
     chromium,
     healthy,
     legend_colours,
-    panel_text,
+    panel_html,
     show_tab,
     staleness,
     streamlit_server,
@@ -293,7 +293,7 @@ def test_app_in_headless_chromium(live, tmp_path):
                 continue
             wait_for(driver, lambda: charts_drawn(driver) >= 1, f"a chart in {name}")
             if name == "Failures":  # the event timeline and the table of the failed load
-                wait_for(driver, lambda: live.failed["id"] in panel_text(driver), "the failed request")
+                wait_for(driver, lambda: live.failed["id"] in panel_html(driver), "the failed request")
             if name not in ("Failures", "Tenants"):  # one series each: no legend to read
                 legends = wait_for(driver, lambda n=name: legend_colours(driver, n), f"the legends in {name}")
                 colours += legends
