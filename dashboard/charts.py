@@ -101,7 +101,7 @@ def bars(values: pd.Series, unit: Unit, label: str = "") -> alt.Chart:
         alt.Chart(data)
         .mark_bar()
         .encode(
-            y=alt.Y("name:N", title=label or None, sort=None),
+            y=alt.Y("name:N", title=label or None, sort=None, axis=alt.Axis(labelLimit=360)),
             x=alt.X("value:Q", title=unit.title, axis=alt.Axis(format=unit.fmt)),
             color=colours("name", data["name"]),
             tooltip=["name:N", alt.Tooltip("value:Q", format=unit.fmt, title=unit.title)],

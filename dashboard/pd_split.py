@@ -28,6 +28,7 @@ PHASE_COLUMNS = tuple(palette.PHASE_LABELS[p] for p in c.PD_PHASES)
 SPLIT_COLUMNS = (*PHASE_COLUMNS, palette.PROXY)  # the parts, in order: they add up to the TTFT
 TTFT = palette.TTFT
 REQUESTS = "requests"
+_ROUNDING = 1e-9  # seconds: below this, the rest of the TTFT is the sums' rounding
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +49,8 @@ def _group_index(index: pd.Index, by: tuple[str, ...]) -> pd.Index:
 def _with_proxy_part(means: pd.DataFrame) -> pd.DataFrame:
     """The parts in order, the proxy's share being the rest of the time to first token."""
     out = means[list(PHASE_COLUMNS)].copy()
-    out[palette.PROXY] = means[TTFT] - out.sum(axis=1, min_count=len(PHASE_COLUMNS))
+    rest = means[TTFT] - out.sum(axis=1, min_count=len(PHASE_COLUMNS))
+    out[palette.PROXY] = rest.mask(rest.abs() <= _ROUNDING, 0.0)  # not -2e-16 s from float sums
     out[TTFT] = means[TTFT]
     out[REQUESTS] = means[REQUESTS]
     return out.sort_values(REQUESTS, ascending=False)
