@@ -37,6 +37,7 @@ from dashboard import (  # noqa: E402
     failures,
     insights_page,
     logfiles,
+    overview,
     pd_page,
     request_records,
     settings,
@@ -122,36 +123,43 @@ def load(cfg: settings.Settings) -> tuple[pd.DataFrame, list[sources.Status], fl
 WAITING = "Waiting for a second reading to compute rates."
 
 
-def overview(frame: pd.DataFrame, fleet: pd.DataFrame, window: float) -> None:
-    s = views.savings(frame)
+def overview_view(frame: pd.DataFrame, fleet: pd.DataFrame, window: float) -> None:
+    s = overview.savings(frame)
+    with_pd = overview.received(fleet)
     a, b, c, d = st.columns(4)
-    a.metric("Prompt tokens KVLens held", text.percent(s.hit_rate), help="Since the servers started.")
+    a.metric(
+        "Prompt tokens KVLens held",
+        text.percent(s.hit_rate),
+        help=text.HELD_HELP + (" " + text.PD_SOURCE if with_pd else ""),
+    )
     b.metric(
         "Prompt tokens loaded by KVLens",
-        text.number(s.loaded_tokens),
-        delta=f"+{text.number(s.loaded_tokens_window)} in range",
+        text.number(s.supplied_tokens),
+        delta=f"+{text.number(s.supplied_tokens_window)} in range",
         delta_color="off",
+        help=text.loaded_help(s.loaded_tokens, s.pd_loaded_tokens) if with_pd else None,
     )
     c.metric(
         "Prefill time saved (estimated)",
         text.seconds(s.seconds_saved),
         help="The connector's estimate (vllm:kvlens_prefill_seconds_saved_total) when it exports one; "
-        "else tokens KVLens loaded times the engine's measured prefill seconds per token "
+        "else tokens KVLens loaded from its tiers times the engine's measured prefill seconds per token "
         "(vllm:kvlens_prefill_seconds_per_token). Unknown until the engine has measured a prefill. "
-        "An estimate: per-token prefill cost grows with context length.",
+        "An estimate: per-token prefill cost grows with context length. Tokens received from a "
+        "prefiller (PD) are not counted: their prefill ran on the prefiller.",
     )
     d.metric("Requests with failed loads", text.number(s.failed_loads), help="Since the servers started.")
     left, right = st.columns(2)
     with left:
         st.subheader("Hit rate")
-        chart(views.hit_rates(frame, window), charts.RATIO, NO_TRAFFIC, zero_to_one=True)
+        chart(overview.hit_rates(frame, window), charts.RATIO, NO_TRAFFIC, zero_to_one=True)
     with right:
         st.subheader("Where prompt tokens came from")
-        chart(views.token_sources(frame, window), charts.TOKENS_PER_S, NO_TRAFFIC, stack=True)
+        chart(overview.token_sources(frame, window), charts.TOKENS_PER_S, NO_TRAFFIC, stack=True)
     left, right = st.columns(2)
     with left:
         st.subheader("Prompt tokens since start, by source")
-        totals = views.token_totals(frame)
+        totals = overview.token_totals(frame)
         if totals.sum() > 0:
             st.altair_chart(charts.bars(totals, charts.TOKENS), width="stretch")
         else:
@@ -159,8 +167,8 @@ def overview(frame: pd.DataFrame, fleet: pd.DataFrame, window: float) -> None:
     with right:
         st.subheader("Per instance")
         percent = st.column_config.NumberColumn(format="percent")
-        table(views.instance_table(fleet), width="stretch", column_config={"KVLens hit rate": percent})
-    st.caption(f"Rates over {window:.0f} s windows. KVLens per tier: tokens it loaded into vLLM.")
+        table(overview.instance_table(fleet), width="stretch", column_config={"KVLens hit rate": percent})
+    st.caption(text.overview_caption(window, with_pd))
 
 
 def hits_and_misses(frame: pd.DataFrame, window: float) -> None:
@@ -196,7 +204,8 @@ def latency_and_throughput(frame: pd.DataFrame, window: float) -> None:
     left, right = st.columns(2)
     with left:
         st.subheader("Throughput by tier")
-        chart(views.throughput_by_tier(frame, window), charts.GB_PER_S, "No loads or stores in range.")
+        speed = views.throughput_by_tier(frame, window)
+        chart(speed, charts.bytes_unit(speed, per_s=True), "No loads or stores in range.")
         st.caption(
             "Bytes per second spent moving them, timed where they move: a store is the gather out of "
             "vLLM's KV cache plus the write to disk or remote; a load the read from disk or remote "
@@ -254,12 +263,12 @@ def tiers_and_leaks(frame: pd.DataFrame, fleet: pd.DataFrame, window: float, idl
     with right:
         st.subheader("Pinned bytes")
         pinned = views.gauge(frame, views.kvlens("pinned_bytes"), ("tier",))
-        chart(pinned, charts.MB, "No pinned bytes reported.")
+        chart(pinned, charts.bytes_unit(pinned), "No pinned bytes reported.")
     left, right = st.columns(2)
     with left:
         st.subheader("Retained bytes")
         retained = views.gauge(frame, views.kvlens("retention_bytes"), ("tier", "retention"))
-        chart(retained, charts.MB, "No retained chunks reported.")
+        chart(retained, charts.bytes_unit(retained), "No retained chunks reported.")
         st.caption(
             "Bytes per tier and retention class: 0 normal, 1-3 the priority requests asked for "
             "(kvlens.retention_priority, kvlens.retain_for_s); retained chunks are evicted last, "
@@ -385,12 +394,12 @@ KEEP_READABLE = (
 )
 
 
-def live(cfg: settings.Settings) -> None:
+def live(cfg: settings.Settings, section: str) -> None:
     with st.container(key="live"):
-        _live(cfg)
+        _live(cfg, section)
 
 
-def _live(cfg: settings.Settings) -> None:
+def _live(cfg: settings.Settings, section: str) -> None:
     with guarded("The data"):
         fleet, statuses, window = load(cfg)
         for status in statuses:
@@ -404,7 +413,7 @@ def _live(cfg: settings.Settings) -> None:
         frame = fleet if choice == ALL else views.for_instances(fleet, [choice])
         idle_for_s = max(30.0, 3 * cfg.refresh_s)
         sections = {
-            "Overview": lambda: overview(frame, fleet, window),
+            "Overview": lambda: overview_view(frame, fleet, window),
             "Hits and misses": lambda: hits_and_misses(frame, window),
             "Latency and throughput": lambda: latency_and_throughput(frame, window),
             "Tiers and leaks": lambda: tiers_and_leaks(frame, fleet, window, idle_for_s),
@@ -414,15 +423,25 @@ def _live(cfg: settings.Settings) -> None:
             "Tenants": lambda: tenants_page.show(frame, window),
             "PD": lambda: pd_page.show(frame, window, cfg),
         }
-        # Only the open tab is computed and sent, at each refresh and when another is opened
-        # (the refresh re-runs this fragment: the less it does, the less of the page is stale).
-        tabs = st.tabs(list(ROWS), key="section", on_change="rerun")
-        for tab, name in zip(tabs, ROWS, strict=True):
-            with tab:
-                if tab.open:
-                    with guarded(name):
-                        sections[name]()
+        with guarded(section):
+            sections[section]()
         st.caption(f"Updated {time.strftime('%H:%M:%S')}; refreshes every {cfg.refresh_s:g} s.")
+
+
+def tabs(cfg: settings.Settings) -> None:
+    """The tabs, and in the open one its live part, refreshed every ``cfg.refresh_s``.
+
+    The tabs stand outside the refreshed part on purpose. Inside it, each refresh sent them
+    again, and Streamlit disables a tab from the moment it is stale until the browser has drawn
+    it again: on a loaded machine (refreshes that take longer, a browser that lags) the tabs were
+    disabled for much of each refresh and a click on one was dropped. Here a refresh never
+    touches them, and a click reruns the page at once (it interrupts a refresh under way).
+    Only the open tab's part is computed and sent, at each refresh and when another is opened."""
+    opened = st.tabs(list(ROWS), key="section", on_change="rerun")
+    for tab, name in zip(opened, ROWS, strict=True):
+        if tab.open:
+            with tab:
+                st.fragment(run_every=cfg.refresh_s)(live)(cfg, name)
 
 
 def main() -> None:
@@ -443,7 +462,7 @@ def main() -> None:
         st.stop()
     with guarded("The settings"):
         cfg = sidebar.sidebar(started)
-        st.fragment(run_every=cfg.refresh_s)(live)(cfg)
+        tabs(cfg)
 
 
 main()

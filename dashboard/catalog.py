@@ -20,6 +20,7 @@ INFO_LABELS = (
     "model_identity",
     "quantization",
     "kv_cache_dtype",
+    "pd_role",  # PD: "sender" (a prefiller), "receiver" (a decoder), "" (no PD)
 )
 
 # Labels a dashboard groups by; every other label (job, ...) is summed away.
@@ -150,6 +151,8 @@ PD_IN_FLIGHT = "vllm:kvlens_pd_transfers_in_flight"  # {side}
 PD_BUFFER_USED = "vllm:kvlens_pd_buffer_used_bytes"
 PD_BUFFER_CAPACITY = "vllm:kvlens_pd_buffer_capacity_bytes"
 PD_BUFFER_ENTRIES = "vllm:kvlens_pd_buffer_entries"  # a leak gauge: back to 0 when idle
+PD_LOADED_TOKENS = "vllm:kvlens_pd_loaded_tokens_total"  # prompt tokens a decoder loaded from its buffer
+PD_LOADS = "vllm:kvlens_pd_loads_total"  # {outcome}: decoder requests by what PD gave them
 _PD_HISTOGRAMS = (PD_SEND_SECONDS, PD_RECEIVE_SECONDS, PD_NOTIFY_WAIT_SECONDS)
 PD_SAMPLE_NAMES = frozenset(
     {
@@ -161,10 +164,15 @@ PD_SAMPLE_NAMES = frozenset(
         PD_BUFFER_USED,
         PD_BUFFER_CAPACITY,
         PD_BUFFER_ENTRIES,
+        PD_LOADED_TOKENS,
+        PD_LOADS,
         *(h + s for h in _PD_HISTOGRAMS for s in ("_sum", "_count")),
     }
 )
 PD_HISTOGRAM_BUCKETS = frozenset(h + "_bucket" for h in _PD_HISTOGRAMS)
+
+# kvlens_info's pd_role of each side of a PD pair.
+PD_SENDER, PD_RECEIVER = "sender", "receiver"
 
 # The PD proxy's own /metrics (``kvlens pd-proxy``).
 PROXY_PREFIX = "kvlens_pd_proxy_"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import altair as alt
+import numpy as np
 import pandas as pd
 
 from . import palette
@@ -24,14 +25,29 @@ REQUESTS_PER_S = Unit("requests/s", ",.3~f")
 OPS_PER_S = Unit("operations/s", ",.3~f")
 BLOCKS_PER_S = Unit("blocks/s", ",.3~f")
 MS = Unit("ms", ",.3~f", 1e3)
-GB_PER_S = Unit("GB/s", ",.3~f", 1e-9)
 MB = Unit("MB", ",.3~f", 1e-6)
 COUNT = Unit("count", ",.4~s")
 TOKENS = Unit("tokens", ",.4~s")
 
+# Decimal byte units, largest first (GB/s and MB above were fixed units; these fit the data).
+_BYTE_UNITS = ((1e9, "GB"), (1e6, "MB"), (1e3, "KB"), (1.0, "B"))
+
+
+def bytes_unit(wide: pd.DataFrame, per_s: bool = False, stacked: bool = False) -> Unit:
+    """The byte unit whose numbers fit ``wide`` (one column per series, in bytes or bytes/s): the
+    largest of B, KB, MB and GB not above its peak (its rows' sums when ``stacked``), so that a
+    chart of kilobytes per second reads 12.5 KB/s, not 0.0000125 GB/s."""
+    values = (wide.sum(axis=1) if stacked else wide).to_numpy(dtype=float)
+    peak = float(np.nanmax(np.abs(values))) if np.isfinite(values).any() else 0.0
+    size, name = next(((size, name) for size, name in _BYTE_UNITS if peak >= size), _BYTE_UNITS[-1])
+    return Unit(f"{name}/s" if per_s else name, ",.3~f", 1 / size)
+
+
 HEIGHT = 240
 TIME_AXIS = alt.Axis(format="%H:%M:%S", labelOverlap=True)
-BOTTOM = alt.Legend(orient="bottom")
+# Legends below the chart, labels whole: Vega cuts them at 160 px, which left "prefiller
+# 10.0.0.1:8100 …" of "prefiller 10.0.0.1:8100 sent" (and a decoder's used and capacity alike).
+BOTTOM = alt.Legend(orient="bottom", labelLimit=480)
 
 
 def colours(field: str, names, legend: alt.Legend | None = None, title: str | None = None) -> alt.Color:
@@ -85,7 +101,7 @@ def bars(values: pd.Series, unit: Unit, label: str = "") -> alt.Chart:
         alt.Chart(data)
         .mark_bar()
         .encode(
-            y=alt.Y("name:N", title=label or None, sort=None),
+            y=alt.Y("name:N", title=label or None, sort=None, axis=alt.Axis(labelLimit=360)),
             x=alt.X("value:Q", title=unit.title, axis=alt.Axis(format=unit.fmt)),
             color=colours("name", data["name"]),
             tooltip=["name:N", alt.Tooltip("value:Q", format=unit.fmt, title=unit.title)],

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 import pandas as pd
 
 from . import catalog as c
+from . import palette
 from .catalog import INFO_LABELS, kvlens
+from .overview import prefill_cost_per_token, received
 from .views import (
     DEFAULT_WINDOW_S,
     gauge,
     increase,
     join,
-    prefill_cost_per_token,
     rate,
     scalar,
     select,
@@ -109,6 +110,7 @@ INFO_COLUMNS = {
     "model_identity": "model identity",
     "quantization": "quantization",
     "kv_cache_dtype": "KV cache dtype",
+    "pd_role": "PD role",
 }
 
 
@@ -128,11 +130,15 @@ def instance_identity(frame: pd.DataFrame) -> pd.DataFrame:
 # ---- reconciliation and time ----------------------------------------------------------------
 def reconciliation(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
     """Tokens per second vLLM counted as external hits, KVLens held at lookup, KVLens loaded:
-    the three should move together (held >= external >= loaded, apart from vLLM's own hits)."""
+    the three should move together (held >= external >= loaded, apart from vLLM's own hits). On
+    a PD decoder vLLM's external hits also count what it received from a prefiller (its own line)."""
     return join(
         rate(frame, c.VLLM_EXTERNAL_HITS, window_s=window_s, legend="vLLM external hits"),
         rate(frame, kvlens("hit_tokens"), window_s=window_s, legend="KVLens held at lookup"),
         rate(frame, kvlens("load_tokens"), window_s=window_s, legend="KVLens loaded"),
+        rate(frame, c.PD_LOADED_TOKENS, window_s=window_s, legend=palette.PD_RECEIVED)
+        if received(frame)
+        else pd.DataFrame(),
     )
 
 

@@ -47,7 +47,9 @@ def reconciliation(frame: pd.DataFrame, window: float) -> None:
     chart(insights.reconciliation(frame, window), charts.TOKENS_PER_S, NO_TRAFFIC)
     st.caption(
         "KVLens held at lookup includes tokens vLLM's own cache already had; vLLM's external hits "
-        "are what it asked KVLens to load; loaded below that means loads went missing or failed."
+        "are what it asked KVLens to load; loaded below that means loads went missing or failed. On a PD "
+        "decoder vLLM's external hits also count what it received from a prefiller (PD): compare them "
+        "with loaded plus received."
     )
 
 

@@ -3,7 +3,8 @@ Grafana bundle (``grafana.build`` reads this module). Pure: no Streamlit, no Alt
 
 A series is coloured by its name alone, never by which other series a chart holds:
 
-- a source of prompt tokens (``vLLM prefix cache``, ``computed``, KVLens as a whole) or a tier
+- a source of prompt tokens (``vLLM prefix cache``, ``computed``, KVLens as a whole, what a PD
+  decoder received from a prefiller) or a tier
   (``cpu``, ``disk``, ``remote``) has its own hue; a series that names a tier takes the tier's
   hue, whatever else it says (``KVLens cpu``, ``store cpu``, ``evicted disk``, ``cpu 2``);
 - several series of one source or tier in one chart (``KVLens, tokens`` and ``KVLens,
@@ -22,6 +23,9 @@ from .catalog import LEAK_GAUGES, MISS_REASONS, PD_REASONS
 KVLENS = "KVLens"
 VLLM_PREFIX_CACHE = "vLLM prefix cache"
 COMPUTED = "computed"
+# On a PD decoder: prompt tokens whose KV a prefiller computed and sent, loaded from the
+# decoder's receive buffer (vllm:kvlens_pd_loaded_tokens_total; vLLM's source "p2p").
+PD_RECEIVED = "received from a prefiller (PD)"
 
 TIERS: dict[str, str] = {
     "cpu": "#4C78A8",  # blue
@@ -35,15 +39,23 @@ SOURCES: dict[str, str] = {
     COMPUTED: "#8C8C8C",  # grey: prefill that nothing saved
     "vLLM external hits": "#72B7B2",  # teal: vLLM's count of what it asked KVLens for
     "failed": "#E45756",  # red: loads that failed, tokens recomputed after one
+    PD_RECEIVED: "#A0C814",  # lime: no tier's, vLLM's or phase's hue, nor one of OTHERS
 }
 
-# The three parts of a PD request's time to first token (the proxy's phases), each its own colour
-# in every chart and panel that shows them: hues no source, tier or quantile has.
+# The parts of a PD request's time to first token (the proxy's phases, and what the proxy spent
+# between them), each its own colour in every chart and panel that shows them: hues no source,
+# tier or quantile has.
 PREFILL, TRANSFER_WAIT, DECODE_FIRST_TOKEN = "prefill", "transfer wait", "decode first token"
+PROXY = "proxy (tokenize, relay)"
+TTFT = "time to first token"
 PHASES: dict[str, str] = {
     PREFILL: "#6A3D9A",  # dark violet: the prefiller computing the prompt
     TRANSFER_WAIT: "#E7298A",  # deep pink: waiting for the prefiller's notifications
     DECODE_FIRST_TOKEN: "#1B9E77",  # dark green-teal: the decoder's first token
+}
+SPLIT: dict[str, str] = {
+    **PHASES,
+    PROXY: "#C9B37E",  # khaki: the rest of the time to first token (tokenize, the proxy's relay)
 }
 # The proxy's label values of its phases (kvlens_pd_proxy_phase_seconds{phase}) -> their names.
 PHASE_LABELS: dict[str, str] = {
@@ -53,7 +65,7 @@ PHASE_LABELS: dict[str, str] = {
 }
 
 # Names vLLM gives the same sources (vllm:prompt_tokens_cached_by_source_total{source}).
-ALIASES: dict[str, str] = {"device": VLLM_PREFIX_CACHE, "host": "cpu"}
+ALIASES: dict[str, str] = {"device": VLLM_PREFIX_CACHE, "host": "cpu", "p2p": PD_RECEIVED}
 
 # Shades of one hue for several series of one source or tier: 0 the hue itself, 1 lighter,
 # 2 darker, 3 lightest. A word not listed gets a shade by hash.
@@ -208,7 +220,9 @@ def colour(series: str) -> str:
 _FIXED.update(
     {
         **QUANTILES,
-        **PHASES,
+        **SPLIT,
+        TTFT: "#2F2F2F",  # near black: the whole of which the split's parts are parts
+        "ttft": "#2F2F2F",  # the proxy's label value for it
         **{label: PHASES[name] for label, name in PHASE_LABELS.items()},
         "looked up": shade(SOURCES[KVLENS], 3),
         "held at lookup": shade(SOURCES[KVLENS], 1),

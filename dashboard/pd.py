@@ -1,23 +1,24 @@
-"""The PD (prefill/decode disaggregation) tab's numbers, from the long sample frame of
-``sources``: the proxy's split of time to first token into prefill, transfer wait and decode
-first token (``kvlens_pd_proxy_phase_seconds``) per prefiller, decoder or pair; and the engines'
-PD series: bytes sent and received, receive buffer used of capacity, transfers in flight,
-refusals and timeouts by reason. Plain pandas, no Streamlit.
+"""The PD (prefill/decode disaggregation) tab's numbers about the transfers, from the long sample
+frame of ``sources``: which engine is a prefiller and which a decoder, bytes each sent or
+received, each decoder's receive buffer, transfers in flight, refusals and timeouts by reason.
+Where the time to first token goes is ``dashboard.pd_split``. Plain pandas, no Streamlit.
+
+Every engine exports every PD series, at 0 for the side it is not on (a prefiller has a receive
+buffer of 0 bytes): each view keeps the engines of its side, named by their role.
 """
 
 from __future__ import annotations
 
-import math
-
 import pandas as pd
 
 from . import catalog as c
-from . import palette
-from .views import DEFAULT_WINDOW_S, SERIES, gauge, join, rate, ratio, select, total
+from .pd_split import PAIR
+from .views import DEFAULT_WINDOW_S, SERIES, for_instances, gauge, join, rate, select, total
 
-PAIR = ("prefiller", "decoder")
-GROUPINGS = {"pair": PAIR, "prefiller": ("prefiller",), "decoder": ("decoder",)}
-PHASE_COLUMNS = tuple(palette.PHASE_LABELS[p] for p in c.PD_PHASES)
+# kvlens_info's pd_role -> what the dashboards call an engine of that role.
+ROLE_NAMES = {c.PD_SENDER: "prefiller", c.PD_RECEIVER: "decoder"}
+# vllm:kvlens_pd_transfers_in_flight{side} -> who is doing it.
+SIDE_NAMES = {"send": "sending (prefillers)", "receive": "receiving (decoders)"}
 
 
 def has_pd(frame: pd.DataFrame) -> bool:
@@ -27,63 +28,68 @@ def has_pd(frame: pd.DataFrame) -> bool:
     return any(bool((select(frame, n)["value"] > 0).any()) for n in names)
 
 
+def roles(frame: pd.DataFrame) -> dict[str, str]:
+    """Each instance's PD role from its latest ``vllm:kvlens_info``: "sender" (a prefiller) or
+    "receiver" (a decoder); instances without PD, or whose KVLens does not say, are left out."""
+    df = select(frame, c.kvlens("info"))
+    df = df[(df["value"] > 0) & (df["pd_role"] != "")]
+    if df.empty:
+        return {}
+    last = df.sort_values("time").groupby("instance", sort=True).tail(1)
+    return dict(zip(last["instance"], last["pd_role"], strict=True))
+
+
 def has_proxy(frame: pd.DataFrame) -> bool:
     return not select(frame, c.PROXY_PHASE + "_count").empty
 
 
-def phase_means(proxy: pd.DataFrame, by: tuple[str, ...] = PAIR) -> pd.DataFrame:
-    """Per group (``by``: prefiller, decoder or both), the mean seconds of each phase and of the
-    whole time to first token since the proxy started, and the requests timed; a phase no request
-    of the group reached is missing (NaN), not 0."""
-    keys = (*by, "phase")
-    seconds = total(proxy, c.PROXY_PHASE + "_sum", keys)
-    counts = total(proxy, c.PROXY_PHASE + "_count", keys)
-    if counts.empty:
-        return pd.DataFrame(columns=[*PHASE_COLUMNS, "time to first token", "requests"])
-    mean = (seconds / counts.where(counts > 0)).unstack("phase")
-    n = counts.unstack("phase")
-    out = pd.DataFrame(index=mean.index)
-    for phase, column in zip(c.PD_PHASES, PHASE_COLUMNS, strict=True):
-        out[column] = mean[phase] if phase in mean.columns else math.nan
-    out["time to first token"] = mean[c.PD_TTFT] if c.PD_TTFT in mean.columns else math.nan
-    timed = n[c.PD_TTFT] if c.PD_TTFT in n.columns else n.max(axis=1)
-    out["requests"] = timed.fillna(0)
-    if len(by) > 1:
-        out.index = pd.Index([" → ".join(k) for k in out.index], name=" → ".join(by))
-    else:
-        out.index.name = by[0]
-    return out.sort_values("requests", ascending=False)
+def _of_role(frame: pd.DataFrame, role: str, *evidence: str) -> list[str]:
+    """The instances of one PD role: those whose ``kvlens_info`` says so, and those whose KVLens
+    does not say (older than ``pd_role``) but one of whose ``evidence`` series is above 0."""
+    said = roles(frame)
+    unsaid: set[str] = set()
+    for name in evidence:
+        unsaid |= {i for i, v in total(frame, name, ("instance",)).items() if i not in said and v > 0}
+    return sorted([i for i, r in said.items() if r == role] + list(unsaid))
 
 
-def phases_over_time(proxy: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
-    """The mean seconds of each phase over each window, all pairs together."""
-    sums = rate(proxy, c.PROXY_PHASE + "_sum", ("phase",), window_s)
-    counts = rate(proxy, c.PROXY_PHASE + "_count", ("phase",), window_s)
-    mean = ratio(sums, counts)
-    mean = mean[[p for p in c.PD_PHASES if p in mean.columns]]
-    return mean.rename(columns=palette.PHASE_LABELS)
+def prefillers(frame: pd.DataFrame) -> list[str]:
+    return _of_role(frame, c.PD_SENDER, c.PD_SENT_BYTES)
+
+
+def decoders(frame: pd.DataFrame) -> list[str]:
+    return _of_role(frame, c.PD_RECEIVER, c.PD_BUFFER_CAPACITY, c.PD_RECEIVED_BYTES)
+
+
+def _only(frame: pd.DataFrame, instances: list[str]) -> pd.DataFrame:
+    return for_instances(frame, instances) if instances else frame.iloc[0:0]
+
+
+def _named(wide: pd.DataFrame, role: str, what: str) -> pd.DataFrame:
+    """Columns named by instance -> "<role> <instance> <what>" ("decoder 10.0.0.2:8200 received")."""
+    return wide.rename(columns=lambda instance: f"{ROLE_NAMES[role]} {instance} {what}")
 
 
 def bytes_per_s(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
-    """Bytes per second each instance sent (prefillers) and received (decoders)."""
-    return join(
-        rate(frame, c.PD_SENT_BYTES, ("instance",), window_s, prefix="sent "),
-        rate(frame, c.PD_RECEIVED_BYTES, ("instance",), window_s, prefix="received "),
-    )
+    """Bytes per second each prefiller sent and each decoder received, named by role."""
+    sent = rate(_only(frame, prefillers(frame)), c.PD_SENT_BYTES, ("instance",), window_s)
+    got = rate(_only(frame, decoders(frame)), c.PD_RECEIVED_BYTES, ("instance",), window_s)
+    return join(_named(sent, c.PD_SENDER, "sent"), _named(got, c.PD_RECEIVER, "received"))
 
 
 def buffer_over_time(frame: pd.DataFrame) -> pd.DataFrame:
     """Each decoder's receive buffer, used and capacity, in bytes."""
+    mine = _only(frame, decoders(frame))
     return join(
-        gauge(frame, c.PD_BUFFER_USED, ("instance",), prefix="used "),
-        gauge(frame, c.PD_BUFFER_CAPACITY, ("instance",), prefix="capacity "),
+        _named(gauge(mine, c.PD_BUFFER_USED, ("instance",)), c.PD_RECEIVER, "used"),
+        _named(gauge(mine, c.PD_BUFFER_CAPACITY, ("instance",)), c.PD_RECEIVER, "capacity"),
     )
 
 
 def in_flight(frame: pd.DataFrame, proxy: pd.DataFrame | None = None) -> pd.DataFrame:
     """Transfers in flight by side (send: prefillers, receive: decoders), and the requests the
     proxy has in flight."""
-    parts = [gauge(frame, c.PD_IN_FLIGHT, ("side",))]
+    parts = [gauge(frame, c.PD_IN_FLIGHT, ("side",)).rename(columns=SIDE_NAMES)]
     if proxy is not None:
         parts.append(gauge(proxy, c.PROXY_IN_FLIGHT, legend="proxy requests"))
     return join(*parts)
@@ -120,7 +126,7 @@ def refusal_totals(frame: pd.DataFrame, proxy: pd.DataFrame | None = None) -> pd
     """Refused or failed transfers since each server started, by side and full reason (the
     mismatching fields named), and the proxy's wait timeouts by pair."""
     rows = [
-        {"where": f"engines, {side}", "reason": reason, "transfers": v}
+        {"where": SIDE_NAMES.get(side, side), "reason": reason, "transfers": v}
         for (side, reason), v in total(frame, c.PD_FAILED_TRANSFERS, ("side", "reason")).items()
     ]
     if proxy is not None:
@@ -131,14 +137,15 @@ def refusal_totals(frame: pd.DataFrame, proxy: pd.DataFrame | None = None) -> pd
 
 def buffer_table(frame: pd.DataFrame) -> pd.DataFrame:
     """Each decoder's receive buffer now: bytes used of capacity, entries held, transfers being
-    received, and transfers received and refused since start."""
+    received, and transfers received and refused since start (prefillers have no buffer)."""
+    mine = _only(frame, decoders(frame))
     cols = {
-        "used_bytes": total(frame, c.PD_BUFFER_USED, ("instance",)),
-        "capacity_bytes": total(frame, c.PD_BUFFER_CAPACITY, ("instance",)),
-        "entries": total(frame, c.PD_BUFFER_ENTRIES, ("instance",)),
-        "receiving": total(frame, c.PD_IN_FLIGHT, ("instance",), side="receive"),
-        "received": total(frame, c.PD_TRANSFERS, ("instance",), side="receive"),
-        "refused or failed": total(frame, c.PD_FAILED_TRANSFERS, ("instance",), side="receive"),
+        "used_bytes": total(mine, c.PD_BUFFER_USED, ("instance",)),
+        "capacity_bytes": total(mine, c.PD_BUFFER_CAPACITY, ("instance",)),
+        "entries": total(mine, c.PD_BUFFER_ENTRIES, ("instance",)),
+        "receiving": total(mine, c.PD_IN_FLIGHT, ("instance",), side="receive"),
+        "received": total(mine, c.PD_TRANSFERS, ("instance",), side="receive"),
+        "refused or failed": total(mine, c.PD_FAILED_TRANSFERS, ("instance",), side="receive"),
     }
     table = pd.DataFrame(cols)
     if table.empty or table["capacity_bytes"].isna().all():

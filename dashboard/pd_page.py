@@ -12,7 +12,7 @@ import time
 import pandas as pd
 import streamlit as st
 
-from . import catalog, charts, pd_records, settings, sources
+from . import catalog, charts, pd_records, pd_split, settings, sources
 from . import pd as pdv
 from .layout import NO_TRAFFIC, chart, table
 from .text import UNKNOWN
@@ -25,7 +25,9 @@ NO_PD = (
 ABOUT = (
     "prefill: the prefiller computing the prompt (the proxy's request to it); transfer wait: from its "
     "answer until every prefiller rank's notification arrived (the KV is in the decoder's buffer); "
-    "decode first token: the decoder's first streamed token. Their sum is the proxy's time to first token."
+    "decode first token: the decoder's first streamed token; proxy (tokenize, relay): the rest, the "
+    "proxy's own time between them. Every part is a mean over the same requests, so the parts add up "
+    "to the time to first token beside them."
 )
 
 
@@ -78,27 +80,31 @@ def show(frame: pd.DataFrame, window: float, cfg: settings.Settings) -> None:
     if not pdv.has_pd(frame) and not pdv.has_proxy(proxy) and records.empty:
         st.info(NO_PD)
         return
-    split_by_group(proxy, window)
+    split_by_group(proxy, records, window, records_read=bool(cfg.pd_proxy))
     one_request(records)
     transfers(frame, proxy, window)
 
 
-def split_by_group(proxy: pd.DataFrame, window: float) -> None:
+def split_by_group(proxy: pd.DataFrame, records: pd.DataFrame, window: float, records_read: bool) -> None:
     st.subheader("Time to first token, split")
-    groups = list(pdv.GROUPINGS)
-    by = st.radio("Per", groups, horizontal=True, key="pd_group")
-    means = pdv.phase_means(proxy, pdv.GROUPINGS[by])
-    if means.empty:
-        st.info("No PD request timed by the proxy yet.")
-        return
-    st.altair_chart(charts.phase_bars(means[list(pdv.PHASE_COLUMNS)]), width="stretch")
-    ms = means.copy()
-    for column in (*pdv.PHASE_COLUMNS, "time to first token"):
-        ms[column] = ms[column] * 1e3
-    table(ms.rename(columns=lambda c: f"{c} (ms)" if c != "requests" else c), width="stretch")
-    st.caption("Means since the proxy started. " + ABOUT)
+    by = st.radio("Per", list(pd_split.GROUPINGS), horizontal=True, key="pd_group")
+    split = pd_split.split(proxy, records, pd_split.GROUPINGS[by])
+    if split.table.empty:
+        st.info(pd_split.mixed_note(proxy, records_read))
+    else:
+        st.altair_chart(charts.phase_bars(split.table[list(pd_split.SPLIT_COLUMNS)]), width="stretch")
+        ms = split.table.copy()
+        for column in (*pd_split.SPLIT_COLUMNS, pd_split.TTFT):
+            ms[column] = ms[column] * 1e3
+        table(ms.rename(columns=lambda c: f"{c} (ms)" if c != pd_split.REQUESTS else c), width="stretch")
+        st.caption(f"Means over {split.population}. " + ABOUT)
     st.subheader("Phases over time")
-    chart(pdv.phases_over_time(proxy, window), charts.MS, NO_TRAFFIC, stack=True)
+    chart(pd_split.phases_over_time(proxy, window), charts.MS, NO_TRAFFIC)
+    st.caption(
+        "Each phase's mean over the requests that reached it in each window (time to first token and "
+        "decode first token: streamed requests only), all pairs together: lines, not a stack, since "
+        "their requests differ."
+    )
 
 
 def one_request(records: pd.DataFrame) -> None:
@@ -123,10 +129,12 @@ def transfers(frame: pd.DataFrame, proxy: pd.DataFrame, window: float) -> None:
     left, right = st.columns(2)
     with left:
         st.subheader("Bytes sent and received")
-        chart(pdv.bytes_per_s(frame, window), charts.GB_PER_S, "No PD transfer in range.")
+        moved = pdv.bytes_per_s(frame, window)
+        chart(moved, charts.bytes_unit(moved, per_s=True), "No PD transfer in range.")
     with right:
         st.subheader("Receive buffer: used and capacity")
-        chart(pdv.buffer_over_time(frame), charts.MB, "No decoder reports a PD buffer.")
+        held = pdv.buffer_over_time(frame)
+        chart(held, charts.bytes_unit(held), "No decoder reports a PD buffer.")
     buffers = pdv.buffer_table(frame)
     if not buffers.empty:
         fill = st.column_config.NumberColumn(format="percent")

@@ -134,10 +134,11 @@ def read(
 
 
 def split(request: pd.Series) -> pd.Series:
-    """One request's time to first token in its three phases (ms; NaN: unknown)."""
-    return pd.Series(
-        {column: request.get(column, math.nan) for _, column in PHASE_FIELDS}, dtype=float, name="ms"
-    )
+    """One request's time to first token in its parts (ms; NaN: unknown): its three phases and
+    the proxy's own time between them (the rest of its time to first token)."""
+    parts = pd.Series({column: request.get(column, math.nan) for _, column in PHASE_FIELDS}, dtype=float)
+    parts[palette.PROXY] = float(request.get("ttft_ms", math.nan)) - parts.sum(min_count=len(parts))
+    return parts.rename("ms")
 
 
 def explain(request: pd.Series) -> str:

@@ -33,5 +33,6 @@ def show(frame: pd.DataFrame, window: float) -> None:
         st.subheader("Tokens loaded per tenant")
         chart(tenants.loaded(frame, window), charts.TOKENS_PER_S, NO_TRAFFIC, stack=True)
     st.subheader("Bytes held per tenant and tier")
-    chart(tenants.bytes_held(frame), charts.MB, "No tenant holds bytes yet.", stack=True)
+    held = tenants.bytes_held(frame)
+    chart(held, charts.bytes_unit(held, stacked=True), "No tenant holds bytes yet.", stack=True)
     st.caption(ABOUT)

@@ -70,6 +70,31 @@ def skipped_message(status: logfiles.LogStatus) -> str | None:
     return f"Skipped {status.skipped} unreadable {lines} in {status.path} (torn or not a KVLens record)."
 
 
+HELD_HELP = (
+    "Share of looked-up prompt tokens KVLens held in a tier at lookup, or (on a PD decoder) "
+    "received from a prefiller, since the servers started."
+)
+PD_SOURCE = (
+    "Received from a prefiller (PD): on a PD decoder, prompt tokens whose KV a prefiller computed "
+    "and sent; the decoder loaded them from its receive buffer instead of computing them "
+    "(vllm:kvlens_pd_loaded_tokens_total; vLLM counts them under source p2p). They count as "
+    "supplied by KVLens on the decoder and as computed on the prefiller."
+)
+
+
+def loaded_help(tiers: float, received: float) -> str:
+    """The help of "Prompt tokens loaded by KVLens" where PD runs: what it is made of."""
+    return (
+        f"{number(tiers)} loaded from KVLens's tiers and {number(received)} received from a "
+        f"prefiller (PD), since the servers started. {PD_SOURCE}"
+    )
+
+
+def overview_caption(window_s: float, with_pd: bool) -> str:
+    caption = f"Rates over {window_s:.0f} s windows. KVLens per tier: tokens it loaded into vLLM."
+    return f"{caption} {PD_SOURCE}" if with_pd else caption
+
+
 def number(value: float | None, unit: str = "") -> str:
     """1234567 -> '1.23M', with an optional unit; '–' when unknown."""
     if value is None or (isinstance(value, float) and math.isnan(value)):

@@ -265,106 +265,6 @@ def quantiles(
 
 
 # ---- the views -------------------------------------------------------------------------------
-def hit_rates(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
-    def r(name: str, legend: str) -> pd.DataFrame:
-        return rate(frame, name, window_s=window_s, legend=legend)
-
-    return join(
-        ratio(r(kvlens("hit_tokens"), "KVLens, tokens"), r(kvlens("lookup_tokens"), "KVLens, tokens")),
-        ratio(
-            r(kvlens("hit_requests"), "KVLens, requests"), r(kvlens("lookup_requests"), "KVLens, requests")
-        ),
-        ratio(
-            r(c.VLLM_PREFIX_HITS, "vLLM prefix cache, tokens"),
-            r(c.VLLM_PREFIX_QUERIES, "vLLM prefix cache, tokens"),
-        ),
-    )
-
-
-def token_sources(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
-    """Prompt tokens per second by where their KV came from."""
-    return join(
-        rate(
-            frame,
-            c.VLLM_PROMPT_BY_SOURCE,
-            window_s=window_s,
-            legend="vLLM prefix cache",
-            source="local_cache_hit",
-        ),
-        rate(frame, kvlens("load_tokens"), ("tier",), window_s, prefix="KVLens "),
-        rate(frame, c.VLLM_PROMPT_BY_SOURCE, window_s=window_s, legend="computed", source="local_compute"),
-    )
-
-
-def token_totals(frame: pd.DataFrame) -> pd.Series:
-    """Prompt tokens since each server started, by where their KV came from."""
-    parts = {"vLLM prefix cache": scalar(total(frame, c.VLLM_PROMPT_BY_SOURCE, source="local_cache_hit"))}
-    for tier, v in total(frame, kvlens("load_tokens"), ("tier",)).items():
-        parts[f"KVLens {tier}"] = float(v)
-    parts["computed"] = scalar(total(frame, c.VLLM_PROMPT_BY_SOURCE, source="local_compute"))
-    return pd.Series(parts, dtype=float)
-
-
-@dataclass(frozen=True, slots=True)
-class Savings:
-    """What KVLens saved, since the servers started (totals) and within the frame (window)."""
-
-    lookup_tokens: float
-    hit_tokens: float
-    loaded_tokens: float
-    loaded_tokens_window: float
-    prefill_s_per_token: float | None  # the engines' measured prefill seconds per token
-    failed_loads: float
-    recomputed_tokens: float
-    connector_seconds_saved: float | None = None  # vllm:kvlens_prefill_seconds_saved, when exported
-    connector_seconds_saved_window: float | None = None
-
-    @property
-    def hit_rate(self) -> float | None:
-        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens > 0 else None
-
-    @property
-    def seconds_saved(self) -> float | None:
-        """The connector's estimate when it exports one, else tokens KVLens loaded times the
-        engines' measured cost of computing a token."""
-        if self.connector_seconds_saved is not None:
-            return self.connector_seconds_saved
-        per = self.prefill_s_per_token
-        return None if per is None else self.loaded_tokens * per
-
-    @property
-    def seconds_saved_window(self) -> float | None:
-        if self.connector_seconds_saved_window is not None:
-            return self.connector_seconds_saved_window
-        per = self.prefill_s_per_token
-        return None if per is None else self.loaded_tokens_window * per
-
-
-def prefill_cost_per_token(frame: pd.DataFrame) -> float | None:
-    """The mean of the engines' latest measured prefill seconds per token (KVLens times whole
-    engine steps). Not vLLM's per-request prefill times over computed tokens: requests batched
-    into one step each count that step's whole time, which overstates the cost."""
-    latest = select(frame, kvlens("prefill_seconds_per_token")).sort_values("time")
-    per_token = latest.groupby(["instance", "engine"]).tail(1)["value"].astype(float)
-    return float(per_token.mean()) if not per_token.empty else None
-
-
-def savings(frame: pd.DataFrame) -> Savings:
-    saved = kvlens("prefill_seconds_saved")
-    exported = not select(frame, saved).empty
-    return Savings(
-        lookup_tokens=scalar(total(frame, kvlens("lookup_tokens"))),
-        hit_tokens=scalar(total(frame, kvlens("hit_tokens"))),
-        loaded_tokens=scalar(total(frame, kvlens("load_tokens"))),
-        loaded_tokens_window=scalar(increase(frame, kvlens("load_tokens"))),
-        prefill_s_per_token=prefill_cost_per_token(frame),
-        failed_loads=scalar(total(frame, kvlens("failed_load_requests"))),
-        recomputed_tokens=scalar(total(frame, kvlens("recomputed_tokens"))),
-        connector_seconds_saved=scalar(total(frame, saved)) if exported else None,
-        connector_seconds_saved_window=scalar(increase(frame, saved)) if exported else None,
-    )
-
-
 def misses_by_reason(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
     return rate(frame, kvlens("miss_requests"), ("reason",), window_s)
 
@@ -389,7 +289,7 @@ def remote_errors(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd
     return rate(frame, kvlens("remote_errors"), ("operation", "kind"), window_s)
 
 
-def _added(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
+def added(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     """Two rate frames summed column by column (a missing column or time counts as 0)."""
     if a.empty or b.empty:
         return a if b.empty else b
@@ -407,8 +307,8 @@ def throughput_by_tier(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) 
     }
     stored = rate(frame, kvlens("store_bytes"), ("tier",), window_s)
     loaded = rate(frame, kvlens("transfer_bytes"), ("tier",), window_s, stage="copy")
-    store = ratio(stored, _added(seconds["gather"], seconds["write"])).add_prefix("store ")
-    load = ratio(loaded, _added(seconds["read"], seconds["copy"])).add_prefix("load ")
+    store = ratio(stored, added(seconds["gather"], seconds["write"])).add_prefix("store ")
+    load = ratio(loaded, added(seconds["read"], seconds["copy"])).add_prefix("load ")
     return join(store, load)
 
 
@@ -483,21 +383,3 @@ def leak_flags(frame: pd.DataFrame, idle_for_s: float = 30.0) -> list[LeakFlag]:
 
 def failures(frame: pd.DataFrame, window_s: float = DEFAULT_WINDOW_S) -> pd.DataFrame:
     return rate(frame, kvlens("failed_blocks"), ("reason",), window_s, prefix="failed blocks ")
-
-
-def instance_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """One row per instance, numbers since its server started."""
-    rows = []
-    for inst in instances(frame):
-        s = savings(for_instances(frame, [inst]))
-        rows.append(
-            {
-                "instance": inst,
-                "KVLens hit rate": s.hit_rate,
-                "tokens loaded by KVLens": s.loaded_tokens,
-                "prefill time saved (est., s)": s.seconds_saved,
-                "requests with failed loads": s.failed_loads,
-                "tokens recomputed": s.recomputed_tokens,
-            }
-        )
-    return pd.DataFrame(rows).set_index("instance") if rows else pd.DataFrame()

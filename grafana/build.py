@@ -111,7 +111,7 @@ TEMPLATE_VALUES: dict[str, tuple[str, ...]] = {
     "tier": tuple(palette.TIERS),
     "source": tuple(palette.ALIASES),
     "operation": palette.OPERATIONS,
-    "phase": tuple(palette.PHASE_LABELS),  # PD: prefill, transfer_wait, decode_first_token
+    "phase": (*palette.PHASE_LABELS, "ttft"),  # PD: prefill, transfer_wait, decode_first_token, ttft
 }
 
 

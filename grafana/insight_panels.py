@@ -3,6 +3,8 @@ KVLens's lookups and its loads agree, and prefill time saved against KVLens's ow
 
 from __future__ import annotations
 
+from dashboard import palette
+
 from .panel_types import STAT, TABLE, TOKENS_PER_S, TREND, Panel, Target, increase_sum, rate_sum
 
 ROW = "Insights"
@@ -120,10 +122,13 @@ INSIGHT_PANELS: tuple[Panel, ...] = (
             Target(rate_sum("vllm:external_prefix_cache_hits_total"), "vLLM external hits"),
             Target(rate_sum("vllm:kvlens_hit_tokens_total"), "KVLens held at lookup"),
             Target(rate_sum("vllm:kvlens_load_tokens_total"), "KVLens loaded"),
+            Target(rate_sum("vllm:kvlens_pd_loaded_tokens_total"), palette.PD_RECEIVED),
         ),
         "vLLM external hits: tokens vLLM asked KVLens to load. Held at lookup: tokens KVLens had, "
         "including those vLLM's own cache already held. Loaded: what arrived. Loaded well below vLLM's "
-        "external hits means loads went missing or failed (alert KVLensLoadedTokensDrift).",
+        "external hits means loads went missing or failed (alert KVLensLoadedTokensDrift). On a PD "
+        "decoder vLLM's external hits also count what it received from a prefiller (PD), loaded from "
+        "its receive buffer: compare them with loaded plus received.",
         width=12,
     ),
     Panel(

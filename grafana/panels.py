@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 
+from dashboard import palette
 from dashboard.catalog import LEAK_GAUGES, MISS_REASONS
 
 from .insight_panels import INSIGHT_PANELS
@@ -68,6 +69,24 @@ def _leak_sum(by: str) -> str:
     return "\n+ ".join(f"sum by ({by}) (vllm:kvlens_{g})" for g in LEAK_GAUGES if g != "pinned_bytes")
 
 
+def _at_most_one(share: str) -> str:
+    """A decoder with a tier of its own may count a prefix both held and received."""
+    return f"clamp_max(\n{share}\n, 1)"
+
+
+def _with_pd(tiers: str, received: str) -> str:
+    """``tiers + received``, where either may have no series: a decoder without a tier has no
+    hit_tokens series, a KVLens older than PD no pd_loaded_tokens (each then counts as 0)."""
+    return f"(\n({tiers} or {received} * 0)\n+ ({received} or {tiers} * 0)\n)"
+
+
+# On a PD decoder, prompt tokens loaded from what a prefiller sent: KVLens supplied them.
+_PD_LOADED = "vllm:kvlens_pd_loaded_tokens_total"
+_PD_SOURCE = (
+    f" {palette.PD_RECEIVED}: on a PD decoder, prompt tokens whose KV a prefiller computed and sent, "
+    "loaded from the decoder's receive buffer (vllm:kvlens_pd_loaded_tokens_total; vLLM's source p2p)."
+)
+
 _IDLE = (
     "(sum by (instance) (vllm:num_requests_running) + sum by (instance) (vllm:num_requests_waiting)"
     " == bool 0)"
@@ -88,12 +107,13 @@ PANELS: tuple[Panel, ...] = (
         (
             Target(
                 ratio(
-                    increase_sum("vllm:kvlens_hit_tokens_total"),
+                    _with_pd(increase_sum("vllm:kvlens_hit_tokens_total"), increase_sum(_PD_LOADED)),
                     increase_sum("vllm:kvlens_lookup_tokens_total"),
                 )
             ),
         ),
-        "Share of looked-up prompt tokens KVLens had stored, over the time range.",
+        "Share of looked-up prompt tokens KVLens had stored in a tier, or on a PD decoder received "
+        "from a prefiller, over the time range." + _PD_SOURCE,
         kind=STAT,
         width=6,
         ratio=True,
@@ -102,8 +122,9 @@ PANELS: tuple[Panel, ...] = (
         "Overview",
         "Prompt tokens loaded by KVLens",
         TOKENS,
-        (Target(increase_sum("vllm:kvlens_load_tokens_total")),),
-        "Prefill tokens not computed because KVLens loaded their KV, over the time range.",
+        (Target(_with_pd(increase_sum("vllm:kvlens_load_tokens_total"), increase_sum(_PD_LOADED))),),
+        "Prompt tokens not computed because KVLens loaded their KV from a tier, or on a PD decoder "
+        "from what a prefiller sent, over the time range." + _PD_SOURCE,
         kind=STAT,
         width=6,
     ),
@@ -121,7 +142,8 @@ PANELS: tuple[Panel, ...] = (
         "The connector's estimate (vllm:kvlens_prefill_seconds_saved_total) over the range; where it "
         "exports none, tokens KVLens loaded times the engine's measured prefill seconds per token "
         "(vllm:kvlens_prefill_seconds_per_token), per instance. No value until the engine has measured "
-        "a prefill. An estimate: per-token prefill cost grows with context length.",
+        "a prefill. An estimate: per-token prefill cost grows with context length. Tokens received from "
+        "a prefiller (PD) are not counted: their prefill ran on the prefiller.",
         kind=STAT,
         width=6,
     ),
@@ -143,12 +165,23 @@ PANELS: tuple[Panel, ...] = (
         "percentunit",
         (
             Target(
-                ratio(rate_sum("vllm:kvlens_hit_tokens_total"), rate_sum("vllm:kvlens_lookup_tokens_total")),
+                _at_most_one(
+                    ratio(
+                        _with_pd(rate_sum("vllm:kvlens_hit_tokens_total"), rate_sum(_PD_LOADED)),
+                        rate_sum("vllm:kvlens_lookup_tokens_total"),
+                    )
+                ),
                 "KVLens, tokens",
             ),
             Target(
-                ratio(
-                    rate_sum("vllm:kvlens_hit_requests_total"), rate_sum("vllm:kvlens_lookup_requests_total")
+                _at_most_one(
+                    ratio(
+                        _with_pd(
+                            rate_sum("vllm:kvlens_hit_requests_total"),
+                            rate_sum("vllm:kvlens_pd_loads_total", matchers='outcome="loaded"'),
+                        ),
+                        rate_sum("vllm:kvlens_lookup_requests_total"),
+                    )
                 ),
                 "KVLens, requests",
             ),
@@ -157,7 +190,8 @@ PANELS: tuple[Panel, ...] = (
                 "vLLM prefix cache, tokens",
             ),
         ),
-        "KVLens: share of looked-up prompt tokens (and of requests) it held. vLLM: its own prefix cache.",
+        "KVLens: share of looked-up prompt tokens (and of requests) it held in a tier or, on a PD "
+        "decoder, received from a prefiller. vLLM: its own prefix cache." + _PD_SOURCE,
         ratio=True,
     ),
     Panel(
@@ -170,11 +204,13 @@ PANELS: tuple[Panel, ...] = (
                 "vLLM prefix cache",
             ),
             Target(rate_sum("vllm:kvlens_load_tokens_total", by="tier"), "KVLens {{tier}}"),
+            Target(rate_sum(_PD_LOADED), palette.PD_RECEIVED),
             Target(
                 rate_sum("vllm:prompt_tokens_by_source_total", matchers='source="local_compute"'), "computed"
             ),
         ),
-        "Prompt tokens per second served by vLLM's prefix cache, loaded by each KVLens tier, or computed.",
+        "Prompt tokens per second served by vLLM's prefix cache, loaded by each KVLens tier, received "
+        "from a prefiller (PD), or computed." + _PD_SOURCE,
         stack=True,
     ),
     Panel(
@@ -183,14 +219,20 @@ PANELS: tuple[Panel, ...] = (
         "percentunit",
         (
             Target(
-                ratio(
-                    rate_sum("vllm:kvlens_hit_tokens_total", by="instance"),
-                    rate_sum("vllm:kvlens_lookup_tokens_total", by="instance"),
+                _at_most_one(
+                    ratio(
+                        _with_pd(
+                            rate_sum("vllm:kvlens_hit_tokens_total", by="instance"),
+                            rate_sum(_PD_LOADED, by="instance"),
+                        ),
+                        rate_sum("vllm:kvlens_lookup_tokens_total", by="instance"),
+                    )
                 ),
                 "{{instance}}",
             ),
         ),
-        "Share of looked-up prompt tokens KVLens held, per instance.",
+        "Share of looked-up prompt tokens KVLens held in a tier or, on a PD decoder, received from a "
+        "prefiller, per instance.",
         ratio=True,
     ),
     # ---- Hits and misses -----------------------------------------------------------------------
@@ -199,7 +241,8 @@ PANELS: tuple[Panel, ...] = (
         "Cached prompt tokens by source (vLLM)",
         TOKENS_PER_S,
         (Target(rate_sum("vllm:prompt_tokens_cached_by_source_total", by="source"), "{{source}}"),),
-        "vLLM's own attribution: device (its prefix cache), host (KVLens CPU tier), disk (KVLens disk tier).",
+        "vLLM's own attribution: device (its prefix cache), host (KVLens CPU tier), disk (KVLens disk tier), "
+        "p2p (on a PD decoder: received from a prefiller).",
         stack=True,
     ),
     Panel(

@@ -1,11 +1,15 @@
 """The PD row (prefill/decode disaggregation), the same views as the app's PD tab: time to first
-token split into prefill, transfer wait and decode first token (``kvlens pd-proxy``'s phase
-histogram, scraped by the ``kvlens-pd-proxy`` job) per prefiller → decoder pair and over time;
-the engines' bytes/s sent and received, receive buffer used of capacity and its entries (a leak
-gauge), transfers in flight, refusals and timeouts by reason. Proxy series are not ``vllm:``
-series: the model and instance variables do not filter them."""
+token split into prefill, transfer wait, decode first token and the proxy's own time, over one set
+of requests (``kvlens pd-proxy``'s phase histogram, scraped by the ``kvlens-pd-proxy`` job) per
+prefiller → decoder pair, and each phase over time; each prefiller's bytes/s sent and each
+decoder's received, its receive buffer used of capacity and its entries (a leak gauge),
+transfers in flight, refusals and timeouts by reason. Engines are told apart by
+``vllm:kvlens_info{pd_role}`` (every engine exports both sides' series, at 0). Proxy series are
+not ``vllm:`` series: the model and instance variables do not filter them."""
 
 from __future__ import annotations
+
+import re
 
 from dashboard import palette
 
@@ -15,34 +19,62 @@ ROW = "PD"
 
 PHASE = "kvlens_pd_proxy_phase_seconds"
 _PHASES = tuple(palette.PHASE_LABELS)  # the proxy's label values, in order
-_NOT_TTFT = 'phase!="ttft"'
+_PAIR = "prefiller, decoder"
 
 
-def _mean_over_range(phase: str) -> str:
-    """Per pair, the mean seconds of one phase over the dashboard's time range."""
-    sel = f'{{phase="{phase}"}}'
-    by = "sum by (prefiller, decoder)"
-    return ratio(
-        f"{by} (increase({PHASE}_sum{sel}[$__range]))", f"{by} (increase({PHASE}_count{sel}[$__range]))"
-    )
+def _count(phase: str) -> str:
+    return f'sum by ({_PAIR}) ({PHASE}_count{{phase="{phase}"}})'
 
 
-def _phase_column(phase: str) -> tuple[str, dict]:
-    """A table column in the phase's palette colour."""
-    name = palette.PHASE_LABELS[phase]
+def _mean(phase: str) -> str:
+    """Per pair, the mean seconds of one phase since the proxy started."""
+    return ratio(f'sum by ({_PAIR}) ({PHASE}_sum{{phase="{phase}"}})', _count(phase))
+
+
+# Pairs whose every phase was timed for the same requests (as many prefills, transfer waits and
+# first tokens as times to first token: every request streamed, none ended early). Elsewhere the
+# means are over different requests and would not add up.
+_ONE_POPULATION = f"\nand on ({_PAIR})\n".join(f"({_count(p)} == {_count('ttft')})" for p in _PHASES)
+
+
+def _split_part(expr: str) -> str:
+    return f"({expr})\nand on ({_PAIR})\n({_ONE_POPULATION})"
+
+
+# The split's parts, in order (each a column in its colour), the proxy's own time between the phases
+# (the rest of the time to first token), the time to first token and the requests.
+SPLIT_TARGETS: tuple[tuple[str, str], ...] = (
+    *((palette.PHASE_LABELS[p], _split_part(_mean(p))) for p in _PHASES),
+    (
+        palette.PROXY,
+        _split_part(f"{_mean('ttft')}\n- " + "\n- ".join(f"({_mean(p)})" for p in _PHASES)),
+    ),
+    (palette.TTFT, _split_part(_mean("ttft"))),
+    ("requests", _split_part(_count("ttft"))),
+)
+
+
+def _column(name: str) -> tuple[str, dict]:
+    """A table column in the part's palette colour."""
     return (
-        f"^{name}$",
+        f"^{re.escape(name)}$",
         {
-            "color": {"mode": "fixed", "fixedColor": palette.PHASES[name]},
+            "color": {"mode": "fixed", "fixedColor": palette.SPLIT[name]},
             "custom.cellOptions": {"type": "color-background"},
         },
     )
 
 
+def _side(expr: str, role: str) -> str:
+    """The engines of one PD role only (every engine exports both sides' series, at 0)."""
+    return f'{expr}\nand on (instance)\nvllm:kvlens_info{{pd_role="{role}"}}'
+
+
 _ABOUT = (
     " prefill: the prefiller computing the prompt; transfer wait: from its answer until every "
     "prefiller rank's notification reached the proxy (the KV is in the decoder's buffer); decode first "
-    "token: the decoder's first streamed token. From kvlens pd-proxy's /metrics (job kvlens-pd-proxy)."
+    "token: the decoder's first streamed token; proxy (tokenize, relay): the proxy's own time between "
+    "them. From kvlens pd-proxy's /metrics (job kvlens-pd-proxy)."
 )
 
 PD_PANELS: tuple[Panel, ...] = (
@@ -50,9 +82,13 @@ PD_PANELS: tuple[Panel, ...] = (
         ROW,
         "PD time to first token, split per pair",
         "s",
-        tuple(Target(_mean_over_range(p)) for p in _PHASES),
-        "Per prefiller → decoder pair, the mean seconds of each phase of a PD request's time to "
-        "first token over the time range." + _ABOUT,
+        tuple(Target(expr) for _, expr in SPLIT_TARGETS),
+        "Per prefiller → decoder pair, since the proxy started, where a request's time to first token "
+        "goes: each part a mean over the same requests, adding up to the time to first token beside "
+        "them. Only pairs whose requests were all streamed and reached their first token: the proxy "
+        "times decode first token and time to first token for streamed requests only, so elsewhere "
+        "the phases' means are over different requests (the app splits those pairs' streamed "
+        "requests from the proxy's records)." + _ABOUT,
         kind=TABLE,
         width=12,
         transformations=(
@@ -62,31 +98,28 @@ PD_PANELS: tuple[Panel, ...] = (
                 "options": {
                     "excludeByName": {"Time": True},
                     "renameByName": {
-                        f"Value #{chr(ord('A') + i)}": palette.PHASE_LABELS[p] for i, p in enumerate(_PHASES)
+                        f"Value #{chr(ord('A') + i)}": name for i, (name, _) in enumerate(SPLIT_TARGETS)
                     },
                 },
             },
         ),
-        overrides=tuple(_phase_column(p) for p in _PHASES),
+        overrides=tuple(_column(name) for name in palette.SPLIT),
         needs_pd=True,
     ),
     Panel(
         ROW,
-        "PD time to first token, split over time",
+        "PD time to first token, phases over time",
         "s",
         (
             Target(
-                ratio(
-                    rate_sum(f"{PHASE}_sum", by="phase", matchers=_NOT_TTFT),
-                    rate_sum(f"{PHASE}_count", by="phase", matchers=_NOT_TTFT),
-                ),
+                ratio(rate_sum(f"{PHASE}_sum", by="phase"), rate_sum(f"{PHASE}_count", by="phase")),
                 "{{phase}}",
             ),
         ),
-        "The mean seconds of each phase, all pairs together, stacked: their sum is the mean time to "
-        "first token." + _ABOUT,
+        "The mean seconds of each phase over the requests that reached it, all pairs together: prefill "
+        "and transfer wait over every request, decode first token and ttft (the time to first token) "
+        "over streamed requests only. Lines, not a stack: their requests differ." + _ABOUT,
         width=12,
-        stack=True,
         needs_pd=True,
     ),
     Panel(
@@ -94,8 +127,14 @@ PD_PANELS: tuple[Panel, ...] = (
         "PD bytes sent and received",
         "Bps",
         (
-            Target(rate_sum("vllm:kvlens_pd_sent_bytes_total", by="instance"), "sent {{instance}}"),
-            Target(rate_sum("vllm:kvlens_pd_received_bytes_total", by="instance"), "received {{instance}}"),
+            Target(
+                _side(rate_sum("vllm:kvlens_pd_sent_bytes_total", by="instance"), "sender"),
+                "prefiller {{instance}} sent",
+            ),
+            Target(
+                _side(rate_sum("vllm:kvlens_pd_received_bytes_total", by="instance"), "receiver"),
+                "decoder {{instance}} received",
+            ),
         ),
         "Bytes of KV per second each prefiller sent and each decoder received (all ranks).",
         needs_pd=True,
@@ -105,8 +144,14 @@ PD_PANELS: tuple[Panel, ...] = (
         "PD receive buffer: used and capacity",
         "bytes",
         (
-            Target("sum by (instance) (vllm:kvlens_pd_buffer_used_bytes)", "used {{instance}}"),
-            Target("sum by (instance) (vllm:kvlens_pd_buffer_capacity_bytes)", "capacity {{instance}}"),
+            Target(
+                _side("sum by (instance) (vllm:kvlens_pd_buffer_used_bytes)", "receiver"),
+                "decoder {{instance}} used",
+            ),
+            Target(
+                _side("sum by (instance) (vllm:kvlens_pd_buffer_capacity_bytes)", "receiver"),
+                "decoder {{instance}} capacity",
+            ),
         ),
         "Each decoder's PD receive buffer (pd_buffer_size per rank, all ranks): bytes held by "
         "transfers received and not yet loaded or expired. A full buffer refuses transfers at once "
@@ -117,7 +162,11 @@ PD_PANELS: tuple[Panel, ...] = (
         ROW,
         "PD buffer entries",
         "short",
-        (Target("sum by (instance) (vllm:kvlens_pd_buffer_entries)", "{{instance}}"),),
+        (
+            Target(
+                _side("sum by (instance) (vllm:kvlens_pd_buffer_entries)", "receiver"), "decoder {{instance}}"
+            ),
+        ),
         "Transfers held in each decoder's buffer. A leak gauge: back to 0 once nothing is in flight "
         "(an entry nobody claims is freed after pd_unclaimed_timeout_sec, counted as expired).",
         needs_pd=True,
@@ -127,7 +176,8 @@ PD_PANELS: tuple[Panel, ...] = (
         "PD transfers in flight",
         "short",
         (
-            Target("sum by (side) (vllm:kvlens_pd_transfers_in_flight)", "{{side}}"),
+            Target('sum (vllm:kvlens_pd_transfers_in_flight{side="send"})', "sending (prefillers)"),
+            Target('sum (vllm:kvlens_pd_transfers_in_flight{side="receive"})', "receiving (decoders)"),
             Target("sum (kvlens_pd_proxy_in_flight)", "proxy requests"),
         ),
         "Transfers under way: send (prefillers), receive (decoders); and the requests the proxy has "

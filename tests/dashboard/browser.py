@@ -4,7 +4,8 @@ each chart's legend colours, and how much of the page is greyed out as stale ove
 
 The app reruns every few seconds and Streamlit replaces elements as it does, so an element
 found by one WebDriver call can be gone by the next: the page is read, and tabs are clicked,
-inside the page, in one script each."""
+inside the page, in one script each. Waits for what the app shows are bounded by its refreshes
+(``wait_for``), not by seconds: on a loaded machine a refresh takes longer, and so may a wait."""
 
 from __future__ import annotations
 
@@ -61,22 +62,39 @@ def chromium(width: int = 1500, height: int = 1250):
     return webdriver.Chrome(service=service, options=options)
 
 
-def charts_drawn(driver) -> int:
-    """Charts drawn in the open tab (only its panel is in the page)."""
-    from selenium.webdriver.common.by import By
-
-    drawn = '[data-testid="stTabPanel"] [data-testid="stVegaLiteChart"] :is(svg, canvas)'
-    return len(driver.find_elements(By.CSS_SELECTOR, drawn))
-
-
+# The open tab's panel: Streamlit keeps every panel in the page and hides the closed ones, which
+# hold what they showed until the next run clears them.
+_PANEL = "[...document.querySelectorAll('[data-testid=\"stTabPanel\"]')].find(p => p.getClientRects().length)"
 _TABS = '[data-testid="stTabs"] [role="tab"]'
 
 
-def updated_stamp(driver) -> str:
+def charts_drawn(driver) -> int:
+    """Charts drawn in the open tab's panel."""
     return driver.execute_script(
-        "const it = document.evaluate(\"//*[starts-with(normalize-space(text()), 'Updated ')]\","
-        " document, null, XPathResult.FIRST_ORDERED_NODE_TYPE, null).singleNodeValue;"
-        " return it ? it.innerText : '';"
+        f"const p = {_PANEL}; return p ? p.querySelectorAll("
+        "'[data-testid=\"stVegaLiteChart\"] :is(svg, canvas)').length : 0;"
+    )
+
+
+def panel_text(driver) -> str:
+    """What the open tab's panel says."""
+    return driver.execute_script(f"const p = {_PANEL}; return p ? p.innerText : '';")
+
+
+def panel_html(driver) -> str:
+    """The open tab's panel as HTML: what its tables hold too (a table draws its cells on a
+    canvas, not as text)."""
+    return driver.execute_script(f"const p = {_PANEL}; return p ? p.innerHTML : '';")
+
+
+def updated_stamp(driver) -> str:
+    """The "Updated HH:MM:SS" line (the open tab's, where it has one): it changes each time a
+    refresh ends."""
+    return driver.execute_script(
+        f"const stamp = root => root && [...root.querySelectorAll('p, span, div')].find("
+        "e => e.children.length === 0 && e.innerText.trim().startsWith('Updated '));"
+        f" const it = stamp({_PANEL}) || stamp(document.querySelector('[data-testid=\"stMain\"]'));"
+        " return it ? it.innerText.trim() : '';"
     )
 
 
@@ -86,8 +104,82 @@ def tab_names(driver) -> list[str]:
     )
 
 
+def selected_tab(driver) -> str:
+    return driver.execute_script(
+        f"const t = [...document.querySelectorAll('{_TABS}')].find("
+        "t => t.getAttribute('aria-selected') === 'true'); return t ? t.innerText.trim() : '';"
+    )
+
+
 def open_tab(driver, index: int) -> None:
     driver.execute_script(f"document.querySelectorAll('{_TABS}')[{index}].click();")
+
+
+def wait_for(driver, predicate, what: str, refreshes: int = 3, ceiling_s: float = 300.0):
+    """Waits until ``predicate()`` is true, bounded by the app's progress, not by a fixed time:
+    it fails once the open tab has refreshed ``refreshes`` times without it (on a loaded machine
+    refreshes take longer, and so may this). ``ceiling_s`` only ends a wait on an app that has
+    stopped refreshing."""
+    seen = {updated_stamp(driver)}
+    deadline = time.monotonic() + ceiling_s
+    while True:
+        got = predicate()
+        if got:
+            return got
+        seen.add(updated_stamp(driver))
+        if len(seen - {""}) > refreshes:
+            raise AssertionError(f"{what}: not shown after {refreshes} refreshes of the tab")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: the app did not refresh for {ceiling_s:.0f} s")
+        time.sleep(0.2)
+
+
+def wait_for_refreshes(driver, times: int = 1) -> None:
+    """Waits until the open tab has refreshed ``times`` more times."""
+    stamps = {updated_stamp(driver)}
+    wait_for(driver, lambda: stamps.add(updated_stamp(driver)) or len(stamps) > times, "refreshes", times + 3)
+
+
+def show_tab(driver, name: str, shows: str, refreshes: int = 3) -> None:
+    """A person's click on the tab ``name``: the tab is selected at once (a click on a disabled
+    tab is dropped: a defect, not a reason to click again), and its panel shows ``shows`` within
+    ``refreshes`` refreshes."""
+    open_tab(driver, tab_names(driver).index(name))
+    assert selected_tab(driver) == name, f"the click on {name!r} was dropped (tabs: {tabs_state(driver)})"
+    wait_for(driver, lambda: shows in panel_text(driver), f"{name}: {shows!r}", refreshes)
+
+
+def tabs_state(driver) -> str:
+    """One letter per tab: S selected, D disabled, . clickable."""
+    return driver.execute_script(
+        f"return [...document.querySelectorAll('{_TABS}')].map(t => t.getAttribute('aria-selected') "
+        "=== 'true' ? 'S' : (t.getAttribute('aria-disabled') === 'true' || t.hasAttribute('data-disabled'))"
+        " ? 'D' : '.').join('');"
+    )
+
+
+# Counts every moment a tab turns disabled (Streamlit disables a tab while it is stale), however
+# brief: a MutationObserver sees each change, where sampling would miss most.
+_WATCH_TABS = """
+window.__kvlensTabsDisabled = 0;
+new MutationObserver(changes => changes.forEach(c => {
+  const t = c.target;
+  if (t.getAttribute('role') === 'tab'
+      && (t.getAttribute('aria-disabled') === 'true' || t.hasAttribute('data-disabled'))) {
+    window.__kvlensTabsDisabled++;
+  }
+})).observe(document.body,
+  {attributes: true, subtree: true, attributeFilter: ['aria-disabled', 'data-disabled']});
+"""
+
+
+def watch_tabs(driver) -> None:
+    driver.execute_script(_WATCH_TABS)
+
+
+def times_tabs_disabled(driver) -> int:
+    """How many times a tab turned disabled since ``watch_tabs``."""
+    return driver.execute_script("return window.__kvlensTabsDisabled;")
 
 
 def assert_no_exception(driver) -> None:

@@ -128,3 +128,13 @@ def promtool_parse(exprs: Iterable[str], tmp: Path) -> subprocess.CompletedProce
     return subprocess.run(
         ["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60
     )
+
+
+def promtool_test(tmp: Path, input_series: list[dict], expr_tests: list[dict], interval: str = "1m"):
+    """``promtool test rules`` of PromQL expressions on input series: each of ``expr_tests`` is
+    ``{"expr", "eval_time", "exp_samples"}`` (Prometheus's unit-test format)."""
+    test = {"tests": [{"interval": interval, "input_series": input_series, "promql_expr_test": expr_tests}]}
+    (tmp / "exprs.test.yml").write_text(json.dumps(test))  # JSON is YAML
+    return subprocess.run(
+        ["promtool", "test", "rules", "exprs.test.yml"], cwd=tmp, capture_output=True, text=True, timeout=120
+    )

@@ -287,14 +287,14 @@ def test_a_file_url_given_at_start_up_stops_the_app_with_the_variable_named(app,
 def test_a_part_of_the_page_that_fails_names_the_error_class_only(
     app, monkeypatch, text_server, metrics_text
 ):
-    from dashboard import views
+    from dashboard import overview
 
     def fails(frame):
         raise ValueError(SECRET)
 
     text_server.text = metrics_text
     monkeypatch.setenv("KVLENS_DASHBOARD_METRICS", text_server.endpoint)
-    monkeypatch.setattr(views, "savings", fails)
+    monkeypatch.setattr(overview, "savings", fails)
     app.run()
     assert not app.exception
     assert "Overview could not be shown: ValueError" in texts(app.error)

@@ -11,6 +11,7 @@ from dashboard import palette
 from dashboard.catalog import PD_HISTOGRAM_BUCKETS, PD_SAMPLE_NAMES, PROXY_SAMPLE_NAMES, kvlens_sample_names
 from grafana import build
 from grafana.panels import PANELS, ROWS, with_selector
+from grafana.pd_panels import PHASE
 
 from .promql import (
     concrete,
@@ -20,6 +21,7 @@ from .promql import (
     metric_names,
     outside_rate,
     promtool_parse,
+    promtool_test,
     proxy_names,
     unguarded_divisions,
     windows,
@@ -129,22 +131,23 @@ def test_every_kvlens_metric_the_dashboard_uses_exists():
     assert proxy and proxy <= PROXY_SAMPLE_NAMES, proxy - PROXY_SAMPLE_NAMES
 
 
-def test_the_pd_row_colours_each_phase_as_the_app_does():
+def test_the_pd_row_colours_each_part_as_the_app_does():
     (split,) = [p for p in dashboard_panels() if p["title"] == "PD time to first token, split per pair"]
     columns = {
         o["matcher"]["options"]: o["properties"]
         for o in split["fieldConfig"]["overrides"]
         if o["matcher"]["id"] == "byRegexp"
     }
-    for name, colour in palette.PHASES.items():
-        (prop,) = [p for p in columns[f"^{name}$"] if p["id"] == "color"]
+    for name, colour in palette.SPLIT.items():
+        (prop,) = [p for p in columns[f"^{re.escape(name)}$"] if p["id"] == "color"]
         assert prop["value"]["fixedColor"] == colour
-    (over_time,) = [p for p in dashboard_panels() if p["title"] == "PD time to first token, split over time"]
+    (over_time,) = [p for p in dashboard_panels() if p["title"] == "PD time to first token, phases over time"]
     fixed = {
         o["matcher"]["options"]: o["properties"][0]["value"]["fixedColor"]
         for o in over_time["fieldConfig"]["overrides"]
     }
-    assert fixed == {label: palette.PHASES[name] for label, name in palette.PHASE_LABELS.items()}
+    phases = {label: palette.PHASES[name] for label, name in palette.PHASE_LABELS.items()}
+    assert fixed == {**phases, "ttft": palette.colour(palette.TTFT)}
 
 
 def test_failed_loads_are_annotations_and_link_to_trace_search():
@@ -246,44 +249,145 @@ def test_the_sharing_column_counts_other_instances_on_a_common_storage(tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_the_pd_split_per_pair_is_each_phase_mean_over_the_range(tmp_path):
-    """The PD row's per-pair split, evaluated by promtool on the proxy's phase histogram: 5
-    requests on one pair over the range, 2.5 s of prefill in all (a mean of 0.5)."""
-    import json
-    import subprocess
-
-    from grafana.pd_panels import PHASE, _mean_over_range
-
-    def phase(name: str, sums: str, counts: str) -> list[dict]:
-        labels = f'prefiller="p:1", decoder="d:1", phase="{name}"'
-        return [
-            {"series": f"{PHASE}_sum{{{labels}}}", "values": sums},
-            {"series": f"{PHASE}_count{{{labels}}}", "values": counts},
+def _phase_series(prefiller: str, decoder: str, **phases: tuple[float, float]) -> list[dict]:
+    """The proxy's histogram since it started: phase -> (sum of seconds, requests)."""
+    out = []
+    for phase, (seconds, n) in phases.items():
+        labels = f'prefiller="{prefiller}", decoder="{decoder}", phase="{phase}"'
+        out += [
+            {"series": f"{PHASE}_sum{{{labels}}}", "values": f"{seconds}x10"},
+            {"series": f"{PHASE}_count{{{labels}}}", "values": f"{n}x10"},
         ]
+    return out
 
-    test = {
-        "tests": [
-            {
-                "interval": "1m",
-                "input_series": phase("prefill", "1+0.25x10", "10+0.5x10")
-                + phase("transfer_wait", "0+0x10", "0+0x10"),
-                "promql_expr_test": [
-                    {
-                        "expr": concrete(with_selector(_mean_over_range("prefill")), range_="10m"),
-                        "eval_time": "10m",
-                        "exp_samples": [{"labels": '{prefiller="p:1", decoder="d:1"}', "value": 0.5}],
-                    },
-                    {  # no request reached the phase: no value ("No data"), not 0
-                        "expr": concrete(with_selector(_mean_over_range("transfer_wait")), range_="10m"),
-                        "eval_time": "10m",
-                        "exp_samples": [],
-                    },
-                ],
-            }
-        ]
-    }
-    (tmp_path / "pd.test.yml").write_text(json.dumps(test))
-    out = subprocess.run(
-        ["promtool", "test", "rules", "pd.test.yml"], cwd=tmp_path, capture_output=True, text=True
+
+def test_the_pd_split_per_pair_is_over_one_set_of_requests_and_adds_up_to_the_ttft(tmp_path):
+    """The PD row's per-pair split, evaluated by promtool on the proxy's phase histogram. A pair
+    whose 4 requests were all streamed: every part a mean over them, the proxy's part the rest of
+    their time to first token. A pair with 10 prefills but 4 streamed first tokens: its phases'
+    means are over different requests and would not add up: no row ("No data"), not a wrong one."""
+    from grafana.pd_panels import SPLIT_TARGETS
+
+    streamed = _phase_series(
+        "p:1", "d:1", prefill=(2.0, 4), transfer_wait=(0.5, 4), decode_first_token=(1.0, 4), ttft=(4.0, 4)
     )
+    mixed = _phase_series(
+        "p:1",
+        "d:2",
+        prefill=(1.0, 10),
+        transfer_wait=(0.2, 10),
+        decode_first_token=(0.192, 4),
+        ttft=(0.824, 4),
+    )
+    expected = {
+        "prefill": 0.5,
+        "transfer wait": 0.125,
+        "decode first token": 0.25,
+        palette.PROXY: 0.125,  # 1.0 - 0.5 - 0.125 - 0.25
+        palette.TTFT: 1.0,
+        "requests": 4,
+    }
+    assert [name for name, _ in SPLIT_TARGETS] == list(expected)
+    tests = [
+        {
+            "expr": concrete(with_selector(expr)),
+            "eval_time": "5m",
+            "exp_samples": [{"labels": '{prefiller="p:1", decoder="d:1"}', "value": expected[name]}],
+        }
+        for name, expr in SPLIT_TARGETS
+    ]
+    out = promtool_test(tmp_path, streamed + mixed, tests)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _panel_target(title: str, legend: str | None = None) -> str:
+    (p,) = [p for p in PANELS if p.title == title]
+    (t,) = [t for t in p.targets if legend is None or t.legend == legend]
+    return concrete(with_selector(t.expr), rate_interval="5m", range_="5m")
+
+
+def _pd_pair_series() -> list[dict]:
+    """A prefiller (no tier) and a decoder (no tier) over 10 minutes: each minute the prefiller
+    looks up and computes a 2000-token prompt; the decoder looks up 2001 tokens and loads 2000 of
+    them from what the prefiller sent (it has no hit_tokens series: no tier)."""
+
+    def counter(name: str, instance: str, per_min: float, **labels: str) -> dict:
+        extra = "".join(f', {k}="{v}"' for k, v in labels.items())
+        sel = f'{name}{{instance="{instance}", model_name="m"{extra}}}'
+        return {"series": sel, "values": f"0+{per_min}x10"}
+
+    return [
+        counter("vllm:kvlens_lookup_tokens_total", "p:1", 2000),
+        counter("vllm:kvlens_lookup_requests_total", "p:1", 1),
+        counter("vllm:kvlens_pd_loaded_tokens_total", "p:1", 0),
+        counter("vllm:kvlens_lookup_tokens_total", "d:1", 2001),
+        counter("vllm:kvlens_lookup_requests_total", "d:1", 1),
+        counter("vllm:kvlens_pd_loaded_tokens_total", "d:1", 2000),
+        counter("vllm:kvlens_pd_loads_total", "d:1", 1, outcome="loaded"),
+    ]
+
+
+def test_the_overview_counts_tokens_a_decoder_received_from_a_prefiller(tmp_path):
+    """Grafana's Overview on a PD pair, evaluated by promtool: the decoder's received tokens are
+    held and loaded by KVLens, and a source of their own where prompt tokens came from."""
+    sources = [t for p in PANELS if p.title == "Where prompt tokens came from" for t in p.targets]
+    assert [t.legend for t in sources if "vllm:kvlens_pd_loaded_tokens_total" in metric_names(t.expr)] == [
+        palette.PD_RECEIVED
+    ]
+    for title in ("Prompt tokens KVLens held", "Prompt tokens loaded by KVLens", "Hit rate"):
+        assert any("vllm:kvlens_pd_loaded_tokens_total" in metric_names(e) for e in _exprs_of(title)), title
+    tests = [
+        {"expr": _panel_target("Prompt tokens KVLens held"), "eval_time": "10m", "value": 2000 / 4001},
+        {"expr": _panel_target("Prompt tokens loaded by KVLens"), "eval_time": "10m", "value": 10000},
+        {"expr": _panel_target("Hit rate", "KVLens, tokens"), "eval_time": "10m", "value": 2000 / 4001},
+        {"expr": _panel_target("Hit rate", "KVLens, requests"), "eval_time": "10m", "value": 0.5},
+        {
+            "expr": _panel_target("Where prompt tokens came from", palette.PD_RECEIVED),
+            "eval_time": "10m",
+            "value": 2000 / 60,
+        },
+    ]
+    for t in tests:
+        t["exp_samples"] = [{"labels": "{}", "value": t.pop("value")}]
+    per_instance = _panel_target("KVLens hit rate by instance")
+    tests.append(
+        {
+            "expr": per_instance,
+            "eval_time": "10m",
+            "exp_samples": [
+                {"labels": '{instance="d:1"}', "value": 2000 / 2001},
+                {"labels": '{instance="p:1"}', "value": 0},
+            ],
+        }
+    )
+    out = promtool_test(tmp_path, _pd_pair_series(), tests)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _exprs_of(title: str) -> list[str]:
+    return [t.expr for p in PANELS if p.title == title for t in p.targets]
+
+
+def test_the_pd_bytes_panel_shows_each_engine_on_its_side_named_by_its_role(tmp_path):
+    """Every engine exports both counters, at 0 for the side it is not on: the panel keeps the
+    prefiller's sent bytes and the decoder's received bytes, by kvlens_info's pd_role."""
+    (p,) = [p for p in PANELS if p.title == "PD bytes sent and received"]
+    assert [t.legend for t in p.targets] == ["prefiller {{instance}} sent", "decoder {{instance}} received"]
+    series = []
+    for instance, role, sent, got in (("p:1", "sender", 600, 0), ("d:1", "receiver", 0, 600)):
+        labels = f'instance="{instance}", model_name="m"'
+        series += [
+            {"series": f'vllm:kvlens_info{{{labels}, pd_role="{role}"}}', "values": "1x10"},
+            {"series": f"vllm:kvlens_pd_sent_bytes_total{{{labels}}}", "values": f"0+{sent}x10"},
+            {"series": f"vllm:kvlens_pd_received_bytes_total{{{labels}}}", "values": f"0+{got}x10"},
+        ]
+    tests = [
+        {
+            "expr": concrete(with_selector(t.expr), rate_interval="5m"),
+            "eval_time": "10m",
+            "exp_samples": [{"labels": f'{{instance="{instance}"}}', "value": 10}],
+        }
+        for t, instance in zip(p.targets, ("p:1", "d:1"), strict=True)
+    ]
+    out = promtool_test(tmp_path, series, tests)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from dashboard import catalog, charts, insights, views
+from dashboard import catalog, charts, insights, overview
 from dashboard.catalog import BUDGET_FACTORS, VLLM_EXTERNAL_HITS
 
 from .frames import frame, row, series
@@ -39,7 +39,7 @@ def test_whatif_curve_keeps_the_latest_reading_with_factors_as_numbers():
 def test_whatif_curves_name_the_instance_when_there_are_several():
     f = frame(*_curve_rows("a:1", "cpu", RATIOS), *_curve_rows("b:1", "disk", RATIOS))
     assert set(insights.whatif_curves(f)["series"]) == {"a:1 cpu", "b:1 disk"}
-    assert insights.whatif_curves(frame(row(0, views.kvlens("lookup_tokens"), 1))).empty
+    assert insights.whatif_curves(frame(row(0, catalog.kvlens("lookup_tokens"), 1))).empty
 
 
 def test_whatif_chart_marks_the_configured_size_on_a_log2_axis():
@@ -100,7 +100,7 @@ def test_instances_sharing_a_storage_entry_and_a_key_form_one_group():
 def test_an_instance_is_described_by_its_latest_info_series():
     f = frame(_info("a:1", "aaaaaaaaaaaa", "disk:1", t=0), _info("a:1", "cccccccccccc", "disk:1", t=10))
     assert list(insights.instance_identity(f)["key fingerprint"]) == ["cccccccccccc"]
-    assert insights.instance_identity(frame(row(0, views.kvlens("lookup_tokens"), 1))).empty
+    assert insights.instance_identity(frame(row(0, catalog.kvlens("lookup_tokens"), 1))).empty
 
 
 def test_storage_entries():
@@ -138,7 +138,7 @@ def test_time_balance_sets_prefill_saved_against_kvlens_time():
     b = insights.balance(f)
     assert b.saved_s == 5 and b.spent_s == pytest.approx(1.2) and b.net_s == pytest.approx(3.8)
     assert b.per_token_s == 0.003
-    assert views.savings(f).seconds_saved == 5  # the overview prefers the connector's estimate
+    assert overview.savings(f).seconds_saved == 5  # the overview prefers the connector's estimate
 
 
 def test_time_balance_without_the_connectors_estimate():

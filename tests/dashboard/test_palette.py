@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 
 import pandas as pd
 import pytest
 
-from dashboard import charts, palette, views
+from dashboard import charts, overview, palette, views
 from dashboard.catalog import VLLM_PREFIX_HITS, VLLM_PREFIX_QUERIES, VLLM_PROMPT_BY_SOURCE, kvlens
 
 from .frames import frame, series
@@ -57,11 +58,11 @@ def token_frame(with_vllm: bool, tiers: tuple[str, ...]) -> pd.DataFrame:
 def app_charts(f: pd.DataFrame) -> dict[str, dict[str, str]]:
     """The colours of the charts the Overview and Hits tabs draw from ``f``, by chart."""
     return {
-        "hit rate": encoded_colours(charts.line(views.hit_rates(f), charts.RATIO, zero_to_one=True)),
+        "hit rate": encoded_colours(charts.line(overview.hit_rates(f), charts.RATIO, zero_to_one=True)),
         "token sources": encoded_colours(
-            charts.line(views.token_sources(f), charts.TOKENS_PER_S, stack=True)
+            charts.line(overview.token_sources(f), charts.TOKENS_PER_S, stack=True)
         ),
-        "token totals": encoded_colours(charts.bars(views.token_totals(f), charts.TOKENS)),
+        "token totals": encoded_colours(charts.bars(overview.token_totals(f), charts.TOKENS)),
         "hits by tier": encoded_colours(
             charts.line(views.rate(f, kvlens("hit_tokens"), ("tier",)), charts.TOKENS_PER_S, stack=True)
         ),
@@ -105,16 +106,17 @@ def test_computed_keeps_its_colour_with_or_without_the_prefix_cache_beside_it():
 
 
 def test_sources_and_tiers_have_distinct_colours_and_series_of_one_chart_differ():
-    fixed = [palette.colour(n) for n in SOURCES_AND_TIERS + ("vLLM external hits",)]
+    fixed = [palette.colour(n) for n in SOURCES_AND_TIERS + ("vLLM external hits", palette.PD_RECEIVED)]
     assert len(set(fixed)) == len(fixed)
     for names in (
         ("KVLens, tokens", "KVLens, requests", "vLLM prefix cache, tokens"),
-        ("vLLM prefix cache", "KVLens cpu", "KVLens disk", "KVLens remote", "computed"),
+        ("vLLM prefix cache", "KVLens cpu", "KVLens disk", "KVLens remote", palette.PD_RECEIVED, "computed"),
+        ("device", "host", "disk", "p2p"),  # vLLM's cached tokens by source
         tuple(f"{op} {t}" for op, t in itertools.product(("store", "load"), palette.TIERS)),
         tuple(f"{k} {t}" for k, t in itertools.product(("evicted", "demoted", "quota"), palette.TIERS)),
         ("p50", "p95", "p99"),
         ("lookup", "load", "store"),
-        ("vLLM external hits", "KVLens held at lookup", "KVLens loaded"),
+        ("vLLM external hits", "KVLens held at lookup", "KVLens loaded", palette.PD_RECEIVED),
         tuple(palette.MISS_REASONS),  # one chart: misses by reason
         (
             "consumer_role",
@@ -179,6 +181,7 @@ def test_every_chart_kind_fixes_its_colour_scale():
         ("host", "cpu"),  # and for KVLens's CPU tier
         ("KVLens held at lookup", "held at lookup"),
         ("KVLens lookup", "lookup"),
+        ("p2p", palette.PD_RECEIVED),  # vLLM's name for what a PD decoder received
     ],
 )
 def test_names_of_one_thing_share_its_colour(name, same_as):
@@ -197,7 +200,46 @@ def test_grafana_gives_every_source_and_tier_the_apps_colour():
                 if prop["id"] == "color":
                     assert prop["value"]["mode"] == "fixed"
                     fixed.setdefault(override["matcher"]["options"], set()).add(prop["value"]["fixedColor"])
-    for name in ("vLLM prefix cache", "computed", "KVLens cpu", "KVLens disk", "cpu", "disk", "remote"):
+    for name in (
+        "vLLM prefix cache",
+        "computed",
+        "KVLens cpu",
+        "KVLens disk",
+        "cpu",
+        "disk",
+        "remote",
+        palette.PD_RECEIVED,  # where prompt tokens came from
+        "p2p",  # vLLM's cached prompt tokens by source
+    ):
         assert fixed.get(name) == {palette.colour(name)}, (name, fixed.get(name))
     for name, colours in fixed.items():
         assert colours == {palette.colour(name)}, json.dumps([name, sorted(colours)])
+
+
+def _lab(hex_colour: str) -> tuple[float, float, float]:
+    """CIE L*a*b* of an sRGB colour (D65)."""
+    rgb = [int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+    r, g, b = (((c + 0.055) / 1.055) ** 2.4 if c > 0.04045 else c / 12.92 for c in rgb)
+    xyz = (
+        (r * 0.4124 + g * 0.3576 + b * 0.1805) / 0.95047,
+        r * 0.2126 + g * 0.7152 + b * 0.0722,
+        (r * 0.0193 + g * 0.1192 + b * 0.9505) / 1.08883,
+    )
+    f = [t ** (1 / 3) if t > 0.008856 else 7.787 * t + 16 / 116 for t in xyz]
+    return 116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])
+
+
+def test_what_a_decoder_received_has_a_colour_of_its_own():
+    """Its own hue, far (CIE76 distance over 30) from every tier's, every other source's
+    (vLLM's among them), every PD phase's and every colour other series may take."""
+    received = palette.colour(palette.PD_RECEIVED)
+    assert palette.colour("p2p") == received
+    others = {
+        **palette.TIERS,
+        **{k: v for k, v in palette.SOURCES.items() if k != palette.PD_RECEIVED},
+        **palette.SPLIT,
+        **palette.QUANTILES,
+        **{f"other {i}": c for i, c in enumerate(palette.OTHERS)},
+    }
+    near = {name: math.dist(_lab(received), _lab(c)) for name, c in others.items()}
+    assert min(near.values()) > 30, sorted(near.items(), key=lambda kv: kv[1])[:3]

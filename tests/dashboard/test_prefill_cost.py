@@ -11,7 +11,7 @@ import subprocess
 from prometheus_client.parser import text_string_to_metric_families
 
 from connector.engine.prefill_cost import PrefillCostMeter
-from dashboard import sources, views
+from dashboard import overview, sources
 from grafana.panels import PANELS, with_selector
 
 from .conftest import DATA
@@ -96,6 +96,6 @@ def test_the_apps_cost_and_time_saved_use_the_wall_clock_cost():
     history = sources.MetricsHistory(f"http://{INSTANCE}/metrics", fetch=lambda url: next(scrapes))
     history.scrape(now=0.0)
     history.scrape(now=10.0)
-    s = views.savings(history.frame())
+    s = overview.savings(history.frame())
     assert s.prefill_s_per_token == TRUE_COST
     assert s.seconds_saved == LOADED * TRUE_COST

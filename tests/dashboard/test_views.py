@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dashboard import views
-from dashboard.catalog import VLLM_PREFILL_SECONDS_SUM, VLLM_PROMPT_BY_SOURCE, VLLM_RUNNING, VLLM_WAITING
+from dashboard.catalog import VLLM_RUNNING, VLLM_WAITING
 
 from .frames import frame, row, series
 
@@ -58,13 +58,6 @@ def test_rate_groups_by_label_with_a_prefix():
     assert r.loc[20, "KVLens disk"] == pytest.approx(3.0)
 
 
-def test_hit_rate_is_missing_not_nan_when_nothing_was_looked_up():
-    f = frame(*series(HITS, [0, 50, 50, 50], tier="cpu"), *series(LOOKUPS, [0, 100, 100, 100]))
-    r = views.hit_rates(f, window_s=10)
-    assert list(r.index) == [10]
-    assert r.loc[10, "KVLens, tokens"] == pytest.approx(0.5)
-
-
 # Buckets le=0.1: 2, le=0.2: 6, le=1: 10, +Inf: 10 (cumulative). The rank q*10 falls in a
 # bucket; the value is interpolated linearly inside it, the first bucket starting at 0.
 @pytest.mark.parametrize(
@@ -96,38 +89,6 @@ def test_latency_quantiles_from_bucket_counters():
     q = views.latency(frame(*rows), "load", window_s=10)
     assert q.loc[10, "p50"] == pytest.approx(0.001)  # rank 10 of 20: top of the first bucket
     assert q.loc[20, "p95"] == pytest.approx(0.001 + 0.009 * (19 - 10) / 10)
-
-
-def test_savings_estimate_prefill_seconds_from_the_engines_measured_cost():
-    f = frame(
-        row(0, "vllm:kvlens_load_tokens_total", 0, tier="cpu"),
-        row(10, "vllm:kvlens_load_tokens_total", 1000, tier="cpu"),
-        row(0, "vllm:kvlens_load_tokens_total", 200, tier="disk"),
-        row(10, "vllm:kvlens_load_tokens_total", 500, tier="disk"),
-        row(10, VLLM_PROMPT_BY_SOURCE, 3000, source="local_compute"),
-        row(10, VLLM_PREFILL_SECONDS_SUM, 3.0),  # batched requests' overlapping prefill times: unused
-        row(0, "vllm:kvlens_prefill_seconds_per_token", 0.002),
-        row(10, "vllm:kvlens_prefill_seconds_per_token", 0.0005),  # the latest measure counts
-        row(10, LOOKUPS, 6000),
-        row(10, HITS, 1500, tier="cpu"),
-    )
-    s = views.savings(f)
-    assert s.loaded_tokens == 1500  # since the server started
-    assert s.loaded_tokens_window == 1000 + 300  # while the dashboard watched
-    assert s.prefill_s_per_token == pytest.approx(0.0005)
-    assert s.seconds_saved == pytest.approx(0.75)
-    assert s.hit_rate == pytest.approx(0.25)
-
-
-def test_savings_has_no_estimate_before_the_engine_measured_a_prefill():
-    s = views.savings(
-        frame(
-            row(0, "vllm:kvlens_load_tokens_total", 0, tier="cpu"),
-            row(0, VLLM_PROMPT_BY_SOURCE, 3000, source="local_compute"),
-            row(0, VLLM_PREFILL_SECONDS_SUM, 1.5),
-        )
-    )
-    assert s.seconds_saved is None and s.hit_rate is None
 
 
 def _engine(instance: str, running: list[float], trackers: list[float]) -> list[tuple]:
@@ -188,18 +149,6 @@ def test_a_disk_directory_two_instances_share_counts_once_their_own_memory_adds_
     assert t.loc["cpu", "used_bytes"] == 300 and t.loc["cpu", "capacity_bytes"] == 2000
     assert t.loc["disk", "used_bytes"] == 3000 + 500  # the shared directory once, plus another one
     assert t.loc["disk", "capacity_bytes"] == 4000 and t.loc["disk", "chunks"] == 30
-
-
-def test_instance_table_has_one_row_per_instance():
-    f = frame(
-        row(0, LOOKUPS, 100, "a:1"),
-        row(0, HITS, 50, "a:1", tier="cpu"),
-        row(0, LOOKUPS, 100, "b:1"),
-        row(0, HITS, 0, "b:1", tier="cpu"),
-    )
-    t = views.instance_table(f)
-    assert list(t.index) == ["a:1", "b:1"]
-    assert list(t["KVLens hit rate"]) == [0.5, 0.0]
 
 
 def test_remote_round_trips_and_errors_show_when_a_remote_tier_reports():
