@@ -177,9 +177,18 @@ def watch_tabs(driver) -> None:
     driver.execute_script(_WATCH_TABS)
 
 
-def times_tabs_disabled(driver) -> int:
-    """How many times a tab turned disabled since ``watch_tabs``."""
-    return driver.execute_script("return window.__kvlensTabsDisabled;")
+def times_tabs_disabled(driver, reset: bool = False) -> int:
+    """How many times a tab turned disabled since ``watch_tabs`` (or the last ``reset``).
+
+    A click on a tab reruns the whole page, and Streamlit disables the stale tabs until that
+    rerun has sent them again: that is the click landing, and on a loaded machine it shows. What
+    must never happen is a tab disabled by a refresh alone (a click then would be dropped), so the
+    count is taken over spans without a click: reset once a tab's content shows (the rerun has
+    sent the tabs again by then: they come first), read after refreshes."""
+    return driver.execute_script(
+        "const n = window.__kvlensTabsDisabled; if (arguments[0]) window.__kvlensTabsDisabled = 0; return n;",
+        reset,
+    )
 
 
 def assert_no_exception(driver) -> None:
