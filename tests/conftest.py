@@ -120,3 +120,14 @@ def tiny_model(tmp_path_factory) -> str:
     script = Path(__file__).resolve().parents[1] / "scripts" / "tiny_model.py"
     subprocess.run([sys.executable, str(script), str(out)], check=True, capture_output=True, timeout=300)
     return str(out)
+
+
+@pytest.fixture
+def disk_with_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every file system has a terabyte free: tests of what a configuration means must not depend
+    on the free space of the machine that runs them (start-up warns when the disk budget exceeds
+    it; tests/unit/test_disk_budget_check.py tests that warning with the space it chooses)."""
+    from connector.config import disk_space
+
+    room = os.statvfs_result((4096, 4096, 1 << 28, 1 << 28, 1 << 28, 0, 0, 0, 0, 255))
+    monkeypatch.setattr(disk_space.os, "statvfs", lambda path: room)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shlex
 from collections import Counter
@@ -60,11 +59,9 @@ def test_every_shell_example_loads(script):
     load_config(extra, env=env)
 
 
-def test_the_complete_example_starts_without_a_warning_and_does_what_it_says(tmp_path, caplog, monkeypatch):
-    from connector.config import disk_space
-
-    plenty = os.statvfs_result((4096, 4096, 1 << 40, 1 << 40, 1 << 40, 0, 0, 0, 0, 255))
-    monkeypatch.setattr(disk_space.os, "statvfs", lambda path: plenty)  # whatever this machine's disk
+def test_the_complete_example_starts_without_a_warning_and_does_what_it_says(
+    tmp_path, caplog, disk_with_room
+):
     text = next(b for b in blocks("yaml") if b.startswith("# lmcache.yaml"))
     path = tmp_path / "lmcache.yaml"
     path.write_text(text)

@@ -163,7 +163,7 @@ def test_every_case_on_disk_has_an_expectation_and_every_expectation_a_case():
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED))
-def test_lmcache_configuration_starts_or_is_refused_as_the_rule_says(case, caplog):
+def test_lmcache_configuration_starts_or_is_refused_as_the_rule_says(case, caplog, disk_with_room):
     expect = EXPECTED[case]
     extra, env = sources(case)
     if expect.outcome == "refused":
