@@ -151,7 +151,11 @@ DOCUMENTS: tuple[Document, ...] = (
 QUESTIONS: tuple[Question, ...] = (
     Question("ferry-pier", "ferry", "From which pier do the Harlow Bay ferries leave?", "9", ("nine",)),
     Question(
-        "ferry-minutes", "ferry", "How long does the Harlow Bay ferry crossing take?", "35", ("thirty-five",)
+        "ferry-minutes",
+        "ferry",
+        "How many minutes does the Harlow Bay ferry crossing take in calm weather?",
+        "35",
+        ("thirty-five",),
     ),
     Question(
         "ferry-boat", "ferry", "What is the name of the largest boat of the Harlow Bay fleet?", "Marigold"
@@ -159,24 +163,24 @@ QUESTIONS: tuple[Question, ...] = (
     Question(
         "library-books",
         "library",
-        "How many books at a time may members of the Quillfeather Library borrow?",
+        "Up to how many books at a time may members of the Quillfeather Library borrow?",
         "12",
         ("twelve",),
     ),
     Question("library-head", "library", "Who is the head librarian of the Quillfeather Library?", "Brannock"),
     Question(
-        "library-closed",
+        "library-loan",
         "library",
-        "On which day is the Quillfeather Library closed?",
-        "Monday",
-        ("Mondays",),
+        "What is the loan period for books at the Quillfeather Library?",
+        "21 days",
+        ("twenty-one days", "21"),
     ),
     Question(
-        "kettle-colour",
+        "kettle-capacity",
         "kettle",
-        "What is the colour of the Veltrix K2 kettle called?",
-        "Harbour Grey",
-        ("Harbor Grey", "Harbour Gray", "Harbor Gray"),
+        "What is the capacity of the Veltrix K2 electric kettle?",
+        "1.6 litres",
+        ("1.6 liters", "1.6 l", "1.6"),
     ),
     Question(
         "kettle-warranty",
@@ -257,7 +261,9 @@ QUESTIONS: tuple[Question, ...] = (
         "90",
         ("ninety",),
     ),
-    Question("vacuum-red", "vacuum", "What is the dark red colour of the Brisco R7 called?", "Ember"),
+    Question(
+        "vacuum-modes", "vacuum", "How many cleaning modes does the Brisco R7 robot have?", "4", ("four",)
+    ),
     Question("council-mayor", "council", "Who is the mayor of Tesselwick?", "Agnes Holloway", ("Holloway",)),
     Question("council-river", "council", "On which river is the town of Tesselwick?", "Lume"),
     Question(
@@ -334,3 +340,17 @@ def is_correct(answer: str, question: Question) -> bool:
 
 def questions_for(document_key: str) -> tuple[Question, ...]:
     return tuple(q for q in QUESTIONS if q.document == document_key)
+
+
+def token_agreement(reference: Sequence[int], answer: Sequence[int]) -> float:
+    """The share of tokens two greedy answers have in common up to their first difference, over
+    the longer one (1.0: the same answer; 0.0: they differ from the first token)."""
+    longest = max(len(reference), len(answer))
+    if longest == 0:
+        return 1.0
+    same = 0
+    for a, b in zip(reference, answer, strict=False):
+        if a != b:
+            break
+        same += 1
+    return same / longest

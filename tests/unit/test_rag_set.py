@@ -47,7 +47,8 @@ def test_thousands_separators_and_case_and_accents_do_not_matter():
     for said in ("3,120 metres", "3120 m", "It stands at 3 120 metres."):
         assert rag.is_correct(said, q), said
     assert not rag.is_correct("31,200 metres", q)
-    assert rag.is_correct("The colour is harbour GREY.", question("kettle-colour"))
+    assert rag.is_correct("It holds 1.6 LITRES.", question("kettle-capacity"))
+    assert not rag.is_correct("It holds 1.65 litres.", question("kettle-capacity"))
     assert rag.is_correct("Marvéjac", question("council-twin"))
 
 
@@ -113,3 +114,15 @@ def test_the_module_imports_with_the_standard_library_alone():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[] []"
+
+
+def test_token_agreement_counts_the_tokens_before_the_first_difference():
+    assert rag.token_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert rag.token_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5
+    assert rag.token_agreement([1, 2, 3, 4], [7, 2, 3, 4]) == 0.0
+    assert rag.token_agreement([], []) == 1.0
+
+
+def test_an_answer_that_stops_early_or_runs_on_does_not_agree_in_full():
+    assert rag.token_agreement([1, 2, 3, 4], [1, 2]) == 0.5
+    assert rag.token_agreement([1, 2], [1, 2, 3, 4]) == 0.5
