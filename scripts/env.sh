@@ -30,6 +30,8 @@ export KVLENS_ROOT
 export KVLENS_VENV="${KVLENS_VENV:-$KVLENS_ROOT/.venv}"
 export KVLENS_RUN_DIR="${KVLENS_RUN_DIR:-$KVLENS_ROOT/.run}"
 export KVLENS_TINY_MODEL="${KVLENS_TINY_MODEL:-$KVLENS_RUN_DIR/tiny-model}"
+# SmolLM2-135M-Instruct as bf16 safetensors, converted by scripts/setup.sh (python -m connector.real_model)
+export KVLENS_REAL_MODEL="${KVLENS_REAL_MODEL:-$KVLENS_RUN_DIR/smollm2-135m}"
 # property-test examples hypothesis keeps between runs: with the other run files, not at the top
 export HYPOTHESIS_STORAGE_DIRECTORY="${HYPOTHESIS_STORAGE_DIRECTORY:-$KVLENS_RUN_DIR/hypothesis}"
 

