@@ -123,8 +123,8 @@ def read(folder: Path) -> Manifest:
 
 def mismatch(folder: Path, source: Path, converter_version: int, dtype: str) -> str | None:
     """Why ``folder`` is not what converting ``source`` with this converter version to
-    ``dtype`` makes; None when it is. Cheap differences (versions, names, sizes) are looked
-    for before any digest is read."""
+    ``dtype`` makes; None when it is. Versions and names are compared first, then the source's
+    size and digest, the outputs' names and sizes, and last the outputs' digests."""
     if not folder.is_dir():
         return f"{folder} does not exist"
     try:
