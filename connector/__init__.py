@@ -5,9 +5,9 @@ two halves), the metadata passed between them (metadata.py), vLLM's versions and
 (vllm_compat.py), where KVLens's threads run in a worker (cpu_affinity.py) and the launcher.
 Beside them: scheduler/ and worker/ (the halves, which never import each other), engine/ (pure
 logic), config/, tiers/, identity/ (the model checkpoint's identity and the KV settings keys
-depend on), pd/ (the PD data plane), ops/ (the ``kvlens`` command) and pd_proxy/ (``kvlens
-pd-proxy``, a program of its own). tests/unit/test_codebase.py keeps
-these rules.
+depend on), pd/ (the PD data plane), ops/ (the ``kvlens`` command), pd_proxy/ (``kvlens
+pd-proxy``, a program of its own) and real_model/ (set-up's conversion of the real model the demo
+and the quality tests serve). tests/unit/test_codebase.py keeps these rules.
 
 ``KVLensConnector`` is imported lazily so that tools in this package (the tiny-model
 builder, the launcher) and the pure engine do not pay for importing vLLM.

@@ -66,8 +66,17 @@ def scratch_dir(target: Path) -> Path:
     return path
 
 
+def readable_by_all(directory: Path) -> None:
+    """Files of a checkpoint are read by whichever user serves it: transformers writes the weights
+    with mode 0600 (a temporary file renamed), so every file is made 0644."""
+    for item in directory.iterdir():
+        if item.is_file() and not item.is_symlink():
+            item.chmod(0o644)
+
+
 def publish(ready: Path, target: Path) -> None:
     """Put the directory ``ready`` at ``target``; whatever was there is removed once it is."""
+    readable_by_all(ready)
     if not os.path.lexists(target):
         os.rename(ready, target)
         return

@@ -12,6 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 PURE = (
     "connector",
+    "connector.real_model.conversion",  # transformers and torch only inside the conversion itself
     "connector.config.loading",
     "connector.scheduler.connector_scheduler",
     "connector.scheduler.scheduler_state",
@@ -183,6 +184,7 @@ MAY_IMPORT = {
     },
     "connector.pd_proxy": set(),
     "connector.identity": set(),
+    "connector.real_model": set(),
 }
 
 

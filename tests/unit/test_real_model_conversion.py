@@ -115,6 +115,19 @@ def test_a_fresh_conversion_is_verified_and_lists_every_file(target, source):
     assert siblings(target) == [target.name]
 
 
+def test_every_file_of_a_conversion_is_readable_by_the_user_that_serves_it(target, source):
+    backend = FakeBackend()
+    save = backend.save
+
+    def save_private(loaded: dict[str, Any], folder: Path) -> None:  # as transformers writes weights
+        save(loaded, folder)
+        (folder / "model.safetensors").chmod(0o600)
+
+    backend.save = save_private  # type: ignore[method-assign]
+    run(target, source, backend)
+    assert {oct(p.stat().st_mode & 0o777) for p in target.iterdir()} == {oct(0o644)}
+
+
 def flip_last_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-1] ^= 1
