@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib.bench_serve import BenchServeFailed, run_bench_serve  # noqa: E402
 from bench.lib.client import metric_sum  # noqa: E402
-from bench.lib.models import BENCH, TINY, ensure_model  # noqa: E402
+from bench.lib.models import BENCH, REAL_HELP, TINY, check_fits, ensure_model, real_model  # noqa: E402
 from bench.lib.paths import RUN_DIR  # noqa: E402
 from bench.lib.report import Figure, Target  # noqa: E402
 from bench.lib.runner import Benchmark, Option, SideFailed, main  # noqa: E402
@@ -173,19 +173,31 @@ class PDServe(Benchmark):
         "notify_timeout": Option(5.0, help="kvlens pd-proxy --notify-timeout"),
         "pd_buffer_mb": Option(1024, 256, help="pd_buffer_size of the prefiller and the decoder, MiB"),
         "model": Option(None, help="model directory (default: built under .run/bench/models)", type=Path),
+        "real": Option(False, help=REAL_HELP),
         "startup_timeout": Option(600.0, help="seconds for the servers of one mode to start"),
         "run_timeout": Option(1800.0, 600.0, help="seconds for one vllm bench serve run"),
     }
 
     def __init__(self, args: Any) -> None:
         super().__init__(args)
-        self.spec = TINY if self.quick else BENCH
-        self.model = Path(args.model or ensure_model(self.spec))
+        if args.real and args.model:
+            raise SystemExit("--real and --model name two models: give one")
+        self.spec = None if args.real else TINY if self.quick else BENCH
+        self.model = real_model() if args.real else Path(args.model or ensure_model(self.spec))
+        check_fits(self.model, self.max_model_len)
         self.work_dir = RUN_DIR / "runs" / f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         allowed = sorted(os.sched_getaffinity(0))
         self.cores = (allowed[0], allowed[1] if len(allowed) > 1 else allowed[0])
         if len(allowed) < 2:
             self.note("one core only: every engine shares it")
+
+    @property
+    def result_name(self) -> str:
+        return f"{self.name}-real" if self.args.real else self.name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.args.input_len + self.args.output_len + 64
 
     def sides(self) -> list[ModeSide]:
         return [
@@ -221,9 +233,8 @@ class PDServe(Benchmark):
 
     def _engine(self, name: str, cores: str, ktc: dict[str, Any] | None) -> VllmServer:
         env = server_env(1, {"VLLM_CPU_OMP_THREADS_BIND": cores, "PYTHONHASHSEED": "0"})
-        max_len = self.args.input_len + self.args.output_len + 64
         log = self.work_dir / f"{name}.log"
-        return VllmServer(name, sys.executable, self.model, max_len, ktc, [], env, log)
+        return VllmServer(name, sys.executable, self.model, self.max_model_len, ktc, [], env, log)
 
     def _start(self, mode: str) -> Deployment:
         a, (c0, c1) = self.args, self.cores
@@ -343,7 +354,7 @@ class PDServe(Benchmark):
     def meta(self) -> dict[str, Any]:
         return {
             **super().meta(),
-            "model": {"path": str(self.model), "spec": repr(self.spec)},
+            "model": {"path": str(self.model), "spec": "real" if self.args.real else repr(self.spec)},
             "work_dir": str(self.work_dir),
         }
 

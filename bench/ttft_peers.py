@@ -30,6 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib import ttft  # noqa: E402
+from bench.lib.models import kv_bytes_per_token  # noqa: E402
 from bench.lib.runner import Case, Check, Figure, Option, Target, main  # noqa: E402
 from bench.lib.served import LiveMode, ServedBenchmark, ServerShape  # noqa: E402
 
@@ -82,9 +83,9 @@ class TtftPeers(ServedBenchmark):
 
     def server_shape(self) -> ServerShape:
         a = self.args
-        return ServerShape(
-            a.tokens + 64, kv_space_gib=1, working_set_gb=0.1 * (a.repeats + 2 * a.store_pairs)
-        )
+        prompts = 1 + a.repeats + 2 * a.store_pairs  # the warm-up's, the measured, the store pairs'
+        stored = prompts * a.tokens * kv_bytes_per_token(self.model) / 1e9
+        return ServerShape(a.tokens + 64, kv_space_gib=1, working_set_gb=stored)
 
     def cases(self) -> list[Case]:
         return [Case("all", repeats=max(self.args.repeats, self.args.store_pairs))]

@@ -41,13 +41,15 @@ class Streamed:
     token_ids: tuple[int, ...]
 
 
-def _body(prompt: list[int], max_tokens: int, kv_params: dict[str, Any] | None) -> dict[str, Any]:
+def _body(
+    prompt: list[int], max_tokens: int, kv_params: dict[str, Any] | None, ignore_eos: bool = True
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": SERVED_MODEL_NAME,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0.0,
-        "ignore_eos": True,
+        "ignore_eos": ignore_eos,
         "return_token_ids": True,
     }
     if kv_params:
@@ -133,9 +135,12 @@ async def stream(
     prompt: list[int],
     max_tokens: int,
     timeout: float = REQUEST_TIMEOUT_S,
+    kv_params: dict[str, Any] | None = None,
+    ignore_eos: bool = True,
 ) -> Streamed:
-    """One streaming completion; TTFT is when the first chunk with a generated token arrives."""
-    body = _body(prompt, max_tokens, None)
+    """One streaming completion; TTFT is when the first chunk with a generated token arrives.
+    ``ignore_eos`` False: the answer ends where the model ends it (a real model's answers)."""
+    body = _body(prompt, max_tokens, kv_params, ignore_eos)
     body.update({"stream": True, "stream_options": {"include_usage": True}})
     tokens: list[int] = []
     usage: dict[str, Any] = {}

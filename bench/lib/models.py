@@ -1,8 +1,11 @@
-"""The benchmark models: deterministic random Llamas built locally, once, under ``.run/bench``.
+"""The benchmark models: deterministic random Llamas built locally, once, under ``.run/bench``,
+and the real model (``--real``).
 
 There is no model hub here; ``scripts/tiny_model.py`` writes a checkpoint vLLM loads like any
 other. The same arguments give byte-identical files, so a model is rebuilt only when its
-arguments or the builder change (a stamp file records both).
+arguments or the builder change (a stamp file records both). The real model is
+SmolLM2-135M-Instruct (30 layers, 3 KV heads of 64, vocabulary 49,152, 8k context), which
+``scripts/setup.sh`` converts into ``$KVLENS_REAL_MODEL`` (default ``$KVLENS_RUN_DIR/smollm2-135m``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -22,6 +26,11 @@ from pathlib import Path
 from .paths import REPO, RUN_DIR
 
 BUILD_TIMEOUT_S = 900.0
+REAL_MODEL_WAIT_S = 120.0  # setup.sh may be re-creating the real model's directory (a rename)
+REAL_HELP = (
+    "the real model (SmolLM2-135M-Instruct in $KVLENS_REAL_MODEL, default $KVLENS_RUN_DIR/smollm2-135m) "
+    "instead of the random bench model; results go to NAME-real.json"
+)
 STAMP = ".bench-stamp"
 BYTES_PER_ELEMENT = 2  # bf16
 
@@ -113,3 +122,38 @@ def kv_bytes_per_token(model: Path) -> int:
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     return 2 * kv_heads * head_dim * BYTES_PER_ELEMENT * int(cfg["num_hidden_layers"])
+
+
+def real_model_dir() -> Path:
+    """Where the real model is: $KVLENS_REAL_MODEL, else $KVLENS_RUN_DIR/smollm2-135m."""
+    named = os.environ.get("KVLENS_REAL_MODEL")
+    if named:
+        return Path(named)
+    return Path(os.environ.get("KVLENS_RUN_DIR") or REPO / ".run") / "smollm2-135m"
+
+
+def real_model(wait_s: float = REAL_MODEL_WAIT_S) -> Path:
+    """The real model's directory once its files are there; waits ``wait_s`` for them (setup.sh
+    replaces the directory in one rename), then stops the run saying how to make it."""
+    path = real_model_dir()
+    deadline = time.monotonic() + wait_s
+    while not all((path / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json")):
+        if time.monotonic() >= deadline:
+            raise SystemExit(f"no real model in {path}: run scripts/setup.sh (or set KVLENS_REAL_MODEL)")
+        time.sleep(2.0)
+    return path
+
+
+def context_length(model: Path) -> int:
+    """The longest sequence the checkpoint allows (vLLM refuses a longer --max-model-len)."""
+    return int(_config(model)["max_position_embeddings"])
+
+
+def check_fits(model: Path, max_model_len: int) -> None:
+    """Stops the run when the workload's longest request does not fit the model's context."""
+    limit = context_length(model)
+    if max_model_len > limit:
+        raise SystemExit(
+            f"the workload needs --max-model-len {max_model_len}, more than {model.name}'s context of "
+            f"{limit} tokens: shorten the prompts"
+        )

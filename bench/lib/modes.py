@@ -1,12 +1,13 @@
 """The modes a benchmark puts side by side, and what each configures in vLLM.
 
 A mode is a vLLM server configured one way: no connector (vLLM's prefix caching only), the
-same with enough KV memory for the whole working set (the ceiling), KVLens with one storage
+same with enough KV memory for the whole working set (the ceiling) or with prefix caching off
+(``full``: every prompt computed in full, the reference of answer quality), KVLens with one storage
 tier, vLLM's ``ExampleConnector``, or LMCache in its multiprocess mode (from its server's
 memory, or from a disk L2 behind it). Every mode gets the same model, worker cores and
 KV-memory settings; only ``--kv-transfer-config`` (and, for the ceiling, the KV block limit;
-for LMCache, its server's arguments) differs. KVLens is treated as a black box configured only through
-``--kv-transfer-config``, as users configure it.
+for LMCache, its server's arguments; for ``full``, prefix caching) differs. KVLens is treated as
+a black box configured only through ``--kv-transfer-config``, as users configure it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Mode:
     tier: str | None = None  # KVLens's tier; for LMCache, its server's L2 (None: memory only)
     ceiling: bool = False  # vLLM's KV memory is not limited by the workload
     optional: bool = False  # a peer: when it cannot run, the run goes on without it
+    prefix_caching: bool = True  # False: --no-enable-prefix-caching (every prompt computed in full)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,7 @@ KVLENS_TIERS: dict[str, Callable[[Settings], dict[str, Any]]] = {
 FIXED_MODES = {
     "none": Mode("none", "no connector", None),
     "ceiling": Mode("ceiling", "ceiling (no connector, KV memory for all)", None, ceiling=True),
+    "full": Mode("full", "full prefill (no connector, prefix caching off)", None, prefix_caching=False),
     "example": Mode("example", "vLLM ExampleConnector (disk)", "example"),
     "lmcache": Mode("lmcache", "LMCache 0.5.6 MP mode", "lmcache", optional=True),
     "lmcache-disk": Mode(

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .client import Client
-from .models import BENCH, TINY, ModelSpec, ensure_model, vocab_size
+from .models import BENCH, REAL_HELP, TINY, ModelSpec, check_fits, ensure_model, real_model, vocab_size
 from .modes import (
     Mode,
     Settings,
@@ -81,8 +81,10 @@ class ServedBenchmark(Benchmark):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        self.spec: ModelSpec = TINY if self.quick else self.full_spec
-        self.model = Path(args.model or ensure_model(self.spec))
+        if args.real and args.model:
+            raise SystemExit("--real and --model name two models: give one")
+        self.spec: ModelSpec | None = None if args.real else TINY if self.quick else self.full_spec
+        self.model = real_model() if args.real else Path(args.model or ensure_model(self.spec))
         self.work_dir = RUN_DIR / "runs" / f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.settings = Settings(
             storage_dir=self.work_dir / "storage",
@@ -97,6 +99,11 @@ class ServedBenchmark(Benchmark):
 
     def server_shape(self) -> ServerShape:
         raise NotImplementedError
+
+    @property
+    def result_name(self) -> str:
+        """``NAME-real`` with --real: the real model's figures do not replace the bench model's."""
+        return f"{self.name}-real" if self.args.real else self.name
 
     @functools.cached_property
     def vocab(self) -> int:
@@ -117,7 +124,7 @@ class ServedBenchmark(Benchmark):
         print(f"   model {self.model}; logs in {self.work_dir}", flush=True)
 
     def meta(self) -> dict[str, Any]:
-        spec = None if self.args.model else repr(self.spec)
+        spec = "real" if self.args.real else None if self.args.model else repr(self.spec)
         pinned = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
         extra = {
             "model": {"path": str(self.model), "spec": spec},
@@ -154,6 +161,7 @@ class ServedBenchmark(Benchmark):
     def open_sides(self) -> Iterator[list[LiveMode]]:
         """The modes' servers, started a batch at a time; stopped when the caller moves on."""
         shape = self.server_shape()
+        check_fits(self.model, shape.max_model_len)
         modes = [m for m in self.modes if self._runnable(m)]
         size = self._max_live(shape, modes)
         if size < len(modes):
@@ -254,6 +262,8 @@ class ServedBenchmark(Benchmark):
         ktc = kv_transfer_config(mode, self.settings, sidecar.port if sidecar else None)
         limit = mode.ceiling or shape.kv_blocks is None
         args = [] if limit else ["--num-gpu-blocks-override", str(shape.kv_blocks)]
+        if not mode.prefix_caching:
+            args.append("--no-enable-prefix-caching")
         log = self.work_dir / f"{mode.name}.log"
         server = VllmServer(
             mode.name, python, self.model, shape.max_model_len, ktc, args, env, log, shape.dtype
@@ -290,6 +300,7 @@ class ServedBenchmark(Benchmark):
             ),
             "lmcache_venv": Option(peers_tmp() / "venv-lmcache", type=Path),
             "model": Option(None, help="model directory (default: built under .run/bench/models)", type=Path),
+            "real": Option(False, help=REAL_HELP),
             "max_live": Option(
                 None, help="servers running at once (default: as many as memory allows)", type=int
             ),
