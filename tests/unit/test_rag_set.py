@@ -126,3 +126,35 @@ def test_token_agreement_counts_the_tokens_before_the_first_difference():
 def test_an_answer_that_stops_early_or_runs_on_does_not_agree_in_full():
     assert rag.token_agreement([1, 2, 3, 4], [1, 2]) == 0.5
     assert rag.token_agreement([1, 2], [1, 2, 3, 4]) == 0.5
+
+
+def _rec(rep: int, *answers: list[int]) -> dict:
+    return {"repetition": rep, "answers": [{"token_ids": a} for a in answers]}
+
+
+def test_agreement_compares_each_mode_with_full_prefill_of_the_same_repetition():
+    from bench import rag_quality
+
+    records = {
+        "canonical": {
+            "full": [_rec(0, [1, 2], [3, 4]), _rec(1, [1, 2], [3, 5])],
+            "none": [_rec(0, [1, 2], [3, 4]), _rec(1, [1, 2], [3, 4])],
+            "kvlens-cpu": [_rec(0, [1, 9], [3, 4]), _rec(1, [1, 2], [3, 5])],
+        }
+    }
+    rag_quality.agreement(records, "full")
+    full, none, kvlens = (records["canonical"][m] for m in ("full", "none", "kvlens-cpu"))
+    assert [r["exact_vs_full"] for r in kvlens] == [0.5, 1.0]
+    assert kvlens[0]["tokens_vs_full"] == 0.75
+    assert [r["exact_vs_full"] for r in none] == [1.0, 0.5]
+    # full prefill against its own first repetition: whether it repeats itself
+    assert [r["exact_vs_full"] for r in full] == [1.0, 0.5]
+    assert [r["exact_vs_prefix_cache"] for r in kvlens] == [0.5, 0.5]
+    assert "exact_vs_prefix_cache" not in none[0]
+
+
+def test_the_documents_prefix_is_what_every_prompt_starts_with():
+    from bench import rag_quality
+
+    assert rag_quality.common_prefix([[1, 2, 3, 4], [1, 2, 3, 9], [1, 2, 7]]) == [1, 2]
+    assert rag_quality.common_prefix([[1, 2], [1, 2, 3]]) == [1, 2]
