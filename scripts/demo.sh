@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The main job: set everything up, start vLLM with KVLens on the tiny model, run the
-# shared-prefix workload (scripts/workload.py) against it, stop the server.
+# The main job: set everything up, start vLLM with KVLens on the real model (SmolLM2-135M-Instruct,
+# converted by scripts/setup.sh into .run/smollm2-135m), ask it questions about short documents
+# (scripts/rag_workload.py: answers printed in words beside the tokens KVLens supplied), stop the
+# server.
 #
-#   bash scripts/demo.sh [workload.py options, e.g. --rounds 4 --reset request --expect-kvlens]
+#   bash scripts/demo.sh [--tiny] [workload options, e.g. --rounds 4 --reset request --expect-kvlens]
 #
+# --tiny: the tiny random-weight test model and the token-level workload (scripts/workload.py)
+# instead; its answers are gibberish, and it starts and answers faster.
 # Environment: PORT (default 8000); KVLENS_DEMO_NO_CONNECTOR=1 starts vLLM without
 # --kv-transfer-config (baseline); KVLENS_DEMO_STARTUP_TIMEOUT (default 300 s);
 # KVLENS_DEMO_KEEP=1 keeps the server running after the workload (Ctrl-C stops it), to watch
@@ -24,7 +28,23 @@ LOG="$KVLENS_RUN_DIR/serve.log"
 STARTUP_TIMEOUT="${KVLENS_DEMO_STARTUP_TIMEOUT:-300}"
 KV_CONFIG='{"kv_connector":"KVLensConnector","kv_connector_module_path":"connector","kv_role":"kv_both","kv_load_failure_policy":"recompute","kv_connector_extra_config":{"lmcache.chunk_size":256,"lmcache.max_local_cpu_size":1}}'
 
-SERVE_ARGS=(serve "$KVLENS_TINY_MODEL" --host 127.0.0.1 --port "$PORT" --enforce-eager
+MODEL="$KVLENS_REAL_MODEL"
+WORKLOAD=scripts/rag_workload.py
+WORKLOAD_ARGS=()
+for arg in "$@"; do
+    if [ "$arg" = --tiny ]; then
+        MODEL="$KVLENS_TINY_MODEL"
+        WORKLOAD=scripts/workload.py
+    else
+        WORKLOAD_ARGS+=("$arg")
+    fi
+done
+if [ ! -f "$MODEL/config.json" ]; then
+    echo "[demo] ERROR: no model in $MODEL (scripts/setup.sh makes it; see its output above)" >&2
+    exit 1
+fi
+
+SERVE_ARGS=(serve "$MODEL" --host 127.0.0.1 --port "$PORT" --enforce-eager
     --max-model-len 4096 --enable-prompt-tokens-details)
 if [ "${KVLENS_DEMO_NO_CONNECTOR:-0}" = 1 ]; then
     echo "[demo] KVLENS_DEMO_NO_CONNECTOR=1: vLLM without KVLens"
@@ -71,7 +91,7 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 mkdir -p "$KVLENS_RUN_DIR"
-echo "[demo] starting vLLM on $BASE (log: $LOG)"
+echo "[demo] starting vLLM with $(basename "$MODEL") on $BASE (log: $LOG)"
 START=$(date +%s.%N)
 # setsid: own process group, so the whole server (API server, engine core, worker) can be
 # stopped together.
@@ -95,7 +115,7 @@ done
 echo "[demo] vLLM ready in $(awk -v s="$START" -v e="$(date +%s.%N)" 'BEGIN{printf "%.1f", e-s}') s"
 
 rc=0
-"$PY" scripts/workload.py --url "$BASE" "$@" || rc=$?
+"$PY" "$WORKLOAD" --url "$BASE" ${WORKLOAD_ARGS[@]+"${WORKLOAD_ARGS[@]}"} || rc=$?
 if [ "$rc" -ne 0 ]; then
     echo "[demo] workload failed (exit $rc); server log: $LOG" >&2
 fi
@@ -105,7 +125,7 @@ DASHBOARD=(cd "$ROOT" "&&" "$PY" -m streamlit run dashboard/app.py -- --metrics 
 if [ "${KVLENS_DEMO_KEEP:-0}" = 1 ]; then
     echo "[demo] vLLM keeps running on $BASE (Ctrl-C stops it). Watch it in the dashboard:"
     echo "         ${DASHBOARD[*]}"
-    echo "       then open http://localhost:8501 (send more traffic: $PY scripts/workload.py --url $BASE)"
+    echo "       then open http://localhost:8501 (send more traffic: $PY $WORKLOAD --url $BASE)"
     wait "$SERVER_PID" || true
 else
     echo "[demo] To watch this server in the dashboard, run the demo keeping vLLM up:"
