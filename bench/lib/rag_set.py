@@ -332,9 +332,16 @@ def normalise(text: str) -> str:
     return " ".join(text.split())
 
 
+def first_sentence(text: str) -> str:
+    """Up to the first full stop, question or exclamation mark followed by a space ("1.6" stays)."""
+    return re.split(r"(?<=[.!?])\s+", text.strip(), maxsplit=1)[0]
+
+
 def is_correct(answer: str, question: Question) -> bool:
-    """Whether the generated ``answer`` contains one of the accepted answers as whole words."""
-    said = f" {normalise(answer)} "
+    """Whether the first sentence of ``answer`` contains one of the accepted answers as whole
+    words. The system prompt asks for one sentence: an answer that names another value first and
+    the right one later ("2 cleaning modes. ... 4 cleaning modes") is wrong."""
+    said = f" {normalise(first_sentence(answer))} "
     return any(f" {normalise(a)} " in said for a in question.accepted if normalise(a))
 
 
