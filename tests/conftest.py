@@ -32,7 +32,7 @@ BUILT_TINY_MODEL = Path(__file__).resolve().parents[1] / ".run" / "tiny-model"  
 UNKNOWN_TEST_S = 20.0  # a real-vLLM test not yet measured: about the median here
 # Folders whose test files share engines through a package or session fixture: each runs in one
 # worker as one unit (as if its modules were marked ``xdist_group(folder)``).
-ONE_UNIT_FOLDERS = ("tests/pd/", "tests/telemetry/cpu_tier/")
+ONE_UNIT_FOLDERS = ("tests/pd/", "tests/telemetry/cpu_tier/", "tests/real_model/")
 
 
 def worker_cores(worker: str | None, allowed: set[int], chosen: str) -> str:

@@ -246,7 +246,11 @@ def main() -> None:
             os.makedirs(rnd["restore_disk"])
         time.sleep(rnd.get("sleep_s", 0))
         params = SamplingParams(
-            temperature=0.0, max_tokens=rnd.get("max_tokens", 8), detokenize=False, ignore_eos=True
+            temperature=0.0,
+            max_tokens=rnd.get("max_tokens", 8),
+            detokenize=False,
+            ignore_eos=rnd.get("ignore_eos", True),  # a random model's end token means nothing
+            logprobs=rnd.get("logprobs"),  # the top n of every generated position
         )
         if "abort_once_loaded" in rnd:
             outs = abort_once_loaded(llm, connector, rnd["prompts"], rnd["abort_once_loaded"], params)
@@ -261,6 +265,10 @@ def main() -> None:
                     "num_cached_tokens": o.num_cached_tokens,
                     "kv_transfer_params": o.kv_transfer_params,
                     "finish_reason": o.outputs[0].finish_reason,
+                    "top_logprobs": [
+                        [[token, p.logprob] for token, p in position.items()]
+                        for position in o.outputs[0].logprobs or []
+                    ],
                 }
                 if o is not None
                 else None

@@ -53,11 +53,11 @@ class _Notice(msgspec.Struct, tag="ProxyNotif"):
 class PDPair:
     prefiller: VllmServer
     decoder: VllmServer
-    plain: VllmServer
+    plain: VllmServer | None  # an instance without KVLens, for reference outputs
     init_ports: list[int]
     alloc_ports: list[int]
     notices: Any  # zmq PULL socket
-    spans: Any  # the OTLP receiver both engines export to
+    spans: Any  # the OTLP receiver both engines export to (None: not traced)
     proxy_port: int = 0  # the prefiller's pd_proxy_port, where ``notices`` is bound
     seen: set[str] = field(default_factory=set)
 
@@ -94,7 +94,12 @@ class PDPair:
         }
 
     def run(
-        self, prompt: list[int], max_tokens: int, traceparent: str | None = None, **spec: Any
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        traceparent: str | None = None,
+        ignore_eos: bool = True,
+        **spec: Any,
     ) -> dict[str, Any]:
         """One request through the in-test proxy (``traceparent`` passed to both sides): what each
         side answered, and the tokens."""
@@ -105,11 +110,16 @@ class PDPair:
             traceparent=traceparent,
             kv_transfer_params={"ret_first_tok": True, "disagg_spec": self.spec(req_id, **spec)},
             return_token_ids=True,
+            ignore_eos=ignore_eos,
         )
         first = prefill["kv_transfer_params"]["first_tok"]
         waited = self.wait_notice(req_id)
         decode = self.decoder.complete(
-            prompt + [first], max_tokens=max_tokens - 1, traceparent=traceparent, return_token_ids=True
+            prompt + [first],
+            max_tokens=max_tokens - 1,
+            traceparent=traceparent,
+            return_token_ids=True,
+            ignore_eos=ignore_eos,
         )
         tokens = [first, *decode["choices"][0]["token_ids"]]
         return {"req_id": req_id, "prefill": prefill, "decode": decode, "tokens": tokens, "waited_s": waited}
@@ -142,45 +152,48 @@ class PDPair:
         ]
 
 
-@pytest.fixture(scope="session")
-def pd_pair(tiny_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pd")
+@contextlib.contextmanager
+def started_pair(
+    model: str, tmp: Path, decoder_buffer: int = DECODER_BUFFER, plain: bool = True, traced: bool = True
+) -> Iterator[PDPair]:
+    """A prefiller, a decoder and (``plain``) an instance without KVLens, started at once and
+    stopped on leaving; (``traced``) both PD engines export spans to an OTLP receiver."""
     context = zmq.Context()
     notices = context.socket(zmq.PULL)
     proxy_port = notices.bind_to_random_port("tcp://127.0.0.1")
     init_ports, alloc_ports = [free_port()], [free_port()]
-    spans = OtlpReceiver().__enter__()
+    spans = OtlpReceiver().__enter__() if traced else None
     env = base_env(
         PYTHONHASHSEED="0", OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf", OTEL_BSP_SCHEDULE_DELAY="200"
     )
-    traced = ("--otlp-traces-endpoint", spans.endpoint)
+    export = ("--otlp-traces-endpoint", spans.endpoint) if spans is not None else ()
     prefiller = VllmServer(
-        tiny_model,
+        model,
         pd_kv_config("sender", pd_proxy_host="127.0.0.1", pd_proxy_port=proxy_port, pd_buffer_size=64 << 20),
         tmp / "prefiller.log",
         env,
-        traced,
+        export,
     )
     decoder = VllmServer(
-        tiny_model,
+        model,
         pd_kv_config(
             "receiver",
             pd_peer_host="127.0.0.1",
             pd_peer_init_port=init_ports,
             pd_peer_alloc_port=alloc_ports,
-            pd_buffer_size=DECODER_BUFFER,
+            pd_buffer_size=decoder_buffer,
             pd_unclaimed_timeout_sec=UNCLAIMED_S,
         ),
         tmp / "decoder.log",
         env,
-        traced,
+        export,
     )
-    plain = VllmServer(tiny_model, None, tmp / "plain.log", env)
-    servers = (prefiller, decoder, plain)
+    reference = VllmServer(model, None, tmp / "plain.log", env) if plain else None
+    servers = tuple(s for s in (prefiller, decoder, reference) if s is not None)
     try:
         for server in servers:
             server.wait_ready()
-        pair = PDPair(prefiller, decoder, plain, init_ports, alloc_ports, notices, spans, proxy_port)
+        pair = PDPair(prefiller, decoder, reference, init_ports, alloc_ports, notices, spans, proxy_port)
         yield pair
         notices = pair.notices  # bound again if it was lent
     finally:
@@ -188,4 +201,11 @@ def pd_pair(tiny_model, tmp_path_factory):
             server.stop()
         notices.close(linger=0)
         context.term()
-        spans.__exit__(None, None, None)
+        if spans is not None:
+            spans.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def pd_pair(tiny_model, tmp_path_factory):
+    with started_pair(tiny_model, tmp_path_factory.mktemp("pd")) as pair:
+        yield pair

@@ -1,0 +1,83 @@
+"""The real model (SmolLM2-135M-Instruct, made by scripts/setup.sh) in vLLM with and without
+KVLens. Every engine here is an offline engine in a fresh process (tests/integration's runner);
+what several tests compare against (vLLM alone, per dtype) is computed once per test run."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import once_per_test_run, run_engine
+
+from . import chat_prompts
+
+
+@pytest.fixture(scope="session")
+def real_model() -> str:
+    """The converted checkpoint; under CI (where setup makes it) its absence is a failure."""
+    model = chat_prompts.real_model_dir()
+    if not (model / "config.json").exists() or not (model / "model.safetensors").exists():
+        message = f"the real model is not in {model}: run bash scripts/setup.sh"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return str(model)
+
+
+TOP_N = 5  # vLLM alone's top logprobs kept per answer position (agreement.py)
+
+
+def plain_rounds(prompts, one_by_one: bool, **extra) -> list[dict]:
+    """Rounds of greedy chat answers: the whole batch at once, or each prompt alone (as a server
+    that gets requests one at a time computes them)."""
+    batches = [[p] for p in prompts] if one_by_one else [list(prompts)]
+    return [
+        {"prompts": b, "max_tokens": chat_prompts.MAX_TOKENS, "ignore_eos": False, **extra} for b in batches
+    ]
+
+
+@pytest.fixture(scope="session")
+def vllm_alone(real_model, tmp_path_factory):
+    """``vllm_alone(dtype)``: greedy answers of vLLM without KVLens to every chat prompt, sent
+    as one batch (``["batch"]``) and one at a time (``["alone"]``), and the top logprobs of
+    every answer position (``["batch_top"]``, ``["alone_top"]``)."""
+    cache: dict[str, dict[str, list]] = {}
+
+    def get(dtype: str) -> dict[str, list]:
+        if dtype not in cache:
+            prompts = [list(p) for p in chat_prompts.prompts(real_model)]
+
+            def run() -> dict[str, list]:
+                rounds = plain_rounds(prompts, False, logprobs=TOP_N) + plain_rounds(
+                    prompts, True, logprobs=TOP_N
+                )
+                spec = {"model": real_model, "kv": None, "engine": {"dtype": dtype}, "rounds": rounds}
+                got = run_engine(spec, tmp_path_factory.mktemp(f"alone-{dtype}"))["rounds"]
+                alone = [r[0] for r in got[1:]]
+                return {
+                    "batch": [o["token_ids"] for o in got[0]],
+                    "batch_top": [o["top_logprobs"] for o in got[0]],
+                    "alone": [o["token_ids"] for o in alone],
+                    "alone_top": [o["top_logprobs"] for o in alone],
+                }
+
+            cache[dtype] = once_per_test_run(tmp_path_factory, f"real-model-alone-{dtype}", run)
+        return cache[dtype]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory) -> Iterator[str]:
+    from tests.redis.servers import REDIS_SERVER, RedisServer
+
+    if not REDIS_SERVER:
+        pytest.skip("redis-server not installed (bash scripts/setup.sh)")
+    server = RedisServer(Path(tmp_path_factory.mktemp("redis")))
+    try:
+        yield server.start().url
+    finally:
+        server.kill()
