@@ -6,6 +6,7 @@ servers; ``results`` and ``report``: the one report format (summaries, targets, 
 the JSON file, the PNG); ``modes``: what each server mode configures (no connector, KVLens per
 tier, vLLM's ExampleConnector, LMCache in its multiprocess mode); ``servers``: vLLM, LMCache and
 Redis servers in their own process groups; ``client``: HTTP requests and their timings;
-``models``: the benchmark models, built once; ``ttft``, ``workload``, ``offline`` and
-``fake_requests``: what several scripts measure alike.
+``models``: the benchmark models, built once, and the real model (``--real``); ``ttft``,
+``workload``, ``offline`` and ``fake_requests``: what several scripts measure alike; ``rag_set``:
+the RAG set answer quality is judged by (standard library only: the demo imports it too).
 """
