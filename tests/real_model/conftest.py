@@ -28,6 +28,9 @@ def real_model() -> str:
 
 
 TOP_N = 5  # vLLM alone's top logprobs kept per answer position (agreement.py)
+# Prompts (indices of chat_prompts.conversations()) also computed one at a time, in bf16: what the
+# PD test sends, one request at a time, as its servers get them.
+ONE_BY_ONE = (0, 4, 5)
 
 
 def plain_rounds(prompts, one_by_one: bool, **extra) -> list[dict]:
@@ -41,19 +44,23 @@ def plain_rounds(prompts, one_by_one: bool, **extra) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def vllm_alone(real_model, tmp_path_factory):
-    """``vllm_alone(dtype)``: greedy answers of vLLM without KVLens to every chat prompt, sent
-    as one batch (``["batch"]``) and one at a time (``["alone"]``), and the top logprobs of
-    every answer position (``["batch_top"]``, ``["alone_top"]``)."""
-    cache: dict[str, dict[str, list]] = {}
+    """``vllm_alone(dtype, which)``: greedy answers of vLLM without KVLens to the chat prompts
+    ``which`` (indices; default all), sent as one batch (``["batch"]``), in bf16 also those of
+    ``ONE_BY_ONE`` one at a time (``["alone"]``), and the top logprobs of every answer position
+    (``["batch_top"]``, ``["alone_top"]``)."""
+    cache: dict[tuple, dict[str, list]] = {}
 
-    def get(dtype: str) -> dict[str, list]:
-        if dtype not in cache:
-            prompts = [list(p) for p in chat_prompts.prompts(real_model)]
+    def get(dtype: str, which: tuple[int, ...] | None = None) -> dict[str, list]:
+        every = chat_prompts.prompts(real_model)
+        which = tuple(range(len(every))) if which is None else which
+        if (dtype, which) not in cache:
+            prompts = [list(every[i]) for i in which]
+            alone_too = dtype == "bfloat16" and len(which) == len(every)
 
             def run() -> dict[str, list]:
-                rounds = plain_rounds(prompts, False, logprobs=TOP_N) + plain_rounds(
-                    prompts, True, logprobs=TOP_N
-                )
+                rounds = plain_rounds(prompts, False, logprobs=TOP_N)
+                if alone_too:
+                    rounds += plain_rounds([list(every[i]) for i in ONE_BY_ONE], True, logprobs=TOP_N)
                 spec = {"model": real_model, "kv": None, "engine": {"dtype": dtype}, "rounds": rounds}
                 got = run_engine(spec, tmp_path_factory.mktemp(f"alone-{dtype}"))["rounds"]
                 alone = [r[0] for r in got[1:]]
@@ -64,8 +71,9 @@ def vllm_alone(real_model, tmp_path_factory):
                     "alone_top": [o["top_logprobs"] for o in alone],
                 }
 
-            cache[dtype] = once_per_test_run(tmp_path_factory, f"real-model-alone-{dtype}", run)
-        return cache[dtype]
+            name = f"real-model-alone-{dtype}-{'-'.join(map(str, which))}"
+            cache[(dtype, which)] = once_per_test_run(tmp_path_factory, name, run)
+        return cache[(dtype, which)]
 
     return get
 

@@ -13,6 +13,7 @@ from tests.pd.conftest import CHUNK, started_pair
 
 from . import chat_prompts
 from .agreement import parting, same_answers
+from .conftest import ONE_BY_ONE
 
 pytestmark = pytest.mark.integration
 
@@ -29,11 +30,11 @@ def real_pd_pair(real_model, tmp_path_factory):
         yield pair
 
 
-def test_each_chat_answered_through_a_prefiller_and_a_decoder_is_vllm_alones_answer(
+def test_chats_answered_through_a_prefiller_and_a_decoder_are_vllm_alones_answers(
     real_pd_pair, vllm_alone, real_model, capsys
 ):
     alone = vllm_alone("bfloat16")  # one request at a time, as these are sent
-    prompts = chat_prompts.prompts(real_model)
+    prompts = [chat_prompts.prompts(real_model)[i] for i in ONE_BY_ONE]
     for prompt, want, top in zip(prompts, alone["alone"], alone["alone_top"], strict=True):
         real_pd_pair.decoder.reset_prefix_cache()  # else it has the shared system prompt's blocks
         got = real_pd_pair.run(list(prompt), chat_prompts.MAX_TOKENS, ignore_eos=False)
