@@ -122,6 +122,22 @@ def tiny_model(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.fixture(scope="session")
+def real_model() -> str:
+    """The real model scripts/setup.sh converts (``$KVLENS_REAL_MODEL``, else
+    ``.run/smollm2-135m``). Missing, the test fails under CI or where ``KVLENS_REAL_MODEL`` names
+    it (set-up was to make it there), and is skipped elsewhere."""
+    from bench.lib.models import real_model_dir
+
+    model = real_model_dir()
+    if (model / "config.json").exists() and (model / "model.safetensors").exists():
+        return str(model)
+    message = f"the real model is not in {model}: run bash scripts/setup.sh (it converts the model)"
+    if os.environ.get("CI") or os.environ.get("KVLENS_REAL_MODEL"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
 @pytest.fixture
 def disk_with_room(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every file system has a terabyte free: tests of what a configuration means must not depend

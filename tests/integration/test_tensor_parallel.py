@@ -75,15 +75,10 @@ def test_per_rank_gauges_are_summed_over_ranks(tp_run):
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory):
-    from ..redis.servers import REDIS_SERVER, RedisServer
+    from ..redis.servers import running_redis_url
 
-    if not REDIS_SERVER:
-        pytest.skip("redis-server not installed (bash scripts/setup.sh)")
-    server = RedisServer(tmp_path_factory.mktemp("tp-redis"))
-    try:
-        yield server.start().url
-    finally:
-        server.kill()
+    with running_redis_url(tmp_path_factory.mktemp("tp-redis")) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,10 @@ the model's own chat template and sent as token ids, as a chat client's would be
 
 from __future__ import annotations
 
-import os
 from functools import cache
-from pathlib import Path
 
 from scripts.workload import PARAGRAPHS, QUESTIONS
 
-REPO = Path(__file__).resolve().parents[2]
 SYSTEM = "\n\n".join(PARAGRAPHS)
 MAX_TOKENS = 32  # greedy, ending at the model's end of turn
 
@@ -30,23 +27,21 @@ def conversations() -> list[list[dict[str, str]]]:
     ]
 
 
-def real_model_dir() -> Path:
-    return Path(os.environ.get("KVLENS_REAL_MODEL", REPO / ".run" / "smollm2-135m"))
+@cache
+def tokenizer(model: str):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
 
 
 @cache
 def prompts(model: str) -> tuple[tuple[int, ...], ...]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
     out = []
     for messages in conversations():
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer(model).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         out.append(tuple(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return tuple(out)
 
 
 def decode(model: str, token_ids: list[int]) -> str:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model).decode(token_ids)
+    return tokenizer(model).decode(token_ids)

@@ -4,28 +4,13 @@ what several tests compare against (vLLM alone, per dtype) is computed once per 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from tests.integration.conftest import once_per_test_run, run_engine
 
 from . import chat_prompts
-
-
-@pytest.fixture(scope="session")
-def real_model() -> str:
-    """The converted checkpoint; under CI (where setup makes it) its absence is a failure."""
-    model = chat_prompts.real_model_dir()
-    if not (model / "config.json").exists() or not (model / "model.safetensors").exists():
-        message = f"the real model is not in {model}: run bash scripts/setup.sh"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return str(model)
-
 
 TOP_N = 5  # vLLM alone's top logprobs kept per answer position (agreement.py)
 # Prompts (indices of chat_prompts.conversations()) also computed one at a time, in bf16: what the
@@ -80,12 +65,7 @@ def vllm_alone(real_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory) -> Iterator[str]:
-    from tests.redis.servers import REDIS_SERVER, RedisServer
+    from tests.redis.servers import running_redis_url
 
-    if not REDIS_SERVER:
-        pytest.skip("redis-server not installed (bash scripts/setup.sh)")
-    server = RedisServer(Path(tmp_path_factory.mktemp("redis")))
-    try:
-        yield server.start().url
-    finally:
-        server.kill()
+    with running_redis_url(tmp_path_factory.mktemp("redis")) as url:
+        yield url

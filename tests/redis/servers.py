@@ -13,8 +13,11 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import redis
 
 REDIS_SERVER = shutil.which("redis-server")
@@ -208,6 +211,19 @@ class RedisServer:
     def log(self) -> str:
         path = self.workdir / "redis.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+
+@contextmanager
+def running_redis_url(workdir: Path) -> Iterator[str]:
+    """A plain server's URL while the block runs (a fixture's body); the test skips where
+    redis-server is not installed."""
+    if not REDIS_SERVER:
+        pytest.skip("redis-server not installed (bash scripts/setup.sh)")
+    server = RedisServer(workdir)
+    try:
+        yield server.start().url
+    finally:
+        server.kill()
 
 
 class RedisClusterProcs:

@@ -319,19 +319,6 @@ def test_made_with_versions_are_recorded_but_not_checked(target, source):
 # --- the checkpoint scripts/setup.sh converted ----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def real_model() -> Path:
-    configured = os.environ.get("KVLENS_REAL_MODEL")
-    if not configured:
-        if not os.environ.get("CI"):
-            pytest.skip("KVLENS_REAL_MODEL is not set (source scripts/env.sh)")
-        pytest.fail("KVLENS_REAL_MODEL is not set: source scripts/env.sh and run scripts/setup.sh")
-    path = Path(configured)
-    if not path.is_dir():
-        pytest.fail(f"{path} is missing: run scripts/setup.sh (it converts the real model)")
-    return path
-
-
 def test_the_real_checkpoint_passes_the_check(real_model):
     out = subprocess.run(
         [sys.executable, "-m", "connector.real_model", "--check", "--out", str(real_model)],
