@@ -30,9 +30,8 @@ class Parting:
     position: int
     chosen: int  # the token this answer chose there
     expected: int  # vLLM alone's
-    margin: (
-        float | None
-    )  # vLLM alone's logprob of its token minus that of the chosen one (None: not in its top n)
+    # vLLM alone's logprob of its token minus that of the chosen one (None: not in its top n)
+    margin: float | None
 
 
 def parting(answer: list[int], expected: list[int], top: list[list[list[float]]]) -> Parting | None:

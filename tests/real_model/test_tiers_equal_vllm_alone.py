@@ -23,7 +23,7 @@ from .conftest import plain_rounds
 
 pytestmark = pytest.mark.integration
 
-DTYPES = ["bfloat16"]  # fp32 (four times slower here): the TP=3 test
+BF16 = "bfloat16"  # the tier instances' dtype; fp32 (four times slower here): the TP=3 test
 CHUNK = 256  # KVLens's default chunk_size; the unfull last chunk is not stored by default
 TP3 = {"tensor_parallel_size": 3}
 TP3_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0|1|1"}  # three ranks on this machine's two cores
@@ -38,32 +38,30 @@ def whole_chunks(prompt) -> int:
 
 @pytest.fixture(scope="module")
 def runs(real_model, redis_url, tmp_path_factory):
-    """``runs(dtype, instance)``: an instance's rounds ("disk_redis" or "cpu_redis"); the first
-    always runs before the second, which reads what it stored in Redis."""
+    """``runs(instance)``: an instance's two rounds, bf16 ("disk_redis" or "cpu_redis"; the first
+    always runs before the second, which reads what it stored in Redis); ``runs.tp(dtype)``: the
+    TP=3 instance's."""
     prompts = [list(p) for p in chat_prompts.prompts(real_model)]
-    done: dict[tuple[str, str], list] = {}
+    done: dict[str, list] = {}
 
-    def run(dtype: str, kv: dict, name: str) -> list:
+    def run(kv: dict, name: str) -> list:
         spec = {
             "model": real_model,
             "kv": kv,
-            "engine": {"dtype": dtype},
+            "engine": {"dtype": BF16},
             "rounds": plain_rounds(prompts, False) * 2,
         }
-        return run_engine(spec, tmp_path_factory.mktemp(f"{name}-{dtype}"))["rounds"]
+        return run_engine(spec, tmp_path_factory.mktemp(name))["rounds"]
 
-    def get(dtype: str, instance: str) -> list:
+    def get(instance: str) -> list:
         redis = {"lmcache.remote_url": redis_url}
-        for key in [(d, "disk_redis") for d in DTYPES[: DTYPES.index(dtype) + 1]] + [(dtype, instance)]:
-            if key not in done:
-                d, name = key
-                if name == "disk_redis":
-                    kv = {**redis, "lmcache.local_cpu": False, "lmcache.max_local_disk_size": 1}
-                    kv["lmcache.local_disk"] = str(tmp_path_factory.mktemp(f"disk-{d}"))
-                else:
-                    kv = redis
-                done[key] = run(d, kv, name)
-        return done[(dtype, instance)]
+        if "disk_redis" not in done:
+            disk = {**redis, "lmcache.local_cpu": False, "lmcache.max_local_disk_size": 1}
+            disk["lmcache.local_disk"] = str(tmp_path_factory.mktemp("disk"))
+            done["disk_redis"] = run(disk, "disk-redis")
+        if instance not in done:
+            done[instance] = run(redis, instance)
+        return done[instance]
 
     def tp(dtype: str) -> list:  # two prompts and short answers: three ranks share two cores
         rounds = [
@@ -98,16 +96,15 @@ def show(model: str, title: str, round_result, alone, capsys) -> None:
             print(f"   parted from vLLM alone at a near tie: {p}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_an_instance_stores_every_chat_then_answers_from_its_disk_as_vllm_alone(
-    runs, vllm_alone, real_model, dtype, capsys
+    runs, vllm_alone, real_model, capsys
 ):
-    cold, warm = runs(dtype, "disk_redis")
-    alone = vllm_alone(dtype)
-    show(real_model, f"{dtype}, answered from disk:", warm, alone, capsys)
-    assert same_answers(answers(cold), alone["batch"], alone["batch_top"], dtype) == []
+    cold, warm = runs("disk_redis")
+    alone = vllm_alone(BF16)
+    show(real_model, f"{BF16}, answered from disk:", warm, alone, capsys)
+    assert same_answers(answers(cold), alone["batch"], alone["batch_top"], BF16) == []
     assert loaded(cold) == [{}] * len(cold)
-    assert same_answers(answers(warm), alone["batch"], alone["batch_top"], dtype) == []
+    assert same_answers(answers(warm), alone["batch"], alone["batch_top"], BF16) == []
     prompts = chat_prompts.prompts(real_model)
     assert loaded(warm) == [{"disk": whole_chunks(p)} if whole_chunks(p) else {} for p in prompts]
 
@@ -115,11 +112,10 @@ def test_an_instance_stores_every_chat_then_answers_from_its_disk_as_vllm_alone(
 def test_another_instance_answers_from_redis_then_from_its_cpu_tier_as_vllm_alone(
     runs, vllm_alone, real_model
 ):
-    dtype = "bfloat16"
-    from_redis, from_cpu = runs(dtype, "cpu_redis")
-    alone = vllm_alone(dtype)
+    from_redis, from_cpu = runs("cpu_redis")
+    alone = vllm_alone(BF16)
     for rnd in (from_redis, from_cpu):
-        assert same_answers(answers(rnd), alone["batch"], alone["batch_top"], dtype) == []
+        assert same_answers(answers(rnd), alone["batch"], alone["batch_top"], BF16) == []
     prompts = chat_prompts.prompts(real_model)
     assert loaded(from_redis) == [{"remote": whole_chunks(p)} if whole_chunks(p) else {} for p in prompts]
     # from its CPU tier now: what one prompt loads, the batch's others may find in vLLM's cache
