@@ -30,11 +30,13 @@ ALIASES = {
     "external_backends": "storage_plugins",
 }
 
+# Older LMCache names of keys KVLens reads -> the key they set (the value is read as the key's).
+FIELD_ALIASES = {"blend_recompute_ratio": "blend_recompute_ratios"}
+
 # LMCache keys KVLens has no use for -> what to use instead in KVLens ("" when nothing applies).
 UNUSED: dict[str, str] = {
     **dict.fromkeys(
-        """local_cpu_use_hugepages reserve_local_cpu_size local_disk_path_sharding blend_recompute_ratios
-        blend_thresholds blend_check_layers blend_min_tokens blend_special_str retrieve_locations
+        """local_cpu_use_hugepages reserve_local_cpu_size local_disk_path_sharding retrieve_locations
         store_location p2p_host p2p_init_ports p2p_lookup_ports mp_host mp_port lmcache_instance_id
         controller_pull_url controller_reply_url lmcache_worker_ports lmcache_worker_ids
         lmcache_worker_heartbeat_delay_time lmcache_worker_heartbeat_time pd_role pd_buffer_size
@@ -68,10 +70,10 @@ UNUSED: dict[str, str] = {
     **dict.fromkeys(
         """pipelined_backend lookup_url distributed_url persist_path max_local_cache_size cufile_buffer_size
         nixl_peer_port nixl_receiver_host nixl_receiver_port nixl_enable_gc peer_init_ports peer_lookup_ports
-        blend_recompute_ratio blend_separator blend_add_special_in_precomp pd_retrieve_locations
-        pd_store_location disk_path""".split(),
+        blend_add_special_in_precomp pd_retrieve_locations pd_store_location disk_path""".split(),
         "",
     ),
+    "blend_separator": "blend_special_str is the separator's text",
     "local_device": "local_cpu: true keeps KV in CPU memory; local_disk: <path> on disk",
 }
 
@@ -107,13 +109,17 @@ _SHARE = (
     "redis-cluster://, redis-sentinel://) or a local_disk on a filesystem both engines mount"
 )
 
+# enable_blending is a key KVLens reads (its blend_* settings are checked), refused when true
+# until the blender is built (docs/blending.md).
+BLENDING = Feature(
+    "CacheBlend (reusing documents' KV wherever they sit in a prompt)",
+    "KVLens reuses the KV of prompt prefixes only for now; blending is being built (the blend_* "
+    "settings are already read and checked): remove enable_blending or set it to false",
+    lmcache_bool,
+)
+
 # LMCache keys that turn on a feature KVLens lacks: refused when on, accepted (unused) when off.
 FEATURES: dict[str, Feature] = {
-    "enable_blending": Feature(
-        "CacheBlend (reusing KV of non-prefix text)",
-        "none: KVLens reuses the KV of prompt prefixes only; remove enable_blending",
-        lmcache_bool,
-    ),
     "enable_pd": Feature("LMCache's disaggregated prefill (PD transfer over NIXL)", _PD, lmcache_bool),
     "enable_nixl": Feature("LMCache's NIXL KV transfer (an older form of PD)", _PD, lmcache_bool),
     "enable_p2p": Feature("P2P sharing of CPU-cached KV between engines", _SHARE, lmcache_bool),
@@ -203,7 +209,7 @@ def canonical(key: str) -> str:
 def lmcache_knows(key: str) -> bool:
     """Whether ``key`` is an LMCache configuration key (current, deprecated or older)."""
     key = canonical(key)
-    return key in UNUSED or key in FEATURES
+    return key in UNUSED or key in FEATURES or key in FIELD_ALIASES
 
 
 def extra_lmcache_knows(key: str) -> bool:

@@ -21,6 +21,7 @@ from pydantic import (
 
 from ..engine.eviction import POLICIES
 from ..tiers.remote_url import RemoteURL
+from .blend import BlendSettings, CheckLayers, Ratios, Separator, Thresholds
 from .pd import PDConfig
 
 GB = 1024**3
@@ -225,6 +226,15 @@ class KVLensConfig(BaseModel):
     # tier never stalls the running requests, and a failed load is known before the request
     # computes anything over its blocks.
     enable_async_loading: bool = True
+    # CacheBlend (docs/blending.md): reuse documents' KV wherever they sit in a prompt, split at
+    # blend_special_str. Read and checked; ``enable_blending: true`` is refused until the blender
+    # exists (rules.py). Unset lists mean LMCache's example: check layer 1, recompute 15%.
+    enable_blending: bool = False
+    blend_special_str: Separator = " # # "
+    blend_recompute_ratios: Ratios = None  # shares of reused tokens recomputed, per check layer
+    blend_check_layers: CheckLayers = None  # layers whose K deviation picks the tokens to recompute
+    blend_thresholds: Thresholds = None  # K deviations above which a token is recomputed
+    blend_min_tokens: int = Field(256, ge=0)  # shorter segments are computed, never reused
     extra_config: ExtraConfig = ExtraConfig()
     _remote: RemoteURL | None = PrivateAttr(None)
     _store_auth_key: bytes | None = PrivateAttr(None)
@@ -306,6 +316,17 @@ class KVLensConfig(BaseModel):
         if self._remote is not None:
             out["remote_url"] = self._remote.redacted()
         return out
+
+    @property
+    def blend(self) -> BlendSettings:
+        """The blend settings with LMCache's example defaults filled in, one value per check layer."""
+        return BlendSettings.of(
+            self.blend_special_str,
+            self.blend_check_layers,
+            self.blend_recompute_ratios,
+            self.blend_thresholds,
+            self.blend_min_tokens,
+        )
 
     @property
     def saves_partial_chunks(self) -> bool:

@@ -20,11 +20,14 @@ import yaml
 from pydantic import SecretStr, ValidationError
 
 from ..tiers.remote_url import parse_remote_url, with_credentials, with_database
+from .blend import BLEND_KEYS, length_problems
 from .disk_space import disk_budget_warning
 from .keys import (
     ALIASES,
+    BLENDING,
     EXTRA_FEATURES,
     FEATURES,
+    FIELD_ALIASES,
     REMOTE_BACKENDS,
     UNUSED,
     Feature,
@@ -51,7 +54,14 @@ LMCACHE_VLLM_LEVEL = ("lmcache_rpc_port",)
 FIELDS = frozenset(KVLensConfig.model_fields) - {"extra_config"}
 EXTRA_FIELDS = frozenset(ExtraConfig.model_fields)
 BOOL_FIELDS = frozenset(n for n, f in KVLensConfig.model_fields.items() if f.annotation in (bool, "bool"))
-KNOWN = sorted(FIELDS | set(UNUSED) | set(FEATURES) | set(ALIASES) | PD_KEYS | {"extra_config"})
+KNOWN = sorted(
+    FIELDS | set(UNUSED) | set(FEATURES) | set(ALIASES) | set(FIELD_ALIASES) | PD_KEYS | {"extra_config"}
+)
+# Said once at start-up when an LMCache blending configuration sets use_layerwise.
+LAYERWISE_NOTE = (
+    "KVLens needs no layerwise mode for blending (LMCache's blending requires use_layerwise: true); "
+    "use_layerwise only decides whether KVLens copies KV a layer at a time beside the forward pass"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +155,8 @@ def build(layers: list[list[Setting]], env: Mapping[str, str]) -> KVLensConfig:
     v.has_remote = "remote_url" in top and bool(top["remote_url"].value)
     for key, s in top.items():
         _check_top(key, s, v)
+    if "use_layerwise" in top and any(key in top for key in BLEND_KEYS):
+        logger.info("%s", LAYERWISE_NOTE)
     for key in list(v.extra):
         _check_extra(key, v)
     pd = read_pd(v.pd)
@@ -159,6 +171,9 @@ def build(layers: list[list[Setting]], env: Mapping[str, str]) -> KVLensConfig:
         # Without a refused or unknown key the whole may be fine ("no storage tier" while the
         # refused remote_url is the tier): say only what is wrong with the values themselves.
         v.invalid += describe(e, v.sources, v.extra_sources, whole=not (v.refused or v.unknown))
+    if config is not None:
+        lengths = (config.blend_check_layers, config.blend_recompute_ratios, config.blend_thresholds)
+        v.invalid += length_problems(*lengths, v.sources)
     if config is not None and (v.refused or v.unknown):
         config = None
     if config is not None:
@@ -209,8 +224,25 @@ def _place(s: Setting, top: dict[str, Setting], v: _Verdict) -> None:
         sub = s.key.strip()[len("extra_config.") :]
         v.extra[sub] = s.value
         v.extra_sources[sub] = s.source
+    elif key in FIELD_ALIASES:
+        _place_alias(key, s, top, v)
     else:
+        if key in FIELD_ALIASES.values() and key in top and top[key].source.startswith(s.source + ", as "):
+            v.invalid.append(_both_names(key, s.source))
         top[key] = s
+
+
+def _place_alias(alias: str, s: Setting, top: dict[str, Setting], v: _Verdict) -> None:
+    """An older LMCache name sets its key, at the precedence of where it is written."""
+    name = FIELD_ALIASES[alias]
+    if name in top and top[name].source == s.source:
+        v.invalid.append(_both_names(name, s.source))
+    top[name] = Setting(name, s.value, f"{s.source}, as {alias}", raw=s.raw)
+
+
+def _both_names(name: str, source: str) -> str:
+    old = next(alias for alias, key in FIELD_ALIASES.items() if key == name)
+    return f"{name} and its older name {old} are both set (in {source}); set {name} only"
 
 
 def _check_top(key: str, s: Setting, v: _Verdict) -> None:
@@ -256,7 +288,11 @@ def _field_value(key: str, s: Setting, v: _Verdict) -> Any:
     """The value to validate, read as LMCache reads it; _REFUSED when it turns on what KVLens lacks."""
     value = s.value
     if key in BOOL_FIELDS:
-        return _lmcache_bool_field(key, s, v)
+        on = _lmcache_bool_field(key, s, v)
+        if key == "enable_blending" and on is True:
+            v.refuse(f"{key} = {short(_lmcache_text(s))}", s.source, BLENDING)
+            return _REFUSED
+        return on
     if key == "remote_serde" and isinstance(value, str):
         text = value.strip().lower()
         if text == "naive":
