@@ -66,6 +66,7 @@ MISS_REASONS = {
     "other_namespace": "stored, under another namespace (model, dtype, layout, cache_salt or tags differ)",
     "load_failed": "the load failed; vLLM recomputed",
     "slower_than_recompute": "stored, but its tier loads slower than prefill computes it",
+    "lookup_timeout": "the remote tier did not answer the lookup in time (remote_lookup_timeout_ms)",
 }
 
 

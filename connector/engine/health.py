@@ -78,6 +78,15 @@ class TierHealth:
             else:
                 self._set(TierState.FAILING, f"{reason.value}: {detail}")
 
+    def skip(self, detail: str) -> None:
+        """Skipped at once, probed after the backoff: the tier cannot be reached at all (no
+        connection opens), so no operation would succeed until a probe does."""
+        with self._lock:
+            self._errors_in_a_row += 1
+            if self._state is not TierState.SKIPPED:
+                self._next_probe = self._clock() + self._backoff
+                self._set(TierState.SKIPPED, detail)
+
     def probe_due(self) -> bool:
         """True once per backoff period while skipped; the caller then runs one probe."""
         if self._state is not TierState.SKIPPED or self._probing:

@@ -42,6 +42,8 @@ class MissReason(str, Enum):
     VLLM_HIT = "vllm_hit"  # vLLM's own prefix cache already held all KVLens has
     BELOW_MIN_RETRIEVE = "below_min_retrieve"  # fewer tokens than min_retrieve_tokens
     TIER_UNHEALTHY = "tier_unhealthy"  # the next chunk sits in a tier marked unhealthy
+    # the remote's answer for the next chunk did not come within remote_lookup_timeout_ms
+    LOOKUP_TIMEOUT = "lookup_timeout"
     PRODUCER_ROLE = "producer_role"  # kv_producer never loads
     PROMPT_LOGPROBS = "prompt_logprobs"  # vLLM skips cached KV (prompt logprobs requested)
     UNSUPPORTED_INPUT = "unsupported_input"  # multimodal, prompt embeddings, DP padding

@@ -156,13 +156,15 @@ def miss_reason(
     vllm_cached: int,
     first_missing: str | None,
     recently_evicted: RecentlyEvicted,
-    unhealthy: bool = False,
+    unanswered: MissReason | None = None,
 ) -> MissReason | None:
-    """Why KVLens did not supply (more of) the prompt; None when it supplied all it could."""
+    """Why KVLens did not supply (more of) the prompt; None when it supplied all it could.
+    ``unanswered``: why the tier that would hold the next chunk could not say whether it does
+    (``tier_unhealthy``: skipped; ``lookup_timeout``: the remote did not answer in time)."""
     if hit_tokens >= num_tokens_looked_up:
         return None
-    if unhealthy:
-        return MissReason.TIER_UNHEALTHY
+    if unanswered is not None:
+        return unanswered
     if first_missing is None:  # no chunk boundary left: only an unfull tail remains
         return MissReason.PARTIAL_CHUNK
     if first_missing in recently_evicted:

@@ -101,12 +101,12 @@ class PrefixLookup:
             return 0
         tokens = request.all_token_ids
         upto = max(len(tokens) - s.config.skip_last_n_tokens, 0)
-        hits, first_missing, unhealthy, calls = self._find_hits(rid, tokens, upto)
+        hits, first_missing, unanswered, calls = self._find_hits(rid, tokens, upto)
         slow = self._drop_slower_than_recompute(hits, num_computed_tokens)
         hit_tokens = hits[-1].key.end if hits else 0
         need = external_tokens(hit_tokens, num_computed_tokens, request.num_tokens)
         reason = miss_reason(
-            upto, hit_tokens, num_computed_tokens, first_missing, s.recently_evicted, unhealthy
+            upto, hit_tokens, num_computed_tokens, first_missing, s.recently_evicted, unanswered
         )
         detail = None
         if slow is not None:
@@ -116,7 +116,9 @@ class PrefixLookup:
         elif reason is MissReason.NOT_STORED and not hits:
             reason, detail = self._other_namespace(rid, tokens, policy, reason)
         if 0 < need < s.config.min_retrieve_tokens:
-            need, reason, detail = 0, MissReason.BELOW_MIN_RETRIEVE, None
+            need = 0
+            if reason is not MissReason.LOOKUP_TIMEOUT:  # the remote might have held more
+                reason, detail = MissReason.BELOW_MIN_RETRIEVE, None
         s.lookups[rid] = LookupResult(
             hits,
             hit_tokens,
@@ -230,9 +232,11 @@ class PrefixLookup:
 
     def _find_hits(
         self, rid: str, tokens: Any, upto: int
-    ) -> tuple[list[ChunkHit], str | None, bool, list[RemoteCall]]:
+    ) -> tuple[list[ChunkHit], str | None, MissReason | None, list[RemoteCall]]:
         """The stored chunks of the prompt's prefix (local tiers, then the remote); the first
-        missing whole chunk; whether it sits only in a skipped tier; the remote round trips."""
+        missing whole chunk; why the tier that may hold it could not say (``tier_unhealthy``:
+        it sits only in a skipped tier, or the remote is skipped; ``lookup_timeout``); the
+        remote round trips."""
         s = self._s
         hits: list[ChunkHit] = []
         local = s.usable_tiers()
@@ -246,6 +250,7 @@ class PrefixLookup:
                 if len(hits) == len(keys) - 1:
                     first_missing, unhealthy = self._probe_local([tail], local, hits)
         calls: list[RemoteCall] = []
+        unanswered = MissReason.TIER_UNHEALTHY if unhealthy else None
         if s.config.extra_config.block_granular_tails:
             self._extend_by_blocks(hasher, tokens, upto, hits, local)
         if (
@@ -253,11 +258,12 @@ class PrefixLookup:
             and len(hits) < len(keys)
             and not (hits and hits[-1].key.num_tokens < self._chunk_size)
         ):
-            first_missing = self._extend_from_remote(
+            first_missing, remote_unanswered = self._extend_from_remote(
                 hasher, rid, tokens, upto, keys, hits, calls, first_missing
             )
-            unhealthy = unhealthy or (len(hits) < len(keys) and not s.usable(REMOTE))
-        return hits, first_missing, unhealthy, calls
+            if unanswered is None and len(hits) < len(keys):
+                unanswered = remote_unanswered
+        return hits, first_missing, unanswered, calls
 
     def _tail_may_be_stored(self, hasher: PrefixHasher, upto: int) -> bool:
         """The prompt's unfull last chunk is worth hashing: the directory (if exact) lists it."""
@@ -303,11 +309,12 @@ class PrefixLookup:
         hits: list[ChunkHit],
         calls: list[RemoteCall],
         first_missing: str | None,
-    ) -> str | None:
-        """Continue the prefix with chunks the remote holds: one round trip for all of them."""
+    ) -> tuple[str | None, MissReason | None]:
+        """Continue the prefix with chunks the remote holds: one round trip for all of them.
+        The first missing whole chunk, and why the remote could not say (None: it answered)."""
         s = self._s
         if s.remote is None or not s.usable(REMOTE):
-            return first_missing
+            return first_missing, MissReason.TIER_UNHEALTHY
         size = self._chunk_size
         rest = keys[len(hits) :]
         full = [k for k in rest if k.num_tokens == size]
@@ -319,19 +326,19 @@ class PrefixLookup:
             cut = block_aligned_keys(parent, chunk, tail_start, size, self._block_size)
             tails += [k for k in cut if all(k.num_tokens < t.num_tokens for t in tails)]
         candidates = full + tails
-        present, call = s.remote.present(rid, [k.hex for k in candidates])
-        if call is not None:
-            calls.append(call)
-        unreadable = s.unreadable
+        answer = s.remote.present(rid, [k.hex for k in candidates])
+        if answer.call is not None:
+            calls.append(answer.call)
+        present, unreadable = answer.present, s.unreadable
         for key, there in zip(full, present, strict=False):
             if not there or unreadable.unreadable(REMOTE, key.hex):
-                return key.hex
+                return key.hex, answer.unanswered
             hits.append(ChunkHit(key, REMOTE))
         for key, there in zip(tails, present[len(full) :], strict=True):  # longest first
             if there and not unreadable.unreadable(REMOTE, key.hex):
                 hits.append(ChunkHit(key, REMOTE))
                 break
-        return None
+        return None, answer.unanswered
 
     def _extend_by_blocks(
         self, hasher: PrefixHasher, tokens: Any, upto: int, hits: list[ChunkHit], local: list[TierIndex]

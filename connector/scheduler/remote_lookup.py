@@ -3,81 +3,185 @@
 Other engines write to the same Redis and Redis evicts on its own, so no index here can know
 what the remote holds. A lookup asks once, for every chunk of the prompt that the local tiers
 do not hold (every rank's share, pipelined, grouped per cluster node), within
-``remote_lookup_timeout_ms``; after that the remote counts as a miss for that request. vLLM
-asks again while a request waits to be scheduled: the answer is reused for ``REUSE_S``.
-A chunk that was there at lookup and is gone at load is a failed block vLLM recomputes.
+``remote_lookup_timeout_ms``; after that the remote counts as a miss for that request, reported
+as ``lookup_timeout``. vLLM asks again while a request waits to be scheduled: the answer is
+reused for ``REUSE_S``. A chunk that was there at lookup and is gone at load is a failed block
+vLLM recomputes.
+
+A lookup never opens a connection: opening one (connect, authenticate, select, find the master
+or the slot map) costs round trips a lookup's tens of milliseconds cannot pay on a loaded host.
+The client connects at start-up, and a keeper thread re-opens what is lost (after a timeout
+redis-py drops the connection; a restarted server closes it) and probes a skipped tier. A lookup
+that finds no open connection asks nothing and wakes the keeper.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from ..engine.health import TierHealth
 from ..engine.keys import storage_name
-from ..engine.outcomes import FailureReason, RemoteCall
+from ..engine.outcomes import FailureReason, MissReason, RemoteCall
 from ..tiers.base import classify
 
 logger = logging.getLogger("vllm.kvlens")
 
 REUSE_S = 1.0
+KEEPALIVE_S = 1.0  # a PING on the lookup connections after lookups left them idle this long
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteAnswer:
+    """What the remote said of a lookup's chunks."""
+
+    present: list[bool] = field(default_factory=list)  # per chunk: held for every rank
+    call: RemoteCall | None = None  # the round trip, if one was made
+    # why the remote could not say (lookup_timeout, tier_unhealthy); None: it answered
+    unanswered: MissReason | None = None
 
 
 class RemoteLookup:
-    def __init__(self, tier: object, world_size: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self._tier = tier  # RedisTier (duck-typed: exists_many, ping, close)
+    def __init__(
+        self,
+        tier: object,
+        world_size: int,
+        clock: Callable[[], float] = time.monotonic,
+        budget_s: float = 0.05,
+        keepalive_s: float | None = KEEPALIVE_S,
+    ) -> None:
+        self._tier = tier  # RedisTier (duck-typed: exists_many, connect, warm, ping, close)
         self._world = world_size
         self._clock = clock
+        self._budget_s = budget_s
         # A lookup waits at most remote_lookup_timeout_ms (tens of ms): a busy Redis that misses
         # it once costs that request its remote hits, not the whole tier for seconds.
         self.health = TierHealth("remote", clock=clock, timeout_skips=False)
         self._answers: dict[str, tuple[float, tuple[str, ...], list[bool]]] = {}
+        self._using = threading.Lock()  # a lookup and the keeper's PING never share a connection
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._timed_out = False  # the last round trip timed out: its connection is being re-opened
+        self._used_at = clock()
+        self._keepalive_s = KEEPALIVE_S if keepalive_s is None else keepalive_s
+        self._last_error: tuple[FailureReason, str] = (FailureReason.IO_ERROR, "")
+        if not self._open():
+            self.health.skip("not reachable at start-up; connecting in the background")
+        self._keeper: threading.Thread | None = None
+        if keepalive_s is not None:
+            self._keeper = threading.Thread(target=self._keep, name="kvlens-remote-lookup", daemon=True)
+            self._keeper.start()
 
-    def present(self, request_id: str, names: Sequence[str]) -> tuple[list[bool], RemoteCall | None]:
+    def present(self, request_id: str, names: Sequence[str]) -> RemoteAnswer:
         """Which chunks (digests) the remote holds for every rank; at most one round trip."""
         if not names:
-            return [], None
+            return RemoteAnswer()
         now = self._clock()
         cached = self._answers.get(request_id)
         if cached is not None and now - cached[0] < REUSE_S and cached[1] == tuple(names):
-            return cached[2], None
-        if not self.usable():
-            return [False] * len(names), None
+            return RemoteAnswer(cached[2])
+        missed = [False] * len(names)
+        if not self.health.usable():
+            return RemoteAnswer(missed, unanswered=MissReason.TIER_UNHEALTHY)
+        if not self.connected() or not self._using.acquire(timeout=self._budget_s):
+            self._wake.set()
+            return RemoteAnswer(missed, unanswered=self._not_connected())
+        try:
+            return self._ask(request_id, names, now)
+        finally:
+            self._used_at = self._clock()
+            self._using.release()
+
+    def _ask(self, request_id: str, names: Sequence[str], now: float) -> RemoteAnswer:
         keys = [storage_name(n, r) for n in names for r in range(self._world)]
+        missed = [False] * len(names)
         start = time.time_ns()
         try:
             found = self._tier.exists_many(keys)  # type: ignore[attr-defined]
         except OSError as e:
             reason, detail = classify(e)
-            self.health.failed(reason if reason is FailureReason.TIMEOUT else FailureReason.IO_ERROR, detail)
+            timed_out = reason is FailureReason.TIMEOUT
+            self.health.failed(FailureReason.TIMEOUT if timed_out else FailureReason.IO_ERROR, detail)
+            self._timed_out = timed_out
+            self._wake.set()  # redis-py dropped the connection: the keeper re-opens it
             call = RemoteCall("exists", start, time.time_ns(), len(keys), error=getattr(e, "kind", "error"))
-            return [False] * len(names), call
+            why = MissReason.LOOKUP_TIMEOUT if timed_out else MissReason.TIER_UNHEALTHY
+            return RemoteAnswer(missed, call, why)
         self.health.succeeded()
+        self._timed_out = False
         w = self._world
         answer = [all(found[i * w : (i + 1) * w]) for i in range(len(names))]
         self._answers[request_id] = (now, tuple(names), answer)
-        return answer, RemoteCall("exists", start, time.time_ns(), len(keys))
+        return RemoteAnswer(answer, RemoteCall("exists", start, time.time_ns(), len(keys)))
+
+    def _not_connected(self) -> MissReason:
+        """Why a lookup that found no open connection (or the keeper's PING on it) asked nothing:
+        its connection is being re-opened after a timeout, or the tier failed."""
+        return MissReason.LOOKUP_TIMEOUT if self._timed_out else MissReason.TIER_UNHEALTHY
 
     def usable(self) -> bool:
-        """Healthy or failing; when skipped, one bounded ping per backoff period may revive it."""
-        return self.health.usable() or self._probe()
+        """Not skipped: lookups ask it when it has an open connection."""
+        return self.health.usable()
 
-    def _probe(self) -> bool:
-        if not self.health.probe_due():
-            return False
+    def connected(self) -> bool:
+        """A lookup now finds an open connection to every node (so opens none itself)."""
+        warm = getattr(self._tier, "warm", None)
+        return warm is None or bool(warm())
+
+    # ---- the keeper: connections opened outside any request's budget --------------------
+    def _open(self) -> bool:
+        """Open the connections lookups use (at start-up and on the keeper's thread only)."""
         try:
-            self._tier.ping()  # type: ignore[attr-defined]
+            self._tier.connect()  # type: ignore[attr-defined]
         except OSError as e:
-            self.health.probe_done(False, str(e))
+            reason, detail = classify(e)
+            self._last_error = (reason, detail)
+            logger.debug("KVLens: remote lookup client could not connect: %s", detail)
             return False
-        self.health.probe_done(True)
+        self._timed_out = False
         return True
+
+    def tend(self) -> None:
+        """One pass of the keeper: probe a skipped tier when due; re-open lost connections; PING
+        connections lookups left idle for a while (a dead one is found here, not in a lookup)."""
+        if not self.health.usable():
+            if self.health.probe_due():
+                self.health.probe_done(self._open(), "could not connect")
+            return
+        if self.connected() and self._clock() - self._used_at < self._keepalive_s:
+            return
+        with self._using:
+            if self._open():
+                self._used_at = self._clock()
+                return
+        reason, detail = self._last_error
+        if reason is FailureReason.TIMEOUT:
+            self.health.failed(reason, detail)  # slow to answer: counted, skipped after a few
+        else:
+            self.health.skip(f"connection lost ({detail}); reconnecting in the background")
+
+    def _keep(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait(self._keepalive_s)
+            self._wake.clear()
+            if self._closed.is_set():
+                return
+            try:
+                self.tend()
+            except Exception:  # noqa: BLE001 - the keeper must outlive any one failure
+                logger.exception("KVLens: the remote lookup client's keeper failed; it goes on")
 
     def forget(self, request_id: str) -> None:
         self._answers.pop(request_id, None)
 
     def close(self) -> None:
+        self._closed.set()
+        self._wake.set()
+        if self._keeper is not None:
+            self._keeper.join(timeout=1.0)
         try:
             self._tier.close()  # type: ignore[attr-defined]
         except Exception as e:  # noqa: BLE001 - shutting down

@@ -94,7 +94,8 @@ class SchedulerState:
             client = RedisTier(
                 config.remote, facts.kv_layout, extra.remote_key_prefix, None, timeout, timeout
             )
-            self.remote = RemoteLookup(client, facts.world_size, clock)
+            # connected here, at start-up, outside any request's budget (remote_lookup.py)
+            self.remote = RemoteLookup(client, facts.world_size, clock, budget_s=timeout)
         self.tier_states: dict[str, TierState] = {name: TierState.HEALTHY for name in config.tier_names()}
         self.stores_remote = config.remote is not None and facts.stores
         self.base_namespace = facts.namespace()

@@ -1,9 +1,10 @@
 """Where a key of the remote tier lives: one server, a Redis Cluster, or the master Sentinel names.
 
 Each router hands the tier (client, command indices) groups for a batch, the master clients to
-PING or SCAN, says whether an error means "the topology moved, send again once" and refreshes
-its view when it does. redis-py's own retries are off everywhere: a down server fails a call in
-about one socket timeout, and the tier counts it.
+PING or SCAN, says whether a call would find a connection open to every master (``warm``: the
+scheduler's lookups never open one inside their budget) and whether an error means "the
+topology moved, send again once", and refreshes its view when it does. redis-py's own retries
+are off everywhere: a down server fails a call in about one socket timeout, and the tier counts it.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class _Single:
     def masters(self) -> list[Redis]:
         return [self._client]
 
+    def warm(self) -> bool:
+        return _pool_warm(self._client)
+
     def retry_after(self, error: BaseException) -> bool:
         return False  # nothing to re-route; retrying a down server only doubles the wait
 
@@ -91,6 +95,9 @@ class _SentinelMaster:
 
     def masters(self) -> list[Redis]:
         return [self._client]
+
+    def warm(self) -> bool:
+        return _pool_warm(self._client)
 
     def retry_after(self, error: BaseException) -> bool:
         """A refused connection or a demoted master: the sentinels may name a new master now."""
@@ -154,6 +161,13 @@ class _Cluster:
         cluster = self._fresh_cluster()
         return [cluster.get_redis_connection(node) for node in cluster.get_primaries()]
 
+    def warm(self) -> bool:
+        """The slot map is read and current, and every master has an open connection."""
+        cluster = self._client
+        if cluster is None or self._stale:
+            return False
+        return all(_pool_warm(cluster.get_redis_connection(n)) for n in cluster.get_primaries())
+
     def retry_after(self, error: BaseException) -> bool:
         """Whether a fresh slot map may fix ``error`` now: the node is gone (refused) or the slot
         moved. A timeout or CLUSTERDOWN is not retried (that would double the wait) but makes
@@ -186,6 +200,17 @@ class _Cluster:
 
 
 Nodes = _Single | _Cluster | _SentinelMaster
+
+
+def _pool_warm(client: Redis) -> bool:
+    """Whether a call on ``client`` finds an open connection idle in its pool (opens none).
+
+    A redis-py whose pool keeps its connections elsewhere counts as warm: calls then open
+    connections where they need them, as they always did."""
+    idle = getattr(client.connection_pool, "_available_connections", None)
+    if idle is None:
+        return True
+    return any(getattr(conn, "_sock", None) is not None for conn in list(idle))
 
 
 def _no_retry() -> Retry:

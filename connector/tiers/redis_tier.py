@@ -238,6 +238,18 @@ class RedisTier:
                 self._nodes.refresh()
         return time.perf_counter() - start
 
+    def connect(self) -> float:
+        """Open (authenticate, select; discover the master or the slot map) a pooled connection to
+        every master, outside any request's budget; seconds taken. Raises RemoteUnavailable."""
+        return self.ping()
+
+    def warm(self) -> bool:
+        """Whether a call now finds an open connection to every master (so opens none itself)."""
+        try:
+            return self._nodes.warm()
+        except Exception:  # noqa: BLE001 - redis-py errors must not escape
+            return False
+
     def close(self) -> None:
         """Close pooled connections and forget the read buffers; a later call opens new ones."""
         self._nodes.close()

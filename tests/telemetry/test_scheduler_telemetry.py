@@ -15,6 +15,8 @@ from connector.engine.jobs import CPU
 from connector.engine.outcomes import ChunkLoadResult, FailureReason, LoadOutcome, StoreFailure, WorkerReport
 from connector.engine.snapshots import KnownLabels
 from connector.scheduler.connector_scheduler import ConnectorScheduler
+from connector.scheduler.remote_lookup import RemoteLookup
+from connector.tiers.redis_tier import RemoteUnavailable
 from telemetry import tracing
 from telemetry.metrics import PromRecorder
 from telemetry.scheduler_recorder import SchedulerRecorder
@@ -177,6 +179,52 @@ def test_failed_load_is_written_to_the_event_log_and_counted(tmp_path):
     counters = tel.stats()["counters"]
     assert counters["failed_blocks|missing"] == 4 and counters["recomputed_tokens"] == 512
     assert counters["failed_chunks|load|cpu|missing"] == 1 and counters["failed_load_requests"] == 1
+
+
+class TimingOutRedis:
+    """The lookup client of a Redis that does not answer an existence check in time."""
+
+    def exists_many(self, keys):
+        raise RemoteUnavailable("remote exists_many failed (timeout)", op="exists_many", kind="timeout")
+
+    def ping(self):
+        return 0.001
+
+    def connect(self):
+        return 0.001
+
+    def warm(self):
+        return True
+
+    def close(self):
+        pass
+
+
+def test_a_remote_lookup_that_timed_out_is_lookup_timeout_not_not_stored(tmp_path):
+    """The local tiers supply the prompt's first chunks; the next one needed the remote's answer,
+    which did not come in time: response, request log and miss counter say lookup_timeout."""
+    log = tmp_path / "requests.jsonl"
+    sched, tel = make(tmp_path, KVLENS_REQUEST_LOG=str(log))
+    admit(sched, tel, request("a", PROMPT), range(10, 15))
+    finish(sched, tel, request("a", PROMPT))
+    state = sched.sched.state
+    state.remote = RemoteLookup(TimingOutRedis(), 1)
+    try:
+        longer = request("b", PROMPT[:512] + list(range(5000, 5300)))  # chunk 3 is the remote's to say
+        cold = request("c", list(range(7000, 7600)))  # nothing local: the remote's answer was all
+        plans = [
+            admit(sched, tel, req, blocks) for req, blocks in ((longer, range(20, 27)), (cold, range(30, 35)))
+        ]
+        assert [len(plan.loads) for plan in plans] == [1, 0]  # the local prefix is still loaded
+        params = [finish(sched, tel, req) for req in (longer, cold)]
+        tel.report(loaded(plans[0]))  # b's line waits for its load
+    finally:
+        state.remote.close()
+    assert [p["kvlens"]["miss_reason"] for p in params] == ["lookup_timeout", "lookup_timeout"]
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["miss_reason"] for x in lines] == ["not_stored", "lookup_timeout", "lookup_timeout"]
+    counters = tel.stats()["counters"]
+    assert counters["miss_requests|lookup_timeout"] == 2 and counters["miss_requests|not_stored"] == 1
 
 
 def test_lookup_metrics_and_gauges_return_to_zero_when_drained(tmp_path, monkeypatch):

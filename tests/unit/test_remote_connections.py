@@ -1,0 +1,125 @@
+"""The remote tier's connections are opened at start-up and re-opened in the background: a lookup
+never pays for one inside its budget, and a Redis down at start-up costs the engine nothing."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from connector.engine.outcomes import MissReason, TierState
+from connector.scheduler.remote_lookup import RemoteLookup
+from connector.tiers.redis_tier import RedisTier
+from connector.tiers.remote_url import parse_remote_url
+
+from .slow_resp import SlowResp
+
+BUDGET_S = 0.2  # the lookup client's socket timeouts (remote_lookup_timeout_ms)
+
+
+def client(url: str) -> RedisTier:
+    return RedisTier(parse_remote_url(url), "layout", "kvlens", None, BUDGET_S, BUDGET_S)
+
+
+def eventually(condition, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_lookup_client_connects_at_start_up_so_the_first_lookup_is_one_round_trip():
+    """On a loaded host each round trip costs time; opening a connection costs three (HELLO, the
+    handshake's pipelined CLIENT commands, then the command). The first lookup used to pay them."""
+    server = SlowResp(delay_s=0.06)
+    lookup = RemoteLookup(client(server.url), world_size=1, budget_s=BUDGET_S)
+    try:
+        assert server.connections == 1  # opened by the start-up, before any request
+        started = time.perf_counter()
+        answer = lookup.present("first", ["x"])
+        took = time.perf_counter() - started
+        assert answer.present == [True] and answer.unanswered is None
+        assert took < 2 * server.delay_s, took  # one round trip, no handshake
+        assert server.connections == 1
+    finally:
+        lookup.close()
+        server.close()
+
+
+def test_a_redis_down_at_start_up_is_skipped_and_reconnected_in_the_background():
+    port = free_port()
+    clock = Clock()
+    lookup = RemoteLookup(
+        client(f"redis://127.0.0.1:{port}/0"), world_size=1, clock=clock, budget_s=BUDGET_S, keepalive_s=0.02
+    )
+    server = None
+    try:
+        assert lookup.health.state is TierState.SKIPPED  # counted as the tier's health
+        started = time.perf_counter()
+        answer = lookup.present("while-down", ["x"])
+        assert time.perf_counter() - started < BUDGET_S  # no connect attempt inside the lookup
+        assert answer.present == [False] and answer.unanswered is MissReason.TIER_UNHEALTHY
+        server = SlowResp(port=port)
+        clock.now += 2.0  # past the first backoff
+        assert eventually(lambda: lookup.health.state is TierState.HEALTHY)  # no lookup asked
+        assert server.connections == 1
+        assert lookup.present("after", ["x"]).present == [True]
+    finally:
+        lookup.close()
+        if server is not None:
+            server.close()
+
+
+def test_a_connection_lost_later_is_reopened_in_the_background():
+    server = SlowResp()
+    lookup = RemoteLookup(client(server.url), world_size=1, budget_s=BUDGET_S, keepalive_s=0.02)
+    try:
+        assert server.connections == 1
+        server.drop_connections()  # a restarted server, a proxy that closed idle connections
+        assert eventually(lambda: server.connections == 2)  # re-opened with no lookup
+        assert eventually(lookup.connected)
+        server.delay_s = 0.06
+        started = time.perf_counter()
+        assert lookup.present("after", ["x"]).present == [True]
+        assert time.perf_counter() - started < 2 * server.delay_s
+        assert server.connections == 2
+    finally:
+        lookup.close()
+        server.close()
+
+
+def test_a_lookup_that_finds_no_open_connection_asks_nothing_and_wakes_the_keeper():
+    """After a timeout redis-py drops the connection: the next lookup must not open one."""
+    server = SlowResp()
+    lookup = RemoteLookup(client(server.url), world_size=1, budget_s=BUDGET_S, keepalive_s=None)
+    try:
+        server.delay_s = 2 * BUDGET_S
+        timed_out = lookup.present("slow", ["x"])
+        assert timed_out.unanswered is MissReason.LOOKUP_TIMEOUT and timed_out.call is not None
+        assert timed_out.call.error == "timeout"
+        server.delay_s = 0.0
+        assert not lookup.connected()
+        skipped = lookup.present("next", ["y"])
+        assert skipped.unanswered is MissReason.LOOKUP_TIMEOUT and skipped.call is None
+        assert server.connections == 1  # the lookup opened none
+        lookup.tend()  # the keeper's pass
+        assert server.connections == 2 and lookup.connected()
+        assert lookup.present("then", ["y"]).present == [True]
+    finally:
+        lookup.close()
+        server.close()
