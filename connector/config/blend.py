@@ -52,11 +52,14 @@ def _items(value: Any) -> list[Any] | None:
 
 def _number(item: Any) -> float:
     if isinstance(item, bool):
-        raise ValueError("must be numbers, not true or false")
+        raise ValueError("must be numbers (true or false is not one)")
     try:
         number = float(item)
-    except (TypeError, ValueError):
-        raise ValueError(f"must be numbers, not {str(item)[:20]!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        shown = repr(item[:20]) if isinstance(item, str) else f"a {type(item).__name__}"
+        raise ValueError(
+            f"must be numbers ({'too large' if isinstance(item, int) else shown + ' is not one'})"
+        ) from None
     if not math.isfinite(number):
         raise ValueError("must be finite numbers")
     return number
@@ -94,7 +97,7 @@ def layers(value: Any) -> tuple[int, ...] | None:
     for item in items:
         number = _number(item)
         if number != int(number):
-            raise ValueError(f"must be layer numbers (whole numbers), not {item!r}")
+            raise ValueError(f"must be layer numbers (whole numbers), not {number}")
         out.append(int(number))
     if not out:
         raise ValueError("must hold at least one layer number (or be null)")

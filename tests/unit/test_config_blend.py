@@ -12,6 +12,13 @@ from connector.config.loading import ConfigError, load_config
 from connector.config.rules import LAYERWISE_NOTE
 
 
+def _nested(depth: int) -> object:
+    value: object = "x"
+    for _ in range(depth):
+        value = {"k": [value]}
+    return value
+
+
 def error(extra=None, env=None) -> str:
     with pytest.raises(ConfigError) as e:
         load_config(extra or {}, env=env or {})
@@ -75,8 +82,8 @@ def test_extra_config_wins_over_env_as_for_every_key():
         ({"lmcache.blend_recompute_ratios": 1.5}, "blend_recompute_ratios (from kv_connector_extra_config"),
         ({"lmcache.blend_recompute_ratios": [0.1, -0.1]}, "between 0 and 1"),
         ({"lmcache.blend_recompute_ratios": []}, "at least one ratio"),
-        ({"lmcache.blend_recompute_ratios": "x"}, "must be numbers, not 'x'"),
-        ({"lmcache.blend_recompute_ratios": True}, "not true or false"),
+        ({"lmcache.blend_recompute_ratios": "x"}, "must be numbers ('x' is not one)"),
+        ({"lmcache.blend_recompute_ratios": True}, "(true or false is not one)"),
         ({"lmcache.blend_recompute_ratios": float("nan")}, "finite"),
         ({"lmcache.blend_check_layers": -1}, "blend_check_layers (from kv_connector_extra_config"),
         ({"lmcache.blend_check_layers": [1.5]}, "whole numbers"),
@@ -95,7 +102,9 @@ def test_a_wrong_value_stops_start_up_naming_the_key_and_source(extra, says):
 
 def test_an_environment_value_is_named_with_its_variable():
     message = error(env={"LMCACHE_BLEND_CHECK_LAYERS": "1,x"})
-    assert "blend_check_layers (from env LMCACHE_BLEND_CHECK_LAYERS) must be numbers, not 'x'" in message
+    assert (
+        "blend_check_layers (from env LMCACHE_BLEND_CHECK_LAYERS) must be numbers ('x' is not one)" in message
+    )
 
 
 @pytest.mark.parametrize(
@@ -226,3 +235,12 @@ def test_check_layers_beyond_the_model_are_named_once_the_model_is_known():
     said = "blend_check_layers names layer 40, but the model has 32 layers (0 to 31)"
     assert settings.layers_problem(32) == said
     assert settings.layers_problem(41) is None
+
+
+@pytest.mark.parametrize(
+    "value",
+    [[_nested(3000)], {"a": 1}, 10**5000, "1" * 5000, [10**400]],
+    ids=["deeply nested", "mapping", "huge int", "huge text", "huge int in a list"],
+)
+def test_hostile_list_values_are_named_errors(value):
+    assert "blend_recompute_ratios (from" in error({"lmcache.blend_recompute_ratios": value})
