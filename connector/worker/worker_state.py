@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 
 from ..config.loading import ConfigError, KVLensConfig
 from ..engine import cpu_budget
@@ -84,6 +86,7 @@ class WorkerState:
             remote = BackgroundTier(
                 client, self.health[REMOTE], extra.tier_timeout_s, extra.max_pending_write_bytes
             )
+            connect_in_background(remote, client.connect)
             self.tiers[REMOTE] = remote
             self.background.append(remote)
         self.copier: BlockCopier | None = None
@@ -117,3 +120,15 @@ class WorkerState:
     def cpu_used(self) -> int:
         cpu = self.tiers.get(CPU)
         return cpu.used_bytes if isinstance(cpu, CpuTier) else 0
+
+
+def connect_in_background(tier: BackgroundTier, connect: Callable[[], object]) -> None:
+    """Open the tier's connections now, on its reader thread, rather than in the first load or
+    store; one that cannot be opened marks the tier skipped for the probes to bring back."""
+
+    def done(future: Future[object]) -> None:
+        error = future.exception()
+        if error is not None:
+            tier.health.skip(f"not reachable at start-up ({error}); probing in the background")
+
+    tier.run(connect).add_done_callback(done)

@@ -123,3 +123,31 @@ def test_a_lookup_that_finds_no_open_connection_asks_nothing_and_wakes_the_keepe
     finally:
         lookup.close()
         server.close()
+
+
+def test_the_worker_clients_connect_at_start_up_and_a_redis_down_then_is_skipped():
+    """Loads and stores go through the worker's own client: it connects before the first of them,
+    and a Redis down at start-up marks the tier skipped for the probes to bring back."""
+    import torch
+
+    from connector.config.loading import load_config
+    from connector.engine.facts import EngineFacts
+    from connector.engine.jobs import REMOTE
+    from connector.worker.connector_worker import ConnectorWorker
+
+    def worker(url: str) -> ConnectorWorker:
+        config = load_config({"lmcache.chunk_size": 32, "lmcache.remote_url": url}, env={})
+        w = ConnectorWorker(config, EngineFacts("m", "bf16", 16, 1, 128, "layout", 1, "kv_both"), rank=0)
+        w.register({"layer.0": torch.zeros(8, 16, 2)}, 8)
+        return w
+
+    server = SlowResp()
+    up, down = worker(server.url), worker(f"redis://127.0.0.1:{free_port()}/0")
+    try:
+        assert eventually(lambda: server.connections >= 1)  # before any load or store
+        assert eventually(lambda: down.health[REMOTE].state is TierState.SKIPPED)
+        assert up.health[REMOTE].state is TierState.HEALTHY
+    finally:
+        up.shutdown(0.1)
+        down.shutdown(0.1)
+        server.close()
