@@ -104,7 +104,10 @@ class RemoteLookup:
         except OSError as e:
             reason, detail = classify(e)
             timed_out = reason is FailureReason.TIMEOUT
-            self.health.failed(FailureReason.TIMEOUT if timed_out else FailureReason.IO_ERROR, detail)
+            if getattr(e, "kind", None) == "connection":  # refused, reset: no lookup would succeed
+                self.health.skip(f"connection lost ({detail}); reconnecting in the background")
+            else:
+                self.health.failed(FailureReason.TIMEOUT if timed_out else FailureReason.IO_ERROR, detail)
             self._timed_out = timed_out
             self._wake.set()  # redis-py dropped the connection: the keeper re-opens it
             call = RemoteCall("exists", start, time.time_ns(), len(keys), error=getattr(e, "kind", "error"))

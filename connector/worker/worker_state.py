@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future
 
 from ..config.loading import ConfigError, KVLensConfig
 from ..engine import cpu_budget
@@ -86,7 +84,7 @@ class WorkerState:
             remote = BackgroundTier(
                 client, self.health[REMOTE], extra.tier_timeout_s, extra.max_pending_write_bytes
             )
-            connect_in_background(remote, client.connect)
+            connect_at_start_up(client, self.health[REMOTE])
             self.tiers[REMOTE] = remote
             self.background.append(remote)
         self.copier: BlockCopier | None = None
@@ -122,13 +120,10 @@ class WorkerState:
         return cpu.used_bytes if isinstance(cpu, CpuTier) else 0
 
 
-def connect_in_background(tier: BackgroundTier, connect: Callable[[], object]) -> None:
-    """Open the tier's connections now, on its reader thread, rather than in the first load or
+def connect_at_start_up(client: RedisTier, health: TierHealth) -> None:
+    """Open the client's connections now (within its own timeouts), not in the first load or
     store; one that cannot be opened marks the tier skipped for the probes to bring back."""
-
-    def done(future: Future[object]) -> None:
-        error = future.exception()
-        if error is not None:
-            tier.health.skip(f"not reachable at start-up ({error}); probing in the background")
-
-    tier.run(connect).add_done_callback(done)
+    try:
+        client.connect()
+    except OSError as e:
+        health.skip(f"not reachable at start-up ({e}); probing in the background")
