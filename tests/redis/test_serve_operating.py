@@ -226,3 +226,19 @@ def test_doctor_reads_the_servers_metrics(stack, capsys):
     assert first["identity"]["key_fingerprint"] == info(srv)["key_fingerprint"]
     assert first["tiers"] == ["cpu tier: healthy", "disk tier: healthy", "remote tier: healthy"]
     assert any(a.startswith("cpu tier:") for a in first["advice"])
+
+
+def test_connections_redis_drops_are_reopened_in_the_background_not_in_a_lookup(stack):
+    """Redis drops every KVLens connection (a restart, a proxy closing idle ones): the scheduler's
+    lookup connection is back within a keepalive period with no request asking, and the next
+    request's lookup is answered (neither lookup_timeout nor tier_unhealthy)."""
+    client = stack.redis.client()
+
+    def kvlens_connections() -> int:
+        return sum(1 for c in client.client_list() if c.get("name") == "kvlens")
+
+    assert kvlens_connections() >= 1  # opened at start-up
+    assert client.client_kill_filter(_type="normal", skipme=True) >= 1
+    wait_until(kvlens_connections, timeout=10, interval=0.1, what="a KVLens connection re-opened")
+    response = stack.srv.complete(prompt_tokens(600, 43), max_tokens=1)
+    assert response["kv_transfer_params"]["kvlens"]["miss_reason"] == "not_stored", response
