@@ -100,3 +100,13 @@ def hf_rotate(rotary_emb: torch.nn.Module, apply_rotary_pos_emb: Callable) -> Ro
         return rotated.squeeze(0).transpose(0, 1)
 
     return rotate
+
+
+def vllm_rope_shift(rotary_emb: torch.nn.Module) -> RopeShift:
+    """The shift for a vLLM model's ``rotary_emb``, probed halfway to its largest position."""
+    return RopeShift(
+        vllm_rotate(rotary_emb),
+        int(rotary_emb.head_size),
+        kind=type(rotary_emb).__name__,
+        probe_at=int(rotary_emb.max_position_embeddings) // 2,
+    )
