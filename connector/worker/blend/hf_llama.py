@@ -39,6 +39,7 @@ class HFLlama:
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(token_ids)
 
+    @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.model.norm(hidden))
 
