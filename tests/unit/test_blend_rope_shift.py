@@ -15,6 +15,8 @@ SCALINGS = {
     "default": {"rope_theta": 10000.0, "rope_type": "default"},
     "partial": {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5},
     "linear": {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0},
+    # vLLM's dynamic NTK is fixed for the largest length (transformers' changes with the sequence)
+    "dynamic": {"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 2.0},
     "yarn": {
         "rope_theta": 10000.0,
         "rope_type": "yarn",

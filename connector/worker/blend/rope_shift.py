@@ -22,8 +22,11 @@ import torch
 # positions [T], keys [T, H, D] -> keys rotated at those positions, same shape
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-# Names (vLLM classes, transformers rope types) whose angle is not linear in position.
-NOT_SHIFTABLE = ("longrope", "dynamic", "mrotary", "dualchunk", "mrope")
+# transformers' rope types and parts of vLLM's class names whose angle is not linear in position.
+# transformers' "dynamic" NTK changes with the sequence length; vLLM's is fixed for the largest
+# length (``DynamicNTKScalingRotaryEmbedding``) and moves like any other.
+NOT_SHIFTABLE_TYPES = ("longrope", "dynamic", "mrope")
+NOT_SHIFTABLE_CLASSES = ("longrope", "mrotary", "dualchunk")
 
 
 class RopeNotShiftable(ValueError):
@@ -35,7 +38,12 @@ class RopeShift:
     layers: RoPE has no weights). Matrices are made once per distinct delta, in fp32."""
 
     def __init__(self, rotate: Rotate, head_dim: int, *, kind: str = "", probe_at: int = 1024) -> None:
-        bad = next((name for name in NOT_SHIFTABLE if name in kind.lower()), None)
+        name = kind.lower()
+        bad = (
+            name
+            if name in NOT_SHIFTABLE_TYPES
+            else next((c for c in NOT_SHIFTABLE_CLASSES if c in name), None)
+        )
         if bad is not None:
             raise RopeNotShiftable(f"RoPE {kind!r} is not linear in position ({bad}): compute instead")
         self._rotate = rotate
