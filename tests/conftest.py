@@ -12,6 +12,9 @@
   listed there counts ``UNKNOWN_TEST_S`` per test), so that no long file is left to run alone
   at the end. Refresh the file when files change much: ``scripts/durations.py`` writes it from a
   run's ``--durations=0`` report.
+* **A unit's engines stop with it.** An engine left running after its unit's last test (a
+  session fixture where a package or module one would do) holds gigabytes and a share of a core
+  for the rest of the run; the unit's last test errors, naming it (``engines_left_running``).
 * **Each worker's engines get a core of their own.** vLLM-CPU pins a worker's threads to the
   cores in ``VLLM_CPU_OMP_THREADS_BIND``; with ``auto`` every engine of every process would pin
   to the same core (core 0 here) while the other idles.
@@ -101,6 +104,48 @@ def pytest_configure(config: pytest.Config) -> None:
     if worker:
         chosen = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = worker_cores(worker, os.sched_getaffinity(0), chosen)
+
+
+ENGINE_MARKS = ("connector.launcher", "vllm serve", "run_engine.py", "VLLM::")  # in a command line
+ENGINE_EXIT_WAIT_S = 15.0
+
+
+def engines_left_running(wait_s: float = ENGINE_EXIT_WAIT_S) -> list[str]:
+    """The vLLM engines among this process's descendants still running after ``wait_s`` (a stop
+    in progress may finish meanwhile), as pid and command line."""
+    import time
+
+    import psutil
+
+    def running() -> list[str]:
+        found = []
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                line = " ".join(proc.cmdline()) or proc.name()
+                if any(mark in line for mark in ENGINE_MARKS) and proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(f"{proc.pid} {line[:160]}")
+            except psutil.Error:  # gone meanwhile
+                continue
+        return found
+
+    deadline = time.monotonic() + wait_s
+    while (left := running()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After a unit's last test, no engine of its may be left running."""
+    result = yield
+    if nextitem is not None and unit_of_work(nextitem) == unit_of_work(item):
+        return result
+    if left := engines_left_running():
+        raise RuntimeError(
+            f"vLLM engines still running after the last test of {unit_of_work(item)}: "
+            "stop them with the fixtures that started them (module or package scope)\n  " + "\n  ".join(left)
+        )
+    return result
 
 
 @pytest.hookimpl(trylast=True)  # after -m has deselected

@@ -205,7 +205,7 @@ def started_pair(
             spans.__exit__(None, None, None)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stops after tests/pd's last test, not at the end of the run
 def pd_pair(tiny_model, tmp_path_factory):
     with started_pair(tiny_model, tmp_path_factory.mktemp("pd")) as pair:
         yield pair

@@ -63,7 +63,7 @@ def vllm_alone(real_model, tmp_path_factory):
     return get
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def redis_url(tmp_path_factory) -> Iterator[str]:
     from tests.redis.servers import running_redis_url
 
