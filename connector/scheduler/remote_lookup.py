@@ -32,6 +32,8 @@ logger = logging.getLogger("vllm.kvlens")
 
 REUSE_S = 1.0
 KEEPALIVE_S = 1.0  # a PING on the lookup connections after lookups left them idle this long
+START_UP_S = 2.0  # how long start-up tries to connect a Redis that answers, slowly (remote_timeout_s)
+RETRY_PAUSE_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,7 @@ class RemoteLookup:
         clock: Callable[[], float] = time.monotonic,
         budget_s: float = 0.05,
         keepalive_s: float | None = KEEPALIVE_S,
+        start_up_s: float = START_UP_S,
     ) -> None:
         self._tier = tier  # RedisTier (duck-typed: exists_many, connect, warm, ping, close)
         self._world = world_size
@@ -68,8 +71,9 @@ class RemoteLookup:
         self._used_at = clock()
         self._keepalive_s = KEEPALIVE_S if keepalive_s is None else keepalive_s
         self._last_error: tuple[FailureReason, str] = (FailureReason.IO_ERROR, "")
-        if not self._open():
-            self.health.skip("not reachable at start-up; connecting in the background")
+        if not self._open_at_start_up(start_up_s):
+            reason, detail = self._last_error
+            self.health.skip(f"not reachable at start-up ({detail}); connecting in the background")
         self._keeper: threading.Thread | None = None
         if keepalive_s is not None:
             self._keeper = threading.Thread(target=self._keep, name="kvlens-remote-lookup", daemon=True)
@@ -145,6 +149,18 @@ class RemoteLookup:
             logger.debug("KVLens: remote lookup client could not connect: %s", detail)
             return False
         self._timed_out = False
+        return True
+
+    def _open_at_start_up(self, within_s: float) -> bool:
+        """Connect before the first request. The client's timeouts are a lookup's (tens of ms),
+        which a host busy starting engines may miss for a while: a timeout is tried again until
+        ``within_s`` has passed. A refused connection is not (Redis is down: the keeper connects
+        once it is up)."""
+        deadline = time.monotonic() + within_s
+        while not self._open():
+            if self._last_error[0] is not FailureReason.TIMEOUT or time.monotonic() >= deadline:
+                return False
+            time.sleep(RETRY_PAUSE_S)
         return True
 
     def tend(self) -> None:

@@ -95,7 +95,9 @@ class SchedulerState:
                 config.remote, facts.kv_layout, extra.remote_key_prefix, None, timeout, timeout
             )
             # connected here, at start-up, outside any request's budget (remote_lookup.py)
-            self.remote = RemoteLookup(client, facts.world_size, clock, budget_s=timeout)
+            self.remote = RemoteLookup(
+                client, facts.world_size, clock, budget_s=timeout, start_up_s=extra.remote_timeout_s
+            )
         self.tier_states: dict[str, TierState] = {name: TierState.HEALTHY for name in config.tier_names()}
         self.stores_remote = config.remote is not None and facts.stores
         self.base_namespace = facts.namespace()

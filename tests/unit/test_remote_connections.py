@@ -4,6 +4,7 @@ never pays for one inside its budget, and a Redis down at start-up costs the eng
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 from connector.engine.outcomes import MissReason, TierState
@@ -56,6 +57,24 @@ def test_the_lookup_client_connects_at_start_up_so_the_first_lookup_is_one_round
         assert answer.present == [True] and answer.unanswered is None
         assert took < 2 * server.delay_s, took  # one round trip, no handshake
         assert server.connections == 1
+    finally:
+        lookup.close()
+        server.close()
+
+
+def test_a_host_slow_for_a_moment_at_start_up_still_connects_before_any_request():
+    """A start-up on a loaded host (engines starting beside it): the first handshakes take longer
+    than a lookup's budget, then Redis answers in time. Start-up has time a lookup has not: the
+    connection is open when the engine starts serving, and the tier is not skipped (which costs
+    every request its remote hits until a probe a backoff later)."""
+    server = SlowResp(delay_s=3 * BUDGET_S)
+    threading.Timer(0.5, lambda: setattr(server, "delay_s", 0.0)).start()
+    lookup = RemoteLookup(client(server.url), world_size=1, budget_s=BUDGET_S)
+    try:
+        assert lookup.health.state is TierState.HEALTHY
+        assert lookup.connected()
+        answer = lookup.present("first", ["x"])
+        assert answer.present == [True] and answer.unanswered is None
     finally:
         lookup.close()
         server.close()
