@@ -97,6 +97,12 @@ class TierHealth:
             self._probing = True
             return True
 
+    def next_probe_in_s(self) -> float:
+        """Seconds until a skipped tier's next probe may run (0: due now, or not skipped)."""
+        if self._state is not TierState.SKIPPED:
+            return 0.0
+        return max(0.0, self._next_probe - self._clock())
+
     def probe_done(self, ok: bool, detail: str = "") -> None:
         with self._lock:
             self._probing = False

@@ -216,6 +216,14 @@ def main() -> None:
 
     rounds = []
 
+    def wait_for_probe(worker, tier: str, limit_s: float = 120.0) -> None:
+        """Failed probes double a skipped tier's backoff, and how many fail depends on how fast
+        the rounds before ran: a fixed sleep is not enough on a slow machine."""
+        health = worker.health[tier]
+        deadline = time.monotonic() + limit_s
+        while (wait := health.next_probe_in_s()) > 0 and time.monotonic() < deadline:
+            time.sleep(min(wait, 1.0) + 0.05)
+
     def flush_writes() -> None:  # background disk writes land before the harness looks
         if worker is not None:
             worker.flush()
@@ -245,6 +253,8 @@ def main() -> None:
             os.unlink(rnd["restore_disk"])
             os.makedirs(rnd["restore_disk"])
         time.sleep(rnd.get("sleep_s", 0))
+        if rnd.get("wait_for_probe"):  # until the tier's next probe is due, however far the backoff
+            wait_for_probe(worker, rnd["wait_for_probe"])
         params = SamplingParams(
             temperature=0.0,
             max_tokens=rnd.get("max_tokens", 8),

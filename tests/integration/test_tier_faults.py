@@ -19,7 +19,9 @@ def broken_disk_run(tiny_model, tmp_path_factory):
         {"prompts": [w.A_LONGER, w.B_LONGER], "break_disk": disk},
         {"prompts": [w.A, w.B]},
         {"prompts": [w.A, w.B]},
-        {"prompts": [w.A], "restore_disk": disk, "sleep_s": 2.5},  # a probe is due after 1 s
+        # the tier works again; the next probe (1 s after the skip, doubling after each probe
+        # that failed meanwhile) runs in this round
+        {"prompts": [w.A], "restore_disk": disk, "wait_for_probe": "disk"},
         {"prompts": [w.A], "sleep_s": 0.5},
         {"prompts": [w.A]},
     ]

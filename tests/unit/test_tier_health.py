@@ -29,3 +29,17 @@ def test_errors_in_a_row_skip_the_tier_and_a_probe_brings_it_back():
     assert health.probe_due() and not health.probe_due()  # one probe at a time
     health.probe_done(True)
     assert health.state is TierState.HEALTHY
+
+
+def test_next_probe_in_s_follows_the_doubling_backoff():
+    now = [0.0]
+    health = TierHealth("disk", failures_to_skip=1, first_backoff_s=1.0, clock=lambda: now[0])
+    assert health.next_probe_in_s() == 0.0  # healthy: nothing to wait for
+    health.failed(FailureReason.IO_ERROR, "EIO")
+    assert health.next_probe_in_s() == 1.0
+    now[0] = 1.0
+    assert health.next_probe_in_s() == 0.0 and health.probe_due()
+    health.probe_done(False, "still EIO")  # the backoff doubles
+    assert health.next_probe_in_s() == 2.0
+    now[0] = 3.5
+    assert health.next_probe_in_s() == 0.0
