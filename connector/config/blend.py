@@ -65,42 +65,44 @@ def _number(item: Any) -> float:
     return number
 
 
-def ratios(value: Any) -> tuple[float, ...] | None:
+def _numbers(value: Any, what: str) -> tuple[float, ...] | None:
+    """A list setting's numbers (None: not set); at least one."""
     items = _items(value)
     if items is None:
         return None
     out = tuple(_number(i) for i in items)
     if not out:
-        raise ValueError("must hold at least one ratio (or be null)")
+        raise ValueError(f"must hold at least one {what} (or be null)")
+    return out
+
+
+def ratios(value: Any) -> tuple[float, ...] | None:
+    out = _numbers(value, "ratio")
+    if out is None:
+        return None
     if any(not 0 <= r <= 1 for r in out):
         raise ValueError("must be shares between 0 and 1 (0.15: recompute 15% of the reused tokens)")
     return out
 
 
 def thresholds(value: Any) -> tuple[float, ...] | None:
-    items = _items(value)
-    if items is None:
+    out = _numbers(value, "threshold")
+    if out is None:
         return None
-    out = tuple(_number(i) for i in items)
-    if not out:
-        raise ValueError("must hold at least one threshold (or be null)")
     if any(t < 0 for t in out):
         raise ValueError("must be deviations >= 0")
     return out
 
 
 def layers(value: Any) -> tuple[int, ...] | None:
-    items = _items(value)
-    if items is None:
+    numbers = _numbers(value, "layer number")
+    if numbers is None:
         return None
     out = []
-    for item in items:
-        number = _number(item)
+    for number in numbers:
         if number != int(number):
             raise ValueError(f"must be layer numbers (whole numbers), not {number}")
         out.append(int(number))
-    if not out:
-        raise ValueError("must hold at least one layer number (or be null)")
     if any(layer < 0 for layer in out):
         raise ValueError("must be layer numbers >= 0 (0 is the first layer)")
     if len(set(out)) != len(out):
