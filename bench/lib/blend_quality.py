@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
+from connector.config.blend import DEFAULT_SEPARATOR
 from connector.worker.blend.blender import BlendInput, BlendResult, blend
 from connector.worker.blend.hf_llama import HFLlama, prefill_kv
 from connector.worker.blend.selection import CheckLayer
 
 from . import rag_set
 
-BLEND_SEPARATOR = " # # "  # LMCache's blend_special_str
 LAST_LAYERS = 4  # the KV error is reported over these last layers
 # The chat template's turns around the parts, so the instruct model answers (ChatML, SmolLM2's).
 SYSTEM_TURN = "<|im_start|>system\n{}<|im_end|>\n<|im_start|>user\n"
@@ -38,7 +38,7 @@ def rag_prompt(tokenizer, question: rag_set.Question, order: tuple[str, ...]) ->
     def ids(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    separator = ids(BLEND_SEPARATOR)
+    separator = ids(DEFAULT_SEPARATOR)
     texts = [SYSTEM_TURN.format(rag_set.SYSTEM_PROMPT), *(rag_set.document(k).render() for k in order)]
     tokens: list[int] = []
     parts = []

@@ -23,6 +23,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator
 
+DEFAULT_SEPARATOR = " # # "  # LMCache's blend_special_str
 DEFAULT_CHECK_LAYERS = (1,)
 DEFAULT_RECOMPUTE_RATIOS = (0.15,)
 # Settings that make sense only with blending (a note says KVLens needs no layerwise mode).
@@ -148,6 +149,11 @@ def length_problems(
     return out
 
 
+def _per_layer(values: tuple[float, ...], layers: int) -> tuple[float, ...]:
+    """One value for every check layer, or one per check layer (length_problems refused others)."""
+    return values * layers if len(values) == 1 else values
+
+
 @dataclass(frozen=True, slots=True)
 class BlendSettings:
     """What a blender works with: LMCache's settings, defaults filled in, one pair per layer."""
@@ -168,15 +174,12 @@ class BlendSettings:
         min_tokens: int,
     ) -> BlendSettings:
         layers_ = check_layers or DEFAULT_CHECK_LAYERS
-        ratios_ = recompute_ratios or DEFAULT_RECOMPUTE_RATIOS
         n = len(layers_)
         return cls(
             separator,
             layers_,
-            ratios_ * n if len(ratios_) == 1 else ratios_,
-            (blend_thresholds * n if len(blend_thresholds) == 1 else blend_thresholds)
-            if blend_thresholds is not None
-            else None,
+            _per_layer(recompute_ratios or DEFAULT_RECOMPUTE_RATIOS, n),
+            None if blend_thresholds is None else _per_layer(blend_thresholds, n),
             min_tokens,
         )
 

@@ -21,7 +21,7 @@ from pydantic import (
 
 from ..engine.eviction import POLICIES
 from ..tiers.remote_url import RemoteURL
-from .blend import BlendSettings, CheckLayers, Ratios, Separator, Thresholds
+from .blend import DEFAULT_SEPARATOR, BlendSettings, CheckLayers, Ratios, Separator, Thresholds
 from .pd import PDConfig
 
 GB = 1024**3
@@ -230,7 +230,7 @@ class KVLensConfig(BaseModel):
     # blend_special_str. Read and checked; ``enable_blending: true`` is refused until the blender
     # exists (rules.py). Unset lists mean LMCache's example: check layer 1, recompute 15%.
     enable_blending: bool = False
-    blend_special_str: Separator = " # # "
+    blend_special_str: Separator = DEFAULT_SEPARATOR
     blend_recompute_ratios: Ratios = None  # shares of reused tokens recomputed, per check layer
     blend_check_layers: CheckLayers = None  # layers whose K deviation picks the tokens to recompute
     blend_thresholds: Thresholds = None  # K deviations above which a token is recomputed
