@@ -26,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,9 +114,7 @@ ENGINE_EXIT_WAIT_S = 15.0
 def engines_left_running(wait_s: float = ENGINE_EXIT_WAIT_S) -> list[str]:
     """The vLLM engines among this process's descendants still running after ``wait_s`` (a stop
     in progress may finish meanwhile), as pid and command line."""
-    import time
-
-    import psutil
+    import psutil  # vLLM's dependency: installed wherever these tests run engines
 
     def running() -> list[str]:
         found = []
