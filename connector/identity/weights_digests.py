@@ -15,6 +15,7 @@ like the checkpoint itself. No vLLM, no torch.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -134,23 +135,30 @@ class DigestCache:
     def save(self) -> None:
         if not self.path or not self._dirty:
             return
-        merged = {**DigestCache(self.path, self._capacity)._files, **self._files}
-        if len(merged) > self._capacity:
-            newest = sorted(merged.items(), key=lambda kv: kv[1][1], reverse=True)[: self._capacity]
-            merged = dict(newest)
         folder = os.path.dirname(self.path) or "."
         try:
             os.makedirs(folder, mode=0o700, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".weights-digests-", dir=folder)
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    json.dump({"algorithm": ALGORITHM, "files": merged}, f)
-                os.replace(tmp, self.path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
+            # Ranks and engines save at once: the lock keeps one's merge from dropping another's.
+            with open(self.path + ".lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                merged = self._merged()
+                fd, tmp = tempfile.mkstemp(prefix=".weights-digests-", dir=folder)
+                try:
+                    with os.fdopen(fd, "w", encoding="utf-8") as f:
+                        json.dump({"algorithm": ALGORITHM, "files": merged}, f)
+                    os.replace(tmp, self.path)
+                except BaseException:
+                    os.unlink(tmp)
+                    raise
         except OSError as e:
             logger.warning("KVLens: cannot save the weights digest cache %s (%s)", self.path, e)
             return
         self._files = merged
         self._dirty = False
+
+    def _merged(self) -> dict[str, list]:
+        merged = {**DigestCache(self.path, self._capacity)._files, **self._files}
+        if len(merged) > self._capacity:
+            newest = sorted(merged.items(), key=lambda kv: kv[1][1], reverse=True)[: self._capacity]
+            merged = dict(newest)
+        return merged

@@ -40,6 +40,9 @@ PURE = (
     "connector.engine.facts",
     "connector.engine.whatif",
     "connector.engine.namespace_records",
+    "connector.identity.read_along",
+    "connector.vllm_plugin",  # vLLM imports it in every process: no vLLM until a hook acts
+    "connector.vllm_plugin.weights_hook",
 )
 
 
@@ -184,6 +187,7 @@ MAY_IMPORT = {
     },
     "connector.pd_proxy": set(),
     "connector.identity": set(),
+    "connector.vllm_plugin": {"connector.identity"},
     "connector.real_model": set(),
 }
 
