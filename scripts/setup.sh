@@ -153,6 +153,16 @@ if has(wheel) != wheel_version: bad.append(f"{wheel} (want {wheel_version})")
 try:
     url = json.loads(md.distribution("kvlens").read_text("direct_url.json") or "{}").get("url", "")
     if url.rstrip("/") != "file://" + root.rstrip("/"): bad.append("kvlens (not editable from here)")
+    # Entry points are written at install time only: a pyproject.toml that gained one needs a reinstall.
+    try:
+        import tomllib  # Python 3.11+; on 3.10 the stamp (pyproject's digest) alone decides
+        with open(f"{root}/pyproject.toml", "rb") as f:
+            declared = {(group, name) for group, eps in tomllib.load(f)["project"].get("entry-points", {}).items()
+                        for name in eps}
+    except ImportError:
+        declared = set()
+    installed = {(ep.group, ep.name) for ep in md.distribution("kvlens").entry_points}
+    if declared - installed: bad.append("kvlens (entry points not installed: reinstall)")
 except md.PackageNotFoundError:
     bad.append("kvlens")
 if bad:
