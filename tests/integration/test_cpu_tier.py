@@ -1,5 +1,7 @@
 """KVLens's CPU tier inside real vLLM: shared prefixes come back after vLLM's cache is flushed."""
 
+import re
+
 import pytest
 
 from . import workloads as w
@@ -16,7 +18,18 @@ def cpu_run(tiny_model, tmp_path_factory):
         {"prompts": [w.A, w.B, w.SHORT]},  # vLLM's prefix cache was flushed: KVLens supplies
         {"prompts": [w.C]},
     ]
-    return run_engine({"model": tiny_model, "kv": kv, "rounds": rounds}, tmp_path_factory.mktemp("cpu"))
+    tmp = tmp_path_factory.mktemp("cpu")
+    digests = {"KVLENS_WEIGHTS_DIGESTS": str(tmp / "weights-digests.json")}  # nothing remembered yet
+    return run_engine({"model": tiny_model, "kv": kv, "rounds": rounds}, tmp, env=digests)
+
+
+def test_the_weights_are_hashed_during_vllms_load_and_the_scheduler_finds_them_remembered(cpu_run):
+    """KVLens's vLLM plugin (connector/vllm_plugin) hashes the weight file as vLLM's loader reads
+    it; the scheduler half, which starts after the load, then reads nothing."""
+    log = cpu_run["log"]
+    assert "KVLens weights hashed beside vLLM's load: 1 files" in log
+    remembered = r"KVLens model identity ckpt:\w+ from 1 files \(.*1 digests remembered\): hashed 0\.0 GB"
+    assert re.search(remembered, log)
 
 
 def test_outputs_are_identical_to_vllm_without_kvlens(cpu_run, baseline):
