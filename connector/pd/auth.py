@@ -33,6 +33,7 @@ import os
 import struct
 
 import blake3
+from cryptography.hazmat.primitives.ciphers import AEADEncryptionContext, Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 NONCE_BYTES = 32
@@ -90,6 +91,7 @@ class ChunkTags:
 
     def __init__(self, session_key: bytes) -> None:
         self._aead = AESGCM(session_key)
+        self._aes = algorithms.AES(session_key)
 
     def __repr__(self) -> str:
         return "ChunkTags(<session key>)"
@@ -97,9 +99,36 @@ class ChunkTags:
     def tag(self, seq: int, req_id: str, key: str, index: int, tokens: int, data: memoryview) -> bytes:
         """The chunk's tag: its nonce is (``seq``, ``index``), unique on the connection; it binds
         ``req_id``, the key, the token count and the length, and authenticates ``data`` in place."""
-        names = req_id.encode() + b"\0" + key.encode()
-        header = _TAG_HEAD.pack(tokens, data.nbytes) + struct.pack("<H", len(names)) + names
+        header = _tag_header(req_id, key, tokens, data.nbytes)
         return self._aead.encrypt(_NONCE.pack(seq, index), header, data)[-TAG_BYTES:]
+
+    def begin(self, seq: int, req_id: str, key: str, index: int, tokens: int, nbytes: int) -> RunningTag:
+        """The same tag computed as the chunk's ``nbytes`` pass, piece by piece (GCM takes its
+        associated data in any number of calls before the encrypted header)."""
+        encryptor = Cipher(self._aes, modes.GCM(_NONCE.pack(seq, index))).encryptor()
+        return RunningTag(encryptor, _tag_header(req_id, key, tokens, nbytes))
 
     def matches(self, expected: bytes, given: bytes) -> bool:
         return hmac.compare_digest(expected, given)
+
+
+class RunningTag:
+    """One chunk's AES-GCM tag under way: its bytes as associated data, then the header."""
+
+    __slots__ = ("_encryptor", "_header")
+
+    def __init__(self, encryptor: AEADEncryptionContext, header: bytes) -> None:
+        self._encryptor, self._header = encryptor, header
+
+    def update(self, piece: memoryview) -> None:
+        self._encryptor.authenticate_additional_data(piece)
+
+    def trailer(self) -> bytes:
+        self._encryptor.update(self._header)
+        self._encryptor.finalize()
+        return self._encryptor.tag
+
+
+def _tag_header(req_id: str, key: str, tokens: int, nbytes: int) -> bytes:
+    names = req_id.encode() + b"\0" + key.encode()
+    return _TAG_HEAD.pack(tokens, nbytes) + struct.pack("<H", len(names)) + names

@@ -24,8 +24,6 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from . import wire
 from .auth import NONCE_BYTES, ChunkTags, PDAuth, new_nonce
@@ -96,7 +94,6 @@ class PDReceiver:
         self._outcomes: Counter[str] = Counter()
         self._failed: Counter[str] = Counter()
         self._finished: deque[FinishedTransfer] = deque(maxlen=4096)
-        self._checker = ThreadPoolExecutor(1, thread_name_prefix="kvlens-pd-check")
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -157,7 +154,6 @@ class PDReceiver:
         self._release_resources()
 
     def _release_resources(self) -> None:
-        self._checker.shutdown(wait=True)
         for port in self._ports:
             port.listener.close()
         if self._index is not None:
@@ -426,39 +422,35 @@ class PDReceiver:
     ) -> float | None:
         """Read every chunk into its slot until END; seconds from first byte to last, or None
         when a trailer did not match (every chunk is still read, so the reply stays in step).
-        Each chunk is checked on the checker thread while the next one is read."""
+        Each piece of a chunk is hashed as soon as it landed (``wire.recv_checked``), and the
+        chunk checked against its trailer before the next one is read."""
         slots = chunks.slots
         got = [False] * len(slots)
         first: float | None = None
-        checks: list[tuple[Future[bytes], bytes]] = []
-        views: list[memoryview] = []
+        bad = False
         size = chunks.trailers.trailer_bytes
-        try:
-            while True:
-                kind, body = wire.recv_frame(conn, deadline, self._transfer_s)
-                if first is None:
-                    first = time.perf_counter()
-                if kind is FrameType.END:
-                    if not all(got):
-                        raise WireError("bad_frame", "END before every chunk")
-                    bad = any(not chunks.trailers.matches(c.result(), given) for c, given in checks)
-                    return None if bad else time.perf_counter() - first
-                if kind is not FrameType.CHUNK:
-                    raise WireError("bad_frame", f"{kind.name} inside a transfer")
-                index, length = wire.CHUNK_BODY.unpack(body)
-                if index >= len(slots) or got[index] or length != slots[index].length:
-                    raise WireError("bad_frame", f"chunk {index} of {length} bytes not as allocated")
-                view = buffer.writable(slots[index])
-                views.append(view)
-                trailer = bytearray(size)
-                wire.recv_into(conn, view, deadline, self._transfer_s)
-                wire.recv_into(conn, memoryview(trailer), deadline, self._transfer_s)
-                checks.append((self._checker.submit(chunks.expected, index, view), bytes(trailer)))
-                got[index] = True
-        finally:  # no check still reads a slot once this returns (the slots may be freed next)
-            futures.wait([check for check, _ in checks])
-            for view in views:
-                view.release()
+        tail = bytearray(size + wire.HEADER.size)  # a chunk's trailer and the next frame's header
+        head: bytes | None = None
+        while True:
+            kind, body = wire.recv_frame(conn, deadline, self._transfer_s, head)
+            if first is None:
+                first = time.perf_counter()
+            if kind is FrameType.END:
+                if not all(got):
+                    raise WireError("bad_frame", "END before every chunk")
+                return None if bad else time.perf_counter() - first
+            if kind is not FrameType.CHUNK:
+                raise WireError("bad_frame", f"{kind.name} inside a transfer")
+            index, length = wire.CHUNK_BODY.unpack(body)
+            if index >= len(slots) or got[index] or length != slots[index].length:
+                raise WireError("bad_frame", f"chunk {index} of {length} bytes not as allocated")
+            check = chunks.begin(index)
+            with buffer.writable(slots[index]) as view:
+                wire.recv_checked(conn, view, check, deadline, self._transfer_s)
+            wire.recv_into(conn, memoryview(tail), deadline, self._transfer_s)
+            bad = bad or not chunks.trailers.matches(check.trailer(), bytes(tail[:size]))
+            head = bytes(tail[size:])
+            got[index] = True
 
     def _record_failure(self, rank: int, req_id: str, reason: str) -> None:
         if self._stopping.is_set() and reason in ("peer_closed", "timeout"):

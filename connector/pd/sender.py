@@ -6,13 +6,14 @@ served at once, each by one thread at a time, so a slow or hostile decoder holds
 the transfers to the others. A lane connects (or reuses the destination's kept connection),
 shakes hands (``probe.shake_hands``: with a key the receiver proves it first, and nothing leaves
 for one that does not), asks for the whole transfer's slots at once, sends every chunk from the
-caller's memoryview (``sendmsg`` of the frame header and the view: no copy) with its trailer
-computed beside the send, and waits for the receiver's word that every chunk is verified and
-indexed. The whole transfer, handshake included, is bounded by ``transfer_timeout_s`` however
-slowly the receiver reads; connecting by ``connect_timeout_s``. A refusal (``buffer_full``,
-``too_large``, ``mismatch:...``, ``auth_failed``) is an outcome, never retried; a reason a peer
-sends is mapped onto a fixed set (``probe.known_reason``). ``on_done`` is called once per
-transfer, on a lane's thread, after which the memoryviews are not read again.
+caller's memoryview (``sendmsg`` of the frame header and the view: no copy), its trailer hashed a
+piece at a time on the lane's own thread just before the piece leaves, and waits for the
+receiver's word that every chunk is verified and indexed. The whole transfer, handshake
+included, is bounded by ``transfer_timeout_s`` however slowly the receiver reads; connecting by
+``connect_timeout_s``. A refusal (``buffer_full``, ``too_large``, ``mismatch:...``, ``auth_failed``)
+is an outcome, never retried; a reason a peer sends is mapped onto a fixed set
+(``probe.known_reason``). ``on_done`` is called once per transfer, on a lane's thread, after
+which the memoryviews are not read again.
 
 State a peer could grow is bounded: kept connections are closed once idle for
 ``POOLED_IDLE_S`` whether or not their destination comes back, at most ``MAX_POOLED`` are kept,
@@ -28,8 +29,6 @@ import threading
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import wire
@@ -148,7 +147,6 @@ class PDSender:
         self._outcomes: Counter[str] = Counter()
         self._failed: Counter[str] = Counter()
         rank = identity.tp_rank
-        self._hasher = ThreadPoolExecutor(max_lanes, thread_name_prefix=f"kvlens-pd-hash-{rank}")
         self._lanes = [
             threading.Thread(target=self._lane, name=f"kvlens-pd-send-{rank}-{i}", daemon=True)
             for i in range(max_lanes)
@@ -188,7 +186,6 @@ class PDSender:
         for lane in self._lanes:
             if lane is not threading.current_thread():  # not from inside an on_done
                 lane.join(max(0.0, end - time.monotonic()))
-        self._hasher.shutdown(wait=True)
         with self._lock:
             kept, self._pool = list(self._pool.values()), OrderedDict()
         for k in kept:
@@ -317,25 +314,19 @@ class PDSender:
         self._finish(t, True, None, sum(sizes), time.perf_counter() - start)
 
     def _send_chunks(self, kept: _Kept, seq: int, t: Transfer, deadline: Deadline) -> None:
-        """Each chunk's frame header and bytes in one ``sendmsg`` (the kernel copies the bytes
-        straight from the caller's buffer) while a hashing thread computes its trailer, which goes
-        out ahead of the next chunk; END after the last one."""
+        """Each chunk's frame header and bytes straight from the caller's buffer (``sendmsg``: no
+        copy), its trailer hashed a piece at a time just before the piece leaves
+        (``wire.send_checked``) and sent ahead of the next chunk; END after the last one. On
+        return, the caller's buffers are not read again."""
         trailer = b""
-        check: Future[bytes] | None = None
-        try:
-            for index, (key, view, tokens) in enumerate(t.chunks):
-                data = memoryview(view).cast("B")
-                check = self._hasher.submit(kept.trailers.tag, seq, t.req_id, key, index, tokens, data)
-                header = wire.chunk_header(index, data.nbytes)
-                wire.send_all(kept.conn, [trailer, header, data], self._io_s, deadline)
-                trailer = check.result(timeout=deadline.left())
-            end = wire.control_frame(FrameType.END, {})
-            wire.send_all(kept.conn, [trailer, end], self._io_s, deadline)
-        except futures.TimeoutError:
-            raise wire.Timeout() from None
-        finally:  # the caller's buffers are not read once on_done runs
-            if check is not None:
-                futures.wait([check])
+        for index, (key, view, tokens) in enumerate(t.chunks):
+            data = memoryview(view).cast("B")
+            check = kept.trailers.begin(seq, t.req_id, key, index, tokens, data.nbytes)
+            head = [trailer, wire.chunk_header(index, data.nbytes)]
+            wire.send_checked(kept.conn, head, data, check, self._io_s, deadline)
+            trailer = check.trailer()
+        end = wire.control_frame(FrameType.END, {})
+        wire.send_all(kept.conn, [trailer, end], self._io_s, deadline)
 
     def _keep(self, t: Transfer, kept: _Kept | None) -> None:
         if kept is None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from . import wire
 from .auth import ChunkTags
 from .receive_buffer import Slot
-from .wire import Checksums, WireError
+from .wire import Checksums, RunningCheck, WireError
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +50,10 @@ class TransferChunks:
     slots: list[Slot]
     trailers: ChunkTags | Checksums
 
-    def expected(self, index: int, view: memoryview) -> bytes:
-        return self.trailers.tag(self.seq, self.req_id, self.keys[index], index, self.tokens[index], view)
+    def begin(self, index: int) -> RunningCheck:
+        """Chunk ``index``'s trailer as the receiver computes it while its bytes land."""
+        length = self.slots[index].length
+        return self.trailers.begin(self.seq, self.req_id, self.keys[index], index, self.tokens[index], length)
 
 
 def parse_alloc(body: dict) -> tuple[str, list[str], list[int], list[int]]:

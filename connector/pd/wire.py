@@ -7,8 +7,8 @@ anything is read or allocated. A ``CHUNK`` frame's body is fixed: the chunk's in
 transfer and its length; the bytes follow raw, then their trailer: the xxh3-64 (8 bytes) without
 a key, an AES-GCM tag (16 bytes, ``auth.py``) with one. The receiver reads the bytes with
 ``recv_into`` straight into the slot the allocation gave that index (so the announced length must
-equal the allocated one). The trailer follows the bytes so that the sender can hash a chunk (on a
-helper thread) while the chunk travels.
+equal the allocated one). The trailer follows the bytes so that each end hashes a chunk a piece
+at a time as the piece passes (``send_checked``, ``recv_checked``), while it is in the cache.
 
 One connection to a decoder rank's init port carries a transfer::
 
@@ -40,9 +40,10 @@ import socket
 import ssl
 import struct
 import time
+import weakref
 from collections.abc import Sequence
 from enum import IntEnum
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import xxhash
@@ -115,10 +116,34 @@ def chunk_trailer(digest: int) -> bytes:
     return DIGEST.pack(digest)
 
 
+class RunningCheck(Protocol):
+    """A chunk's trailer computed piece by piece, as its bytes are sent or received."""
+
+    def update(self, piece: memoryview) -> None: ...
+
+    def trailer(self) -> bytes: ...
+
+
+class RunningDigest:
+    __slots__ = ("_hasher",)
+
+    def __init__(self) -> None:
+        self._hasher = xxhash.xxh3_64()
+
+    def update(self, piece: memoryview) -> None:
+        self._hasher.update(piece)
+
+    def trailer(self) -> bytes:
+        return DIGEST.pack(self._hasher.intdigest())
+
+
 class Checksums:
     """A connection's chunk trailers without a key: xxh3-64 of the bytes (damage, not intent)."""
 
     trailer_bytes = DIGEST.size
+
+    def begin(self, seq: int, req_id: str, key: str, index: int, tokens: int, nbytes: int) -> RunningCheck:
+        return RunningDigest()
 
     def tag(self, seq: int, req_id: str, key: str, index: int, tokens: int, data: memoryview) -> bytes:
         return DIGEST.pack(digest(data))
@@ -165,18 +190,31 @@ class Deadline:
         return left
 
 
+TIMEOUT_SLACK_S = 0.01  # how far a kept kernel timeout may stray from the one asked for
+
+
 def _os_timeout(sock: socket.socket, option: int, seconds: float) -> None:
     """Bound each blocking call in the kernel (SO_RCVTIMEO / SO_SNDTIMEO): the socket stays in
     blocking mode, so a 4 MiB send or receive is one call, not a poll() and a call per piece as
-    Python's own timeouts make it."""
-    sock.settimeout(None)
+    Python's own timeouts make it. The timeout last set is kept while it is within
+    ``TIMEOUT_SLACK_S`` of the one asked for (one bounded by a deadline shrinks as time passes):
+    a ``setsockopt`` takes the socket's lock, which the sender's own acknowledgements contend
+    for, and set before every piece it cost a tenth of the send."""
+    kept = _timeouts.setdefault(sock, {})
+    last = kept.get(option)
+    if last is not None and abs(last - seconds) <= TIMEOUT_SLACK_S:
+        return
+    if sock.gettimeout() is not None:  # settimeout costs two fcntl calls even when nothing changes
+        sock.settimeout(None)
     whole = int(seconds)
     micros = int((seconds - whole) * 1e6)
     if whole == 0 and micros == 0:
         micros = 1  # a zero timeval means "no timeout"
     sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(whole, micros))
+    kept[option] = seconds
 
 
+_timeouts: weakref.WeakKeyDictionary[socket.socket, dict[int, float]] = weakref.WeakKeyDictionary()
 _TIMEVAL = struct.Struct("@ll")
 
 
@@ -206,10 +244,14 @@ def recv_into(sock: socket.socket, view: memoryview, deadline: Deadline, silence
             _os_timeout(sock, socket.SO_RCVTIMEO, min(silence_s, deadline.left()))
 
 
-def recv_frame(sock: socket.socket, deadline: Deadline, silence_s: float) -> tuple[FrameType, bytes]:
-    """One frame's type and (bounded) body; a CHUNK's raw bytes are left on the socket."""
-    head = bytearray(HEADER.size)
-    recv_into(sock, memoryview(head), deadline, silence_s)
+def recv_frame(
+    sock: socket.socket, deadline: Deadline, silence_s: float, head: bytes | None = None
+) -> tuple[FrameType, bytes]:
+    """One frame's type and (bounded) body; a CHUNK's raw bytes are left on the socket. ``head``:
+    the frame's header when it was read already (with the chunk trailer before it)."""
+    if head is None:
+        head = bytearray(HEADER.size)
+        recv_into(sock, memoryview(head), deadline, silence_s)
     kind, length = parse_header(head)
     body = bytearray(length)
     recv_into(sock, memoryview(body), deadline, silence_s)
@@ -252,3 +294,36 @@ def send_all(
         raise Timeout() from None
     except OSError:
         raise PeerClosed() from None
+
+
+CHECK_PIECE = 1 << 20  # bytes moved, then hashed, at a time: still in the core's L2 when hashed
+
+
+def send_checked(
+    sock: socket.socket,
+    head: Sequence[bytes],
+    data: memoryview,
+    check: RunningCheck,
+    timeout_s: float,
+    deadline: Deadline,
+) -> None:
+    """Send ``head`` then ``data``, ``data`` hashed into ``check`` a piece at a time just before
+    the piece leaves: the kernel's copy then reads bytes the hash brought into the cache, and no
+    other thread (nor a hand-off to one per chunk) is needed."""
+    pieces: list[bytes | memoryview] = list(head)
+    for start in range(0, data.nbytes, CHECK_PIECE):
+        with data[start : start + CHECK_PIECE] as piece:
+            check.update(piece)
+            send_all(sock, [*pieces, piece], timeout_s, deadline)
+        pieces = []
+
+
+def recv_checked(
+    sock: socket.socket, view: memoryview, check: RunningCheck, deadline: Deadline, silence_s: float
+) -> None:
+    """Fill ``view`` a piece at a time (``recv_into``), each piece hashed into ``check`` as soon
+    as it landed, while it is still in the cache."""
+    for start in range(0, view.nbytes, CHECK_PIECE):
+        with view[start : start + CHECK_PIECE] as piece:
+            recv_into(sock, piece, deadline, silence_s)
+            check.update(piece)

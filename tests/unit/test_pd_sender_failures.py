@@ -242,21 +242,20 @@ def test_close_from_inside_on_done_does_not_deadlock_and_ends_the_rest():
 
 
 def _slow_digest(log: list[str]):  # type: ignore[no-untyped-def]
-    real = wire.digest
+    real = wire.RunningDigest.update
 
-    def digest(data):  # type: ignore[no-untyped-def]
+    def update(self, piece):  # type: ignore[no-untyped-def]
         log.append("hashing")
         time.sleep(0.3)
-        value = real(data)
+        real(self, piece)
         log.append("hashed")
-        return value
 
-    return digest
+    return update
 
 
 def test_on_done_comes_after_the_last_read_of_the_callers_buffers(monkeypatch):
     log: list[str] = []
-    monkeypatch.setattr(wire, "digest", _slow_digest(log))
+    monkeypatch.setattr(wire.RunningDigest, "update", _slow_digest(log))
     with socket.create_server((HOST, 0)) as srv:
 
         def accept_then_hang_up() -> None:  # a decoder that dies right after the allocation
@@ -282,7 +281,7 @@ def test_on_done_comes_after_the_last_read_of_the_callers_buffers(monkeypatch):
 
 def test_a_failed_transfers_slots_are_freed_only_after_their_checks_end(monkeypatch):
     log: list[str] = []
-    monkeypatch.setattr(wire, "digest", _slow_digest(log))
+    monkeypatch.setattr(wire.RunningDigest, "update", _slow_digest(log))
     real_free = ReceiveBuffer.free
 
     def free(self, slot):  # type: ignore[no-untyped-def]

@@ -4,12 +4,18 @@ caller's memoryview, read with recv_into straight into the shared-memory slot)."
 
 from __future__ import annotations
 
+import os
+import socket
+import threading
+import time
 import tracemalloc
 
+import pytest
 import xxhash
 
 from connector.pd import sender as sender_module
 from connector.pd import wire
+from connector.pd.auth import PDAuth
 from connector.pd.receive_buffer import attach
 from connector.pd.sender import PDSender
 
@@ -18,13 +24,14 @@ from .pd_wire_support import RawPeer, assert_idle, identity, receiver, records, 
 
 def test_a_chunk_whose_checksum_does_not_match_fails_the_transfer_and_frees_its_slots(monkeypatch):
     calls = []
+    real = sender_module.wire.RunningDigest.trailer
 
-    def lying(data):  # the second chunk's checksum is wrong
-        calls.append(len(data))
-        digest = xxhash.xxh3_64_intdigest(data)
-        return digest ^ 1 if len(calls) == 2 else digest
+    def lying(self):  # type: ignore[no-untyped-def]  # the second chunk's checksum is wrong
+        calls.append(1)
+        trailer = real(self)
+        return bytes([trailer[0] ^ 1]) + trailer[1:] if len(calls) == 2 else trailer
 
-    monkeypatch.setattr(sender_module.wire, "digest", lying)
+    monkeypatch.setattr(sender_module.wire.RunningDigest, "trailer", lying)
     with receiver() as rx:
         tx = PDSender(identity(), 2.0, 5.0)
         try:
@@ -84,3 +91,36 @@ def test_the_checksum_of_a_record_hashed_in_pieces_is_its_xxh3_64():
     for size in (1, wire.HASH_PIECE - 1, wire.HASH_PIECE, 3 * wire.HASH_PIECE + 17):
         data = memoryview(records(1, size, size)[0])
         assert wire.digest(data) == xxhash.xxh3_64_intdigest(data)
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["xxh3", "aes-gcm"])
+def test_a_trailer_computed_piece_by_piece_as_the_bytes_pass_equals_the_one_shot_trailer(keyed):
+    key = PDAuth(b"a PD key of at least 16 bytes")
+    trailers = key.session(b"s" * 32, b"r" * 32) if keyed else wire.Checksums()
+    for size in (1, 100, wire.CHECK_PIECE - 1, wire.CHECK_PIECE, 2 * wire.CHECK_PIECE + 17):
+        data = memoryview(os.urandom(size))
+        whole = trailers.tag(3, "req", "key", 5, 256, data)
+        for split in (s for s in (1, 7, 4093, wire.CHECK_PIECE) if size // s <= 1000):
+            running = trailers.begin(3, "req", "key", 5, 256, size)
+            for start in range(0, size, split):
+                running.update(data[start : start + split])
+            assert running.trailer() == whole, (size, split)
+        if keyed:  # another index: another tag
+            other = trailers.begin(3, "req", "key", 6, 256, size)
+            other.update(data)
+            assert other.trailer() != whole
+
+
+def test_a_kernel_timeout_kept_from_a_short_bound_does_not_cut_a_longer_one_short():
+    a, b = socket.socketpair()
+    with a, b:
+        with pytest.raises(wire.Timeout):  # a bound of 50 ms, nothing sent: times out
+            wire.recv_into(a, memoryview(bytearray(1)), wire.Deadline(0.05), 5.0)
+        threading.Timer(0.3, b.sendall, (b"x",)).start()
+        got = bytearray(1)
+        wire.recv_into(a, memoryview(got), wire.Deadline(5.0), 5.0)  # waits the 0.3 s
+        assert got == b"x"
+        start = time.monotonic()
+        with pytest.raises(wire.Timeout):  # and a deadline still ends a silent wait on time
+            wire.recv_into(a, memoryview(got), wire.Deadline(0.2), 5.0)
+        assert 0.15 < time.monotonic() - start < 0.2 + 0.1
