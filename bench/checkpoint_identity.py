@@ -1,6 +1,7 @@
 """What the model identity costs at start-up, against vLLM's own read of the same weights.
 
     python bench/checkpoint_identity.py [--quick] [--gb 16] [--dir DIR] [--keep] [--skip-vllm] [--repeat 3]
+        [--modes identity,identity-cached,vllm-read,vllm-read+hash]
 
 Builds a checkpoint shaped like Llama-3-8B in bf16 (4 safetensors shards, 291 tensors,
 16 GB by default; values are random bytes), then times, side by side on the same files:
@@ -10,6 +11,11 @@ stats only), and vLLM's own read of the weights (``safetensors_weights_iterator`
 copied into a new tensor and dropped: vLLM's load on a CPU, without building the model;
 a GPU adds the copy to the device); warm (files in the page cache, as vLLM leaves them when KVLens starts) and
 cold (pages dropped with ``posix_fadvise(DONTNEED)`` before each run).
+
+``vllm-read+hash``: the same read of vLLM's, with KVLens's vLLM plugin hashing the files beside
+it (``connector.vllm_plugin.weights_hook.read_beside``, the code the plugin wraps vLLM's
+iterator in; nothing remembered before), what a load with KVLens costs now that the scheduler
+half finds the digests remembered: its time over ``vllm-read``'s, less one, is the added time.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib.runner import Benchmark, Case, Figure, Option, Side, main  # noqa: E402
+from connector.identity import weights_digests  # noqa: E402
 from connector.identity.checkpoint import fingerprint  # noqa: E402
 from connector.identity.weights_digests import DigestCache  # noqa: E402
+from connector.vllm_plugin.weights_hook import COUNTS, RECENT, read_beside  # noqa: E402
 
 HIDDEN, INTER, LAYERS, VOCAB, KV = 4096, 14336, 32, 128256, 1024
 SHARDS = 4
@@ -99,20 +107,41 @@ def drop_cache(folder: Path) -> None:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def vllm_read(folder: Path) -> None:
+def vllm_read(folder: Path, hash_beside: bool = False) -> None:
     """vLLM 0.32's read of a safetensors checkpoint, each tensor copied into a parameter-sized
-    buffer (as ``weight_loader`` copies it into the model) and dropped."""
+    buffer (as ``weight_loader`` copies it into the model) and dropped; ``hash_beside``: with
+    the KVLens plugin's read-along around the iterator."""
     import torch
     from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
     files = [str(p) for p in sorted(folder.glob("*.safetensors"))]
-    for _, tensor in safetensors_weights_iterator(files, False):
+    weights = safetensors_weights_iterator(files, False)
+    for _, tensor in read_beside(weights, files) if hash_beside else weights:
         torch.empty_like(tensor).copy_(tensor)
+
+
+@contextlib.contextmanager
+def fresh_digest_cache(folder: Path) -> Iterator[Path]:
+    """A digest cache that remembers nothing yet (the plugin reads KVLENS_WEIGHTS_DIGESTS)."""
+    path = folder / "read-along" / "weights-digests.json"
+    shutil.rmtree(path.parent, ignore_errors=True)
+    before = os.environ.get(weights_digests.ENV)
+    os.environ[weights_digests.ENV] = str(path)
+    try:
+        yield path
+    finally:
+        if before is None:
+            del os.environ[weights_digests.ENV]
+        else:
+            os.environ[weights_digests.ENV] = before
 
 
 class CheckpointIdentity(Benchmark):
     name = "checkpoint_identity"
-    figures = (Figure("ms", "ms", "{:.1f}", ratio=True, log=True),)
+    figures = (
+        Figure("ms", "ms", "{:.1f}", ratio=True, log=True),
+        Figure("wait_ms", "hash wait after the read, ms", "{:.0f}", plot=False),
+    )
     baselines = ("vllm-read",)
     case_label = "page cache"
     repeat_flags = ("--repeat",)
@@ -124,7 +153,14 @@ class CheckpointIdentity(Benchmark):
     }
 
     def sides(self) -> list[Side]:
-        read = [] if self.args.skip_vllm else [Side("vllm-read", "vLLM's read of the weights")]
+        read = (
+            []
+            if self.args.skip_vllm
+            else [
+                Side("vllm-read", "vLLM's read of the weights"),
+                Side("vllm-read+hash", "vLLM's read with the KVLens plugin hashing beside it"),
+            ]
+        )
         return [
             Side("identity", "KVLens's identity, no digest remembered"),
             Side("identity-cached", "KVLens's identity, digests remembered"),
@@ -135,6 +171,13 @@ class CheckpointIdentity(Benchmark):
         # after-vllm: pages dropped, then vLLM's read (untimed), then the mode: what KVLens's
         # start-up meets, as the scheduler half starts after vLLM has loaded the weights
         return [Case("warm", "warm"), Case("cold", "cold"), Case("after-vllm", "after-vllm")]
+
+    def applies(self, side: Side, case: Case) -> bool:
+        # the plugin's hash replaces the identity's pass after vLLM's read; vLLM's read twice
+        # in a row says nothing
+        if case.params == "after-vllm":
+            return side.name.startswith("identity")
+        return True
 
     @contextlib.contextmanager
     def setup(self) -> Iterator[None]:
@@ -150,8 +193,11 @@ class CheckpointIdentity(Benchmark):
             self.size = write_checkpoint(self.folder, self.args.gb, SHARDS)
             os.sync()  # dirty pages cannot be dropped
             self.cache = DigestCache(str(self.folder / "digests.json"))
-            found = fingerprint(str(self.folder), self.cache)
-            self.read_bytes, self.total_bytes = found.read_bytes, found.total_bytes
+            if any(s.name == "identity-cached" for s in self.modes):
+                found = fingerprint(str(self.folder), self.cache)
+                self.read_bytes, self.total_bytes = found.read_bytes, found.total_bytes
+            else:
+                self.read_bytes = self.total_bytes = self.size
             print(
                 f"   checkpoint: {self.size / 1e9:.1f} GB in {SHARDS} shards, written in "
                 f"{time.perf_counter() - started:.0f}"
@@ -174,9 +220,21 @@ class CheckpointIdentity(Benchmark):
         elif side.name == "identity-cached":
             found = fingerprint(str(self.folder), DigestCache(self.cache.path))
             assert found.read_bytes == 0, "the digests were not remembered"
-        else:
+        elif side.name == "vllm-read":
             vllm_read(self.folder)
+        else:
+            return self._read_with_hash(started)
         return {"ms": (time.perf_counter() - started) * 1e3}
+
+    def _read_with_hash(self, started: float) -> dict[str, float]:
+        with fresh_digest_cache(self.folder) as path:
+            finished = COUNTS["finished"]
+            vllm_read(self.folder, hash_beside=True)
+            ms = (time.perf_counter() - started) * 1e3
+            assert COUNTS["finished"] == finished + 1, "the plugin's read-along fell back"
+            found = fingerprint(str(self.folder), DigestCache(str(path)))
+            assert found.cached_files == found.files, "the plugin did not remember every digest"
+        return {"ms": ms, "wait_ms": RECENT[-1].waited_s * 1e3}
 
     def workload(self) -> dict[str, Any]:
         return {
