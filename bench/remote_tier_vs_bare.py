@@ -19,7 +19,9 @@ none always follows the same one. The modes:
   checked by ``check_payload``. The views are dropped after the batch, as the worker drops them
   after the step.
 - ``background get_many``: the same through ``BackgroundTier`` (reader thread, deadline), as the
-  worker calls it.
+  worker calls it: its readers run below the forward pass's priority (``cpu_affinity``).
+- ``background get_many, readers not lowered``: the same with readers at the caller's priority
+  (``lower_readers=False``): what the lowered priority costs on this machine.
 - ``redis-py GET``: redis-py's own pipeline (hiredis if installed), values decoded and checksummed:
   what the tier did before it read values itself.
 - ``bare SET``: the reference writer. One socket, the batch's SETs pipelined, each one
@@ -80,7 +82,8 @@ LAYOUT = "bench-layout"
 BATCH = 8
 LAYERS = 8
 BLOCK_BYTES = 32 * 1024  # [2, 16 tokens, 8 heads, 64] float16: one layer's block
-LOADS = ("bare GET", "tier get_many", "background get_many", "redis-py GET")
+UNLOWERED = "background get_many, readers not lowered"
+LOADS = ("bare GET", "tier get_many", "background get_many", UNLOWERED, "redis-py GET")
 STORES = ("bare SET", "tier put_many", "background put")
 
 
@@ -354,6 +357,7 @@ class Case:
         )  # a shared machine stalls a socket past the default 0.5 s now and then
         self.tier.clear()
         self.background = BackgroundTier(self.tier, TierHealth("remote"), timeout_s=30.0)
+        self.unlowered = BackgroundTier(self.tier, TierHealth("remote"), timeout_s=30.0, lower_readers=False)
         generator = torch.Generator().manual_seed(chunk_bytes)
         self.payloads = [
             memoryview(torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8, generator=generator).numpy())
@@ -387,6 +391,7 @@ class Case:
             "bare GET": self.bare_get,
             "tier get_many": self.tier_get,
             "background get_many": self.background_get,
+            UNLOWERED: self.unlowered_get,
             "redis-py GET": self.redispy_get,
         }
         for name, client in self.others.items():
@@ -411,6 +416,9 @@ class Case:
 
     def background_get(self, b: int) -> None:
         self._use(list(self.background.get_many(self.names[b])))
+
+    def unlowered_get(self, b: int) -> None:
+        self._use(list(self.unlowered.get_many(self.names[b])))
 
     def redispy_get(self, b: int) -> None:
         pipe = self.redispy.pipeline(transaction=False)
@@ -446,6 +454,7 @@ class Case:
 
     def close(self) -> None:
         self.background.close()
+        self.unlowered.close()
         self.tier.clear()
         self.tier.close()
         self.redispy.delete(*(key for items in self.bare_items for key, _ in items))
@@ -488,13 +497,13 @@ def run_case(case: Case, rounds: int) -> dict:
                 seconds[mode] += time.perf_counter() - start
         for mode in order:
             rates[mode].append(case.bytes_per_pass / seconds[mode])
-    ratios = {}
+    ratios, spread = {}, {}
     for mode in order:
         reference = "bare GET" if _is_load(mode) else "bare SET"
         if mode != reference:
-            ratios[mode] = statistics.median(
-                a / b for a, b in zip(rates[mode], rates[reference], strict=True)
-            )
+            per_round = [a / b for a, b in zip(rates[mode], rates[reference], strict=True)]
+            ratios[mode] = statistics.median(per_round)
+            spread[mode] = (min(per_round), max(per_round))
     return {
         "chunk_mib": case.chunk_bytes / MB,
         "batch": BATCH,
@@ -502,6 +511,7 @@ def run_case(case: Case, rounds: int) -> dict:
         "redis_py_parser": case.parser,
         "gb_per_s": {mode: statistics.median(v) / 1e9 for mode, v in rates.items()},
         "ratio_to_bare": ratios,
+        "ratio_range": spread,  # min and max of the rounds' ratios
         "all_gb_per_s": {mode: [x / 1e9 for x in v] for mode, v in rates.items()},
     }
 
@@ -512,10 +522,12 @@ def print_table(results: list[dict]) -> None:
             f"\n{res['chunk_mib']:g} MiB chunks, batches of {res['batch']}, "
             f"median of {res['rounds']} rounds (redis-py parser: {res['redis_py_parser']})"
         )
-        print(f"  {'mode':34s} {'GB/s':>7s} {'x bare':>7s}")
+        print(f"  {'mode':42s} {'GB/s':>7s} {'x bare':>7s}  rounds' min..max")
         for mode, rate in res["gb_per_s"].items():
             ratio = res["ratio_to_bare"].get(mode)
-            print(f"  {mode:34s} {rate:7.2f} {'' if ratio is None else f'{ratio:6.2f}x':>7s}")
+            low, high = res["ratio_range"].get(mode, (None, None))
+            spread = "" if low is None else f"  {low:.2f}..{high:.2f}"
+            print(f"  {mode:42s} {rate:7.2f} {'' if ratio is None else f'{ratio:6.2f}x':>7s}{spread}")
 
 
 def main() -> None:

@@ -66,12 +66,16 @@ class BackgroundTier:
         timeout_s: float = 5.0,
         max_pending_bytes: int = 512 * 1024**2,
         readers: int = 2,
+        lower_readers: bool = True,
     ) -> None:
+        """``lower_readers``: the reader threads run below the forward pass's priority
+        (``cpu_affinity``); False keeps the caller's, only for measuring what that costs."""
         self.name = inner.name
         self.inner = inner
         self.health = health
         self.timeout_s = timeout_s
         self._max_pending_bytes = max_pending_bytes
+        self._lower_readers = lower_readers
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._ops: deque[_Op] = deque()
@@ -392,7 +396,7 @@ class BackgroundTier:
         return future
 
     def _read_loop(self) -> None:
-        run_beside_worker(background=True)
+        run_beside_worker(background=self._lower_readers)
         while True:
             item = self._reads.get()
             if item is None:

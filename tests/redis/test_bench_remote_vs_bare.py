@@ -24,6 +24,7 @@ def test_quick_side_by_side_prints_ratios_for_loads_and_stores_of_both_sizes(tmp
         assert set(result["ratio_to_bare"]) == {
             "tier get_many",
             "background get_many",
+            "background get_many, readers not lowered",
             "redis-py GET",
             "tier put_many",
             "background put",
