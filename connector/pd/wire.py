@@ -200,7 +200,9 @@ def _os_timeout(sock: socket.socket, option: int, seconds: float) -> None:
     ``TIMEOUT_SLACK_S`` of the one asked for (one bounded by a deadline shrinks as time passes):
     a ``setsockopt`` takes the socket's lock, which the sender's own acknowledgements contend
     for, and set before every piece it cost a tenth of the send."""
-    kept = _timeouts.setdefault(sock, {})
+    kept = _timeouts.get(sock)
+    if kept is None:
+        kept = _timeouts.setdefault(sock, {})
     last = kept.get(option)
     if last is not None and abs(last - seconds) <= TIMEOUT_SLACK_S:
         return
@@ -311,8 +313,9 @@ def send_checked(
     the piece leaves: the kernel's copy then reads bytes the hash brought into the cache, and no
     other thread (nor a hand-off to one per chunk) is needed."""
     pieces: list[bytes | memoryview] = list(head)
-    for start in range(0, data.nbytes, CHECK_PIECE):
-        with data[start : start + CHECK_PIECE] as piece:
+    step = _piece_bytes(data.nbytes)
+    for start in range(0, data.nbytes, step):
+        with data[start : start + step] as piece:
             check.update(piece)
             send_all(sock, [*pieces, piece], timeout_s, deadline)
         pieces = []
@@ -323,7 +326,15 @@ def recv_checked(
 ) -> None:
     """Fill ``view`` a piece at a time (``recv_into``), each piece hashed into ``check`` as soon
     as it landed, while it is still in the cache."""
-    for start in range(0, view.nbytes, CHECK_PIECE):
-        with view[start : start + CHECK_PIECE] as piece:
+    step = _piece_bytes(view.nbytes)
+    for start in range(0, view.nbytes, step):
+        with view[start : start + step] as piece:
             recv_into(sock, piece, deadline, silence_s)
             check.update(piece)
+
+
+def _piece_bytes(nbytes: int) -> int:
+    """``nbytes`` in pieces of about ``CHECK_PIECE`` (a whole number of cache lines), none of
+    them a small remainder: a record of 1 MiB and its header is one piece, not two."""
+    pieces = max(1, round(nbytes / CHECK_PIECE))
+    return -(-nbytes // pieces // 64) * 64 if pieces > 1 else nbytes

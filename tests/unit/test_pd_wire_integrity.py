@@ -124,3 +124,13 @@ def test_a_kernel_timeout_kept_from_a_short_bound_does_not_cut_a_longer_one_shor
         with pytest.raises(wire.Timeout):  # and a deadline still ends a silent wait on time
             wire.recv_into(a, memoryview(got), wire.Deadline(0.2), 5.0)
         assert 0.15 < time.monotonic() - start < 0.2 + 0.1
+
+
+def test_a_record_is_checked_in_pieces_of_about_a_mib_with_no_small_remainder():
+    mib = wire.CHECK_PIECE
+    for nbytes in (1, 384, mib, mib + 384, int(1.6 * mib), 4 * mib + 384, 16 * mib - 1):
+        step = wire._piece_bytes(nbytes)
+        pieces = [min(step, nbytes - start) for start in range(0, nbytes, step)]
+        assert sum(pieces) == nbytes
+        assert len(pieces) == max(1, round(nbytes / mib))  # a 1 MiB record's header is not a piece
+        assert len(pieces) == 1 or (step % 64 == 0 and min(pieces) > mib // 2)
