@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import shutil
 import struct
 import sys
@@ -94,6 +95,11 @@ def write_checkpoint(folder: Path, gb: float, shards: int = 4) -> int:
     return total
 
 
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -141,6 +147,8 @@ class CheckpointIdentity(Benchmark):
     figures = (
         Figure("ms", "ms", "{:.1f}", ratio=True, log=True),
         Figure("wait_ms", "hash wait after the read, ms", "{:.0f}", plot=False),
+        # CPU time of this process (every thread): steadier than wall time on a shared machine
+        Figure("cpu_s", "CPU s", "{:.1f}", ratio=True, plot=False),
     )
     baselines = ("vllm-read",)
     case_label = "page cache"
@@ -214,6 +222,7 @@ class CheckpointIdentity(Benchmark):
             drop_cache(self.folder)
         if case.params == "after-vllm":
             vllm_read(self.folder)
+        cpu = _cpu_s()
         started = time.perf_counter()
         if side.name == "identity":
             fingerprint(str(self.folder))
@@ -223,8 +232,8 @@ class CheckpointIdentity(Benchmark):
         elif side.name == "vllm-read":
             vllm_read(self.folder)
         else:
-            return self._read_with_hash(started)
-        return {"ms": (time.perf_counter() - started) * 1e3}
+            return {**self._read_with_hash(started), "cpu_s": _cpu_s() - cpu}
+        return {"ms": (time.perf_counter() - started) * 1e3, "cpu_s": _cpu_s() - cpu}
 
     def _read_with_hash(self, started: float) -> dict[str, float]:
         with fresh_digest_cache(self.folder) as path:
