@@ -18,9 +18,10 @@ ends share a secret (``pd_auth_key``, its file, or the deployment's ``store_auth
   count and length (encrypted, discarded) and its bytes (authenticated in place, never copied).
   A chunk moved to another key, index or transfer, replayed on another connection, or changed in
   one byte fails its tag. AES-GCM's tag runs at about 20 GB/s on a core with AES and carry-less
-  multiply instructions (VAES/VPCLMULQDQ), three times BLAKE3's, and releases the GIL, so a tag
-  computed beside the send costs the transfer little (bench/pd_transfer.py measures it). A
-  (sequence, index) pair is never used twice under one session key by the sender.
+  multiply instructions (VAES/VPCLMULQDQ), three times BLAKE3's and above what one core copies
+  through a socket, so each end computes it on its I/O thread as the bytes pass, a piece at a
+  time (``begin``; bench/pd_transfer.py measures it). A (sequence, index) pair is never used
+  twice under one session key by the sender.
 
 Without a key, the trailer stays the xxh3-64 checksum: damage is caught, a peer is not
 authenticated (a receiver then binds loopback only unless ``pd_allow_unauthenticated``).
