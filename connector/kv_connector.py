@@ -209,6 +209,8 @@ class KVLensConnector(KVConnectorBase_V1):
         rid = request.request_id
         with self._scheduler_telemetry.lookup(rid):
             need = self._scheduler.lookup(request, num_computed_tokens)
+        if need is None:  # the remote tier's answer is on its way: vLLM asks again next step
+            return None, False
         if self._pd_scheduler is not None:  # the PD receive buffer first (its load is asynchronous)
             pd = self._pd_scheduler.lookup(request, num_computed_tokens, need)
             if pd is not None:

@@ -64,7 +64,7 @@ UNUSED: dict[str, str] = {
     ),
     "pre_caching_hash_algorithm": "KVLens keys chunks by BLAKE2b over the tokens and the model's identity",
     "blocking_timeout_secs": "extra_config.tier_timeout_s bounds a slow disk or remote read",
-    "lookup_timeout_ms": "extra_config.remote_lookup_timeout_ms bounds a lookup's remote round trip",
+    "lookup_timeout_ms": "extra_config.remote_lookup_timeout_ms bounds a scheduler step's wait for a lookup",
     "pin_timeout_sec": "KVLens releases a request's pins when vLLM finishes or aborts it",
     # Older LMCache versions (0.1-0.3) and keys its documentation spells differently.
     **dict.fromkeys(

@@ -77,8 +77,9 @@ class ConnectorScheduler:
     def usable(self, tier: str) -> bool:
         return self.state.usable(tier)
 
-    def lookup(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens KVLens will load beyond vLLM's hit (side-effect free but for pins)."""
+    def lookup(self, request: Any, num_computed_tokens: int) -> int | None:
+        """Tokens KVLens will load beyond vLLM's hit (side-effect free but for pins); None while
+        the remote tier's answer is awaited (vLLM asks again at its next step)."""
         self.state.forget_scrubbed()  # damage found since the last step is not offered
         need = self.prefix.lookup(request, num_computed_tokens)
         policy = self.state.policies.get(request.request_id)

@@ -82,8 +82,9 @@ class PrefixLookup:
             return f"lora-name:{lora.lora_name}"
         return self._adapters.identity(str(path))
 
-    def lookup(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens KVLens will load beyond vLLM's hit (side-effect free but for pins)."""
+    def lookup(self, request: Any, num_computed_tokens: int) -> int | None:
+        """Tokens KVLens will load beyond vLLM's hit (side-effect free but for pins); None while
+        the remote's answer is awaited (vLLM asks again)."""
         s = self._s
         s.merge_disk_scan()
         rid = request.request_id
@@ -101,7 +102,13 @@ class PrefixLookup:
             return 0
         tokens = request.all_token_ids
         upto = max(len(tokens) - s.config.skip_last_n_tokens, 0)
-        hits, first_missing, unanswered, calls = self._find_hits(rid, tokens, upto)
+        found = self._find_hits(rid, tokens, upto)
+        if found is None:  # the remote's answer is on its way: vLLM asks again at its next step
+            # Until then (and if the request ends first) the lookup stands as unanswered.
+            s.lookups[rid] = LookupResult([], 0, num_computed_tokens, 0, MissReason.LOOKUP_TIMEOUT, attempts)
+            s.pins.release(rid)
+            return None
+        hits, first_missing, unanswered, calls = found
         slow = self._drop_slower_than_recompute(hits, num_computed_tokens)
         hit_tokens = hits[-1].key.end if hits else 0
         need = external_tokens(hit_tokens, num_computed_tokens, request.num_tokens)
@@ -232,11 +239,11 @@ class PrefixLookup:
 
     def _find_hits(
         self, rid: str, tokens: Any, upto: int
-    ) -> tuple[list[ChunkHit], str | None, MissReason | None, list[RemoteCall]]:
+    ) -> tuple[list[ChunkHit], str | None, MissReason | None, list[RemoteCall]] | None:
         """The stored chunks of the prompt's prefix (local tiers, then the remote); the first
         missing whole chunk; why the tier that may hold it could not say (``tier_unhealthy``:
         it sits only in a skipped tier, or the remote is skipped; ``lookup_timeout``); the
-        remote round trips."""
+        remote round trips. None: the remote's answer is still awaited."""
         s = self._s
         hits: list[ChunkHit] = []
         local = s.usable_tiers()
@@ -258,9 +265,10 @@ class PrefixLookup:
             and len(hits) < len(keys)
             and not (hits and hits[-1].key.num_tokens < self._chunk_size)
         ):
-            first_missing, remote_unanswered = self._extend_from_remote(
-                hasher, rid, tokens, upto, keys, hits, calls, first_missing
-            )
+            remote = self._extend_from_remote(hasher, rid, tokens, upto, keys, hits, calls, first_missing)
+            if remote is None:
+                return None
+            first_missing, remote_unanswered = remote
             if unanswered is None and len(hits) < len(keys):
                 unanswered = remote_unanswered
         return hits, first_missing, unanswered, calls
@@ -309,9 +317,10 @@ class PrefixLookup:
         hits: list[ChunkHit],
         calls: list[RemoteCall],
         first_missing: str | None,
-    ) -> tuple[str | None, MissReason | None]:
+    ) -> tuple[str | None, MissReason | None] | None:
         """Continue the prefix with chunks the remote holds: one round trip for all of them.
-        The first missing whole chunk, and why the remote could not say (None: it answered)."""
+        The first missing whole chunk, and why the remote could not say (None: it answered);
+        None while its answer is awaited."""
         s = self._s
         if s.remote is None or not s.usable(REMOTE):
             return first_missing, MissReason.TIER_UNHEALTHY
@@ -327,6 +336,8 @@ class PrefixLookup:
             tails += [k for k in cut if all(k.num_tokens < t.num_tokens for t in tails)]
         candidates = full + tails
         answer = s.remote.present(rid, [k.hex for k in candidates])
+        if answer.pending:
+            return None
         if answer.call is not None:
             calls.append(answer.call)
         present, unreadable = answer.present, s.unreadable

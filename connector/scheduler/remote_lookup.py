@@ -2,11 +2,14 @@
 
 Other engines write to the same Redis and Redis evicts on its own, so no index here can know
 what the remote holds. A lookup asks once, for every chunk of the prompt that the local tiers
-do not hold (every rank's share, pipelined, grouped per cluster node), within
-``remote_lookup_timeout_ms``; after that the remote counts as a miss for that request, reported
-as ``lookup_timeout``. vLLM asks again while a request waits to be scheduled: the answer is
-reused for ``REUSE_S``. A chunk that was there at lookup and is gone at load is a failed block
-vLLM recomputes.
+do not hold (every rank's share, pipelined, grouped per cluster node). The round trip runs on
+a thread of its own; vLLM's scheduler waits for it at most ``remote_lookup_timeout_ms``, so a
+slow Redis never holds up a step. An answer that takes longer is still awaited: the lookup says
+"ask again" (vLLM leaves the request waiting and asks at its next step) until it comes, within
+the remote's data-call timeout (``remote_timeout_s``); only then does the remote count as a miss
+for that request, reported as ``lookup_timeout``. A request never misses its remote hits because
+a loaded host answered in 60 ms instead of 50. An answer is reused for ``REUSE_S``. A chunk that
+was there at lookup and is gone at load is a failed block vLLM recomputes.
 
 A lookup never opens a connection: opening one (connect, authenticate, select, find the master
 or the slot map) costs round trips a lookup's tens of milliseconds cannot pay on a loaded host.
@@ -21,6 +24,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from ..engine.health import TierHealth
@@ -44,6 +49,16 @@ class RemoteAnswer:
     call: RemoteCall | None = None  # the round trip, if one was made
     # why the remote could not say (lookup_timeout, tier_unhealthy); None: it answered
     unanswered: MissReason | None = None
+    pending: bool = False  # asked, not answered yet: ask again (vLLM's "not yet" for the request)
+
+
+@dataclass(frozen=True, slots=True)
+class _Asked:
+    """A round trip still running for a request: what it asks and since when."""
+
+    names: tuple[str, ...]
+    answer: Future
+    since: float
 
 
 class RemoteLookup:
@@ -55,7 +70,11 @@ class RemoteLookup:
         budget_s: float = 0.05,
         keepalive_s: float | None = KEEPALIVE_S,
         start_up_s: float = START_UP_S,
+        wait_s: float | None = None,
     ) -> None:
+        """``budget_s``: how long a lookup call waits for the round trip (remote_lookup_timeout_ms);
+        ``wait_s``: how long a request keeps waiting for it over further calls (remote_timeout_s;
+        default ``start_up_s``), after which it is a ``lookup_timeout``."""
         self._tier = tier  # RedisTier (duck-typed: exists_many, connect, warm, ping, close)
         self._world = world_size
         self._clock = clock
@@ -63,7 +82,10 @@ class RemoteLookup:
         # A lookup waits at most remote_lookup_timeout_ms (tens of ms): a busy Redis that misses
         # it once costs that request its remote hits, not the whole tier for seconds.
         self.health = TierHealth("remote", clock=clock, timeout_skips=False)
+        self._wait_s = max(start_up_s if wait_s is None else wait_s, budget_s)
         self._answers: dict[str, tuple[float, tuple[str, ...], list[bool]]] = {}
+        self._asked: dict[str, _Asked] = {}  # round trips that outlasted their call's budget
+        self._asker = ThreadPoolExecutor(1, thread_name_prefix="kvlens-remote-lookup-ask")
         self._using = threading.Lock()  # a lookup and the keeper's PING never share a connection
         self._wake = threading.Event()
         self._closed = threading.Event()
@@ -84,20 +106,50 @@ class RemoteLookup:
         if not names:
             return RemoteAnswer()
         now = self._clock()
+        asked = self._asked.get(request_id)
+        if asked is not None and asked.names == tuple(names):
+            return self._await(request_id, asked, now, wait_s=0.0)
         cached = self._answers.get(request_id)
         if cached is not None and now - cached[0] < REUSE_S and cached[1] == tuple(names):
             return RemoteAnswer(cached[2])
-        missed = [False] * len(names)
         if not self.health.usable():
-            return RemoteAnswer(missed, unanswered=MissReason.TIER_UNHEALTHY)
-        if not self.connected() or not self._using.acquire(timeout=self._budget_s):
-            self._wake.set()
-            return RemoteAnswer(missed, unanswered=self._not_connected())
+            return RemoteAnswer([False] * len(names), unanswered=MissReason.TIER_UNHEALTHY)
+        # Whether a connection is open is seen by the asking thread, once the round trip before
+        # this one (or the keeper's PING) has handed it back.
+        asked = _Asked(tuple(names), self._asker.submit(self._ask_when_free, request_id, names, now), now)
+        return self._await(request_id, asked, now, wait_s=self._budget_s)
+
+    def _await(self, request_id: str, asked: _Asked, now: float, wait_s: float) -> RemoteAnswer:
+        """The round trip's answer if it comes within ``wait_s``; else "ask again" while the
+        request may still wait for it, then ``lookup_timeout`` (the answer, when it comes, is
+        dropped: the request has been told)."""
         try:
-            return self._ask(request_id, names, now)
-        finally:
-            self._used_at = self._clock()
-            self._using.release()
+            answer = asked.answer.result(timeout=wait_s) if wait_s > 0 else self._done(asked.answer)
+        except FutureTimeout:
+            answer = None
+        if answer is not None:
+            self._asked.pop(request_id, None)
+            return answer
+        if self._clock() - asked.since < self._wait_s:
+            self._asked[request_id] = asked
+            return RemoteAnswer([False] * len(asked.names), pending=True)
+        self._asked.pop(request_id, None)
+        return RemoteAnswer([False] * len(asked.names), unanswered=MissReason.LOOKUP_TIMEOUT)
+
+    @staticmethod
+    def _done(answer: Future) -> RemoteAnswer | None:
+        return answer.result() if answer.done() else None
+
+    def _ask_when_free(self, request_id: str, names: Sequence[str], now: float) -> RemoteAnswer:
+        """On the asking thread: the round trip, once the keeper's PING has left the connection."""
+        with self._using:
+            try:
+                if not self.connected():  # lost while queued: the keeper re-opens it
+                    self._wake.set()
+                    return RemoteAnswer([False] * len(names), unanswered=self._not_connected())
+                return self._ask(request_id, names, now)
+            finally:
+                self._used_at = self._clock()
 
     def _ask(self, request_id: str, names: Sequence[str], now: float) -> RemoteAnswer:
         keys = [storage_name(n, r) for n in names for r in range(self._world)]
@@ -195,10 +247,17 @@ class RemoteLookup:
 
     def forget(self, request_id: str) -> None:
         self._answers.pop(request_id, None)
+        self._asked.pop(request_id, None)  # its round trip, if still running, ends unread
+
+    def waiting(self) -> int:
+        """Requests whose round trip outlasted their call's budget and is still awaited."""
+        return len(self._asked)
 
     def close(self) -> None:
         self._closed.set()
         self._wake.set()
+        self._asker.shutdown(wait=False, cancel_futures=True)
+        self._asked.clear()
         if self._keeper is not None:
             self._keeper.join(timeout=1.0)
         try:

@@ -90,13 +90,14 @@ class SchedulerState:
         self.remote: RemoteLookup | None = None
         if config.remote is not None and facts.loads:
             extra = config.extra_config
-            timeout = extra.remote_lookup_timeout_ms / 1000
-            client = RedisTier(
-                config.remote, facts.kv_layout, extra.remote_key_prefix, None, timeout, timeout
-            )
+            budget = extra.remote_lookup_timeout_ms / 1000
+            # A round trip may outlast a lookup call's budget (its request then waits for it, up
+            # to remote_timeout_s); a connection is opened within the budget (the keeper retries).
+            wait = max(extra.remote_timeout_s, budget)
+            client = RedisTier(config.remote, facts.kv_layout, extra.remote_key_prefix, None, wait, budget)
             # connected here, at start-up, outside any request's budget (remote_lookup.py)
             self.remote = RemoteLookup(
-                client, facts.world_size, clock, budget_s=timeout, start_up_s=extra.remote_timeout_s
+                client, facts.world_size, clock, budget_s=budget, start_up_s=wait, wait_s=wait
             )
         self.tier_states: dict[str, TierState] = {name: TierState.HEALTHY for name in config.tier_names()}
         self.stores_remote = config.remote is not None and facts.stores

@@ -17,8 +17,8 @@ from .slow_resp import SlowResp
 BUDGET_S = 0.2  # the lookup client's socket timeouts (remote_lookup_timeout_ms)
 
 
-def client(url: str) -> RedisTier:
-    return RedisTier(parse_remote_url(url), "layout", "kvlens", None, BUDGET_S, BUDGET_S)
+def client(url: str, read_s: float = BUDGET_S) -> RedisTier:
+    return RedisTier(parse_remote_url(url), "layout", "kvlens", None, read_s, BUDGET_S)
 
 
 def eventually(condition, timeout_s: float = 5.0) -> bool:
@@ -129,6 +129,9 @@ def test_a_lookup_that_finds_no_open_connection_asks_nothing_and_wakes_the_keepe
     try:
         server.delay_s = 2 * BUDGET_S
         timed_out = lookup.present("slow", ["x"])
+        while timed_out.pending:  # awaited past the call's budget, until the client's timeout
+            time.sleep(0.01)
+            timed_out = lookup.present("slow", ["x"])
         assert timed_out.unanswered is MissReason.LOOKUP_TIMEOUT and timed_out.call is not None
         assert timed_out.call.error == "timeout"
         server.delay_s = 0.0
@@ -169,4 +172,91 @@ def test_the_worker_clients_connect_at_start_up_and_a_redis_down_then_is_skipped
     finally:
         up.shutdown(0.1)
         down.shutdown(0.1)
+        server.close()
+
+
+def test_a_round_trip_slower_than_the_budget_is_awaited_not_missed():
+    """A loaded host answers in 0.3 s where a lookup call may wait 0.05 s: the call returns within
+    its budget saying "ask again" (vLLM leaves the request waiting), and a later call has the
+    answer: the request's remote hits are not lost to timing."""
+    server = SlowResp()
+    lookup = RemoteLookup(client(server.url, read_s=5.0), world_size=1, budget_s=0.05, wait_s=5.0)
+    try:
+        server.delay_s = 0.3
+        started = time.perf_counter()
+        first = lookup.present("slow", ["x"])
+        took = time.perf_counter() - started
+        assert first.pending and first.unanswered is None and first.present == [False]
+        assert took < 0.25, took  # the scheduler's step was not held for the round trip
+        assert lookup.waiting() == 1
+        assert eventually(lambda: not lookup.present("slow", ["x"]).pending)
+        answer = lookup.present("slow", ["x"])
+        assert answer.present == [True] and answer.unanswered is None and not answer.pending
+        assert lookup.waiting() == 0
+    finally:
+        lookup.close()
+        server.close()
+
+
+def test_a_request_waits_for_its_answer_no_longer_than_the_wait_bound():
+    server = SlowResp()
+    lookup = RemoteLookup(client(server.url, read_s=5.0), world_size=1, budget_s=0.05, wait_s=0.3)
+    try:
+        server.delay_s = 3.0
+        assert lookup.present("stuck", ["x"]).pending
+        answers = []
+
+        def answered() -> bool:
+            answers.append(lookup.present("stuck", ["x"]))
+            return not answers[-1].pending
+
+        assert eventually(answered)
+        assert answers[-1].unanswered is MissReason.LOOKUP_TIMEOUT and answers[-1].present == [False]
+        assert lookup.waiting() == 0
+    finally:
+        lookup.close()
+        server.close()
+
+
+def test_a_request_that_ends_while_its_answer_is_awaited_leaves_nothing_behind():
+    server = SlowResp()
+    lookup = RemoteLookup(client(server.url, read_s=5.0), world_size=1, budget_s=0.05, wait_s=5.0)
+    try:
+        server.delay_s = 0.3
+        assert lookup.present("gone", ["x"]).pending
+        lookup.forget("gone")  # the request finished (aborted) before its answer came
+        assert lookup.waiting() == 0
+        server.delay_s = 0.0
+        assert eventually(lambda: lookup.present("next", ["y"]).present == [True])
+    finally:
+        lookup.close()
+        server.close()
+
+
+def test_the_scheduler_asks_again_instead_of_missing_a_slow_remotes_hits():
+    """At KVLens's default settings (a lookup call waits 50 ms; a round trip may take up to
+    remote_timeout_s), a Redis that answers in 150 ms: vLLM is told "not yet" (None) and, asked
+    again, gets the remote's hits; it used to get 0 (lookup_timeout) and recompute the prompt."""
+    from connector.config.loading import load_config
+    from connector.engine.facts import EngineFacts
+    from connector.engine.jobs import REMOTE
+    from connector.scheduler.connector_scheduler import ConnectorScheduler
+
+    from . import fakes
+
+    server = SlowResp()
+    config = load_config({"lmcache.remote_url": server.url}, env={})
+    sched = ConnectorScheduler(config, EngineFacts("tiny", "bf16", 128, 2, 1000, "l", 1, "kv_both"))
+    try:
+        server.delay_s = 0.15
+        req = fakes.request("slow", list(range(1000, 1600)), trace_headers=None)
+        answers = [sched.lookup(req, 0)]
+        assert answers == [None]
+        assert eventually(lambda: answers.append(sched.lookup(req, 0)) or answers[-1] is not None)
+        assert answers[-1] >= 512  # its two whole chunks (and what else the remote holds) load
+        assert {hit.tier for hit in sched.lookups[req.request_id].hits} == {REMOTE}
+        sched.finish(req)
+        assert sched.state.remote.waiting() == 0
+    finally:
+        sched.shutdown()
         server.close()
