@@ -45,18 +45,14 @@ if [ "$split" != 1 ]; then
     exit "$rc"
 fi
 
-# The integration tests themselves run as pytest-xdist workers side by side: one more than the
-# cores (an engine's start is one process's imports at a time and a test waits on HTTP and
-# disks, so two workers left a third of the two cores idle), at most one per 7 GB of memory (a
-# test may run three engines of ~2.5 GB; tests/engine_memory.py makes a start wait for room),
-# or KVLENS_TEST_WORKERS (1: one process). tests/conftest.py keeps each test file (or
-# xdist_group) in one worker, so that a module's shared engine starts once, starts the longest
-# files first (tests/durations.json) and pins each worker's engines to a core, round robin.
+# The integration tests themselves run as pytest-xdist workers side by side, one per core up to
+# KVLENS_TEST_WORKERS (default 2: a test may run three engines, 24 GB holds two such tests;
+# KVLENS_TEST_WORKERS=1: one process). tests/conftest.py keeps each test file (or xdist_group)
+# in one worker, so that a module's shared engine starts once, starts the longest files first
+# (tests/durations.json) and gives each worker's engines a core of their own.
 cores="$("$PY" -c 'import os; print(len(os.sched_getaffinity(0)))')"
-mem_gb="$("$PY" -c 'import os; print(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 30)')"
-workers="${KVLENS_TEST_WORKERS:-$((cores + 1))}"
-[ "$workers" -gt "$((mem_gb / 7))" ] && [ -z "${KVLENS_TEST_WORKERS:-}" ] && workers="$((mem_gb / 7))"
-[ "$workers" -lt 1 ] && workers=1
+workers="${KVLENS_TEST_WORKERS:-2}"
+[ "$workers" -gt "$cores" ] && workers="$cores"
 xdist=()
 [ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadgroup)
 

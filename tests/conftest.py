@@ -1,8 +1,7 @@
 """How the test processes that ``scripts/test.sh`` runs side by side share the machine.
 
 ``scripts/test.sh`` runs the real-vLLM tests as pytest-xdist workers side by side
-(``-n 3 --dist loadgroup`` on two cores; ``tests/engine_memory.py`` makes an engine's start wait
-for room in memory). The rules, kept here:
+(``-n 2 --dist loadgroup``). Three rules, kept here:
 
 * **A test file is one unit of work**, so a module's shared engine (module-scoped fixtures)
   lives in one worker. Modules that share an engine through a session or package fixture go
@@ -16,9 +15,9 @@ for room in memory). The rules, kept here:
 * **A unit's engines stop with it.** An engine left running after its unit's last test (a
   session fixture where a package or module one would do) holds gigabytes and a share of a core
   for the rest of the run; the unit's last test errors, naming it (``engines_left_running``).
-* **Each worker's engines are pinned to a core, round robin.** vLLM-CPU pins a worker's threads
-  to the cores in ``VLLM_CPU_OMP_THREADS_BIND``; with ``auto`` every engine of every process
-  would pin to the same core (core 0 here) while the other idles.
+* **Each worker's engines get a core of their own.** vLLM-CPU pins a worker's threads to the
+  cores in ``VLLM_CPU_OMP_THREADS_BIND``; with ``auto`` every engine of every process would pin
+  to the same core (core 0 here) while the other idles.
 """
 
 from __future__ import annotations

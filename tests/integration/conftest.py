@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine_memory import wait_for_room
-
 from . import workloads
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +40,6 @@ def run_engine(spec: dict, tmp_path: Path, timeout: float = 420, env: dict | Non
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
     }
-    wait_for_room()  # three test workers share the machine's memory
     proc = subprocess.run(
         [sys.executable, str(RUNNER), str(spec_file)],
         cwd=REPO,

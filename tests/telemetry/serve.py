@@ -20,8 +20,6 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engine_memory import wait_for_room
-
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 120.0
@@ -77,7 +75,6 @@ class VllmServer:
     ) -> None:
         """``launcher`` prefixes the command (``ip netns exec NS``: another "host"), whose HTTP
         server then binds ``host``."""
-        wait_for_room()  # three test workers share the machine's memory
         self.port = free_port()
         self.url = f"http://{host}:{self.port}"
         self.model = model
