@@ -3,9 +3,11 @@ never pays for one inside its budget, and a Redis down at start-up costs the eng
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 from connector.engine.outcomes import MissReason, TierState
 from connector.scheduler.remote_lookup import RemoteLookup
@@ -175,14 +177,25 @@ def test_the_worker_clients_connect_at_start_up_and_a_redis_down_then_is_skipped
         server.close()
 
 
+@contextlib.contextmanager
+def awaited_lookup(delay_s: float, wait_s: float) -> Iterator[RemoteLookup]:
+    """A lookup client whose calls wait 0.05 s and whose requests wait ``wait_s`` for a Redis
+    that answers after ``delay_s`` (once connected)."""
+    server = SlowResp()
+    lookup = RemoteLookup(client(server.url, read_s=5.0), world_size=1, budget_s=0.05, wait_s=wait_s)
+    server.delay_s = delay_s
+    try:
+        yield lookup
+    finally:
+        lookup.close()
+        server.close()
+
+
 def test_a_round_trip_slower_than_the_budget_is_awaited_not_missed():
     """A loaded host answers in 0.3 s where a lookup call may wait 0.05 s: the call returns within
     its budget saying "ask again" (vLLM leaves the request waiting), and a later call has the
     answer: the request's remote hits are not lost to timing."""
-    server = SlowResp()
-    lookup = RemoteLookup(client(server.url, read_s=5.0), world_size=1, budget_s=0.05, wait_s=5.0)
-    try:
-        server.delay_s = 0.3
+    with awaited_lookup(delay_s=0.3, wait_s=5.0) as lookup:
         started = time.perf_counter()
         first = lookup.present("slow", ["x"])
         took = time.perf_counter() - started
@@ -193,16 +206,10 @@ def test_a_round_trip_slower_than_the_budget_is_awaited_not_missed():
         answer = lookup.present("slow", ["x"])
         assert answer.present == [True] and answer.unanswered is None and not answer.pending
         assert lookup.waiting() == 0
-    finally:
-        lookup.close()
-        server.close()
 
 
 def test_a_request_waits_for_its_answer_no_longer_than_the_wait_bound():
-    server = SlowResp()
-    lookup = RemoteLookup(client(server.url, read_s=5.0), world_size=1, budget_s=0.05, wait_s=0.3)
-    try:
-        server.delay_s = 3.0
+    with awaited_lookup(delay_s=3.0, wait_s=0.3) as lookup:
         assert lookup.present("stuck", ["x"]).pending
         answers = []
 
@@ -213,24 +220,14 @@ def test_a_request_waits_for_its_answer_no_longer_than_the_wait_bound():
         assert eventually(answered)
         assert answers[-1].unanswered is MissReason.LOOKUP_TIMEOUT and answers[-1].present == [False]
         assert lookup.waiting() == 0
-    finally:
-        lookup.close()
-        server.close()
 
 
 def test_a_request_that_ends_while_its_answer_is_awaited_leaves_nothing_behind():
-    server = SlowResp()
-    lookup = RemoteLookup(client(server.url, read_s=5.0), world_size=1, budget_s=0.05, wait_s=5.0)
-    try:
-        server.delay_s = 0.3
+    with awaited_lookup(delay_s=0.3, wait_s=5.0) as lookup:
         assert lookup.present("gone", ["x"]).pending
         lookup.forget("gone")  # the request finished (aborted) before its answer came
         assert lookup.waiting() == 0
-        server.delay_s = 0.0
-        assert eventually(lambda: lookup.present("next", ["y"]).present == [True])
-    finally:
-        lookup.close()
-        server.close()
+        assert eventually(lambda: lookup.present("next", ["y"]).present == [True], timeout_s=5.0)
 
 
 def test_the_scheduler_asks_again_instead_of_missing_a_slow_remotes_hits():
