@@ -94,15 +94,19 @@ class RedisServer:
         password: str | None = None,
         tls: Path | None = None,
         unix_socket: bool = False,
+        cluster_bus: bool = False,
     ) -> None:
         """``tls``: a folder with ca.pem, server.pem and server.key; the port then speaks TLS only.
-        ``unix_socket``: also listen on a socket in a short /tmp folder (a path over 107 bytes fails)."""
+        ``unix_socket``: also listen on a socket in a short /tmp folder (a path over 107 bytes fails).
+        ``cluster_bus``: a cluster node, which also listens on a bus port (chosen with the port)."""
         self.workdir = workdir
         self.args = list(args)
         self.password = password
         self.tls = tls
         self.socket_path = Path(tempfile.mkdtemp(prefix="kvr")) / "redis.sock" if unix_socket else None
         self.port = 0
+        self.cluster_bus = cluster_bus
+        self.bus_port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         workdir.mkdir(parents=True, exist_ok=True)
 
@@ -121,14 +125,16 @@ class RedisServer:
         keep_port = self.port != 0
         for _ in range(attempts):
             port = self.port if keep_port else free_port()
-            if self._launch(port):
-                self.port = port
+            # both ports are chosen again when either was taken by another process meanwhile
+            bus = (self.bus_port if keep_port else free_port()) if self.cluster_bus else 0
+            if self._launch(port, bus):
+                self.port, self.bus_port = port, bus
                 return self
             if keep_port:
                 time.sleep(0.2)
         raise RuntimeError(f"redis-server did not start; log: {self.log()[-2000:]}")
 
-    def _launch(self, port: int) -> bool:
+    def _launch(self, port: int, bus: int = 0) -> bool:
         cmd = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "yes"]
         cmd += ["--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir)]
         cmd += ["--logfile", str(self.workdir / "redis.log")]
@@ -145,6 +151,8 @@ class RedisServer:
                 str(self.tls / "server.key"),
             ]
             cmd += ["--tls-ca-cert-file", str(self.tls / "ca.pem")]
+        if bus:
+            cmd += ["--cluster-port", str(bus)]
         cmd += self.args
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
@@ -232,7 +240,6 @@ class RedisClusterProcs:
     def __init__(self, workdir: Path, node_timeout_ms: int = 1000) -> None:
         self.servers: list[RedisServer] = []
         for i in range(6):
-            bus = free_port()
             self.servers.append(
                 RedisServer(
                     workdir / f"node{i}",
@@ -242,8 +249,7 @@ class RedisClusterProcs:
                     "nodes.conf",
                     "--cluster-node-timeout",
                     str(node_timeout_ms),
-                    "--cluster-port",
-                    str(bus),
+                    cluster_bus=True,
                 )
             )
 
