@@ -70,11 +70,11 @@ class RemoteLookup:
         budget_s: float = 0.05,
         keepalive_s: float | None = KEEPALIVE_S,
         start_up_s: float = START_UP_S,
-        wait_s: float | None = None,
+        wait_s: float = START_UP_S,
     ) -> None:
         """``budget_s``: how long a lookup call waits for the round trip (remote_lookup_timeout_ms);
-        ``wait_s``: how long a request keeps waiting for it over further calls (remote_timeout_s;
-        default ``start_up_s``), after which it is a ``lookup_timeout``."""
+        ``wait_s``: how long a request keeps waiting for it over further calls (remote_timeout_s),
+        after which it is a ``lookup_timeout``."""
         self._tier = tier  # RedisTier (duck-typed: exists_many, connect, warm, ping, close)
         self._world = world_size
         self._clock = clock
@@ -82,7 +82,7 @@ class RemoteLookup:
         # A lookup waits at most remote_lookup_timeout_ms (tens of ms): a busy Redis that misses
         # it once costs that request its remote hits, not the whole tier for seconds.
         self.health = TierHealth("remote", clock=clock, timeout_skips=False)
-        self._wait_s = max(start_up_s if wait_s is None else wait_s, budget_s)
+        self._wait_s = max(wait_s, budget_s)
         self._answers: dict[str, tuple[float, tuple[str, ...], list[bool]]] = {}
         self._asked: dict[str, _Asked] = {}  # round trips that outlasted their call's budget
         self._asker = ThreadPoolExecutor(1, thread_name_prefix="kvlens-remote-lookup-ask")
@@ -124,7 +124,7 @@ class RemoteLookup:
         request may still wait for it, then ``lookup_timeout`` (the answer, when it comes, is
         dropped: the request has been told)."""
         try:
-            answer = asked.answer.result(timeout=wait_s) if wait_s > 0 else self._done(asked.answer)
+            answer = asked.answer.result(timeout=wait_s)  # 0: only if it has come already
         except FutureTimeout:
             answer = None
         if answer is not None:
@@ -135,10 +135,6 @@ class RemoteLookup:
             return RemoteAnswer([False] * len(asked.names), pending=True)
         self._asked.pop(request_id, None)
         return RemoteAnswer([False] * len(asked.names), unanswered=MissReason.LOOKUP_TIMEOUT)
-
-    @staticmethod
-    def _done(answer: Future) -> RemoteAnswer | None:
-        return answer.result() if answer.done() else None
 
     def _ask_when_free(self, request_id: str, names: Sequence[str], now: float) -> RemoteAnswer:
         """On the asking thread: the round trip, once the keeper's PING has left the connection."""
