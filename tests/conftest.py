@@ -33,6 +33,10 @@ import pytest
 
 DURATIONS = Path(__file__).with_name("durations.json")
 BUILT_TINY_MODEL = Path(__file__).resolve().parents[1] / ".run" / "tiny-model"  # scripts/setup.sh
+# The examples hypothesis keeps between runs go with the other run files (as scripts/env.sh
+# says), also when pytest is run without it: hypothesis reads this at its first write, after
+# collection; by default it writes .hypothesis/ into the current directory.
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", str(BUILT_TINY_MODEL.parent / "hypothesis"))
 UNKNOWN_TEST_S = 20.0  # a real-vLLM test not yet measured: about the median here
 # Folders whose test files share engines through a package or session fixture: each runs in one
 # worker as one unit (as if its modules were marked ``xdist_group(folder)``).
