@@ -154,10 +154,18 @@ class PDPair:
 
 @contextlib.contextmanager
 def started_pair(
-    model: str, tmp: Path, decoder_buffer: int = DECODER_BUFFER, plain: bool = True, traced: bool = True
+    model: str,
+    tmp: Path,
+    decoder_buffer: int = DECODER_BUFFER,
+    plain: bool = True,
+    traced: bool = True,
+    worker_process: bool = True,
 ) -> Iterator[PDPair]:
     """A prefiller, a decoder and (``plain``) an instance without KVLens, started at once and
-    stopped on leaving; (``traced``) both PD engines export spans to an OTLP receiver."""
+    stopped on leaving; (``traced``) both PD engines export spans to an OTLP receiver. The PD
+    engines and the plain one run vLLM's own process split unless ``worker_process`` is False
+    (``VllmServer``): alike, since the split changes the worker's threads, and with them the
+    random tiny model's bf16 outputs."""
     context = zmq.Context()
     notices = context.socket(zmq.PULL)
     proxy_port = notices.bind_to_random_port("tcp://127.0.0.1")
@@ -173,6 +181,7 @@ def started_pair(
         tmp / "prefiller.log",
         env,
         export,
+        worker_process=worker_process,
     )
     decoder = VllmServer(
         model,
@@ -187,8 +196,11 @@ def started_pair(
         tmp / "decoder.log",
         env,
         export,
+        worker_process=worker_process,
     )
-    reference = VllmServer(model, None, tmp / "plain.log", env) if plain else None
+    reference = (
+        VllmServer(model, None, tmp / "plain.log", env, worker_process=worker_process) if plain else None
+    )
     servers = tuple(s for s in (prefiller, decoder, reference) if s is not None)
     try:
         for server in servers:

@@ -25,8 +25,13 @@ def real_pd_pair(real_model, tmp_path_factory):
     longest = max(len(p) for p in chat_prompts.prompts(real_model))
     buffer = (longest // CHUNK + 2) * CHUNK * TOKEN_BYTES  # one prompt at a time, with room to spare
     with started_pair(
-        real_model, tmp_path_factory.mktemp("pd-real"), buffer, plain=False, traced=False
-    ) as pair:
+        real_model,
+        tmp_path_factory.mktemp("pd-real"),
+        buffer,
+        plain=False,
+        traced=False,
+        worker_process=False,
+    ) as pair:  # the real model's answers: tests/pd runs the PD engines as deployed
         yield pair
 
 

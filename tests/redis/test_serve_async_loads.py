@@ -26,7 +26,8 @@ def setup(server_factory_module, tiny_model, tmp_path_factory):
     # the proxy's hop costs more than a lookup's default 50 ms on a busy machine
     kv = remote_only(proxy.url, remote_key_prefix="async", remote_lookup_timeout_ms=1000)
     kv["kv_connector_extra_config"]["lmcache.enable_async_loading"] = True
-    srv = serve(tiny_model, tmp_path_factory.mktemp("async-loads"), "async", kv)
+    # loads that finish a step late are reported from the worker's process, as deployed
+    srv = serve(tiny_model, tmp_path_factory.mktemp("async-loads"), "async", kv, worker_process=True)
     try:
         yield proxy, srv
     finally:

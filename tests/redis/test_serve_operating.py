@@ -47,7 +47,7 @@ def stack(server_factory_module, tiny_model, tmp_path_factory):
         extra_config={"remote_key_prefix": PREFIX, "admin_port": admin_port, **LOOKUP_BUDGET},
     )
     args = ("--dtype", "float32", *stream.vllm_args())
-    srv = VllmServer(tiny_model, kv, tmp / "serve.log", base_env(), args)
+    srv = VllmServer(tiny_model, kv, tmp / "serve.log", base_env(), args, worker_process=False)
     try:
         srv.wait_ready()
         yield SimpleNamespace(

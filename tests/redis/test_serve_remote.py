@@ -36,18 +36,22 @@ def remote_only(url: str, **extra) -> dict:
     )
 
 
-def serve(model, tmp, name, kv) -> VllmServer:
-    return serve_together(tmp, (name, model, kv))[0]
+def serve(model, tmp, name, kv, worker_process: bool = False) -> VllmServer:
+    return serve_together(tmp, (name, model, kv), worker_process=worker_process)[0]
 
 
-def serve_together(tmp, *servers: tuple[str, str, dict]) -> list[VllmServer]:
+def serve_together(tmp, *servers: tuple[str, str, dict], worker_process: bool = False) -> list[VllmServer]:
     """Servers (name, model, kv config) started at once, as hosts are (a start is mostly one
-    core's imports), returned once all are ready; if one fails to start, all are stopped."""
+    core's imports), returned once all are ready; if one fails to start, all are stopped. What
+    these modules test is what instances share through Redis, not vLLM's process split: the
+    worker runs in the engine core unless ``worker_process`` (``VllmServer``)."""
     started = []
     try:
         for name, model, kv in servers:
             env = base_env(KVLENS_EVENT_LOG=str(tmp / f"{name}-events.jsonl"))
-            started.append(VllmServer(model, kv, tmp / f"{name}.log", env, ARGS))
+            started.append(
+                VllmServer(model, kv, tmp / f"{name}.log", env, ARGS, worker_process=worker_process)
+            )
         for srv in started:
             srv.wait_ready()
     except BaseException:

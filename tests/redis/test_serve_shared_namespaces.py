@@ -51,7 +51,9 @@ def test_a_second_instance_explains_misses_by_namespace_and_announces_promotions
     disk = str(tmp_path / "disk")
     os.makedirs(disk)
     kv = _kv(disk, redis_server.url)
-    first = VllmServer(tiny_model, kv, tmp_path / "a.log", base_env(), ("--dtype", "float32"))
+    first = VllmServer(
+        tiny_model, kv, tmp_path / "a.log", base_env(), ("--dtype", "float32"), worker_process=False
+    )
     try:
         first.wait_ready()
         first.complete(SALTED, max_tokens=2, cache_salt="tenant-x-secret")
@@ -69,7 +71,7 @@ def test_a_second_instance_explains_misses_by_namespace_and_announces_promotions
     stream = EventStream()  # bound before vLLM is told its port
     env = base_env(KVLENS_REQUEST_LOG=str(tmp_path / "requests.jsonl"))
     args = ("--dtype", "float32", *stream.vllm_args())
-    second = VllmServer(tiny_model, kv, tmp_path / "b.log", env, args)
+    second = VllmServer(tiny_model, kv, tmp_path / "b.log", env, args, worker_process=False)
     try:
         second.wait_ready()
         salted = _kvlens(second.complete(SALTED, max_tokens=2, cache_salt="tenant-y-secret"))

@@ -45,8 +45,9 @@ def serve_stack(request, tiny_model, tmp_path_factory):
     """One ``vllm serve`` with KVLens plus a real OTLP/HTTP receiver, shared by a test module.
 
     The module sets ``KV_CONFIG`` (the --kv-transfer-config dict, ``{tmp}`` is replaced by a
-    temporary directory) and may set ``SERVE_ARGS``, ``SERVE_ENV`` (environment, ``{tmp}`` too)
-    and ``EVENT_STREAM = True`` (vLLM's KV events to ``events``, an EventStream bound first).
+    temporary directory) and may set ``SERVE_ARGS``, ``SERVE_ENV`` (environment, ``{tmp}`` too),
+    ``EVENT_STREAM = True`` (vLLM's KV events to ``events``, an EventStream bound first) and
+    ``WORKER_PROCESS = False`` (the worker in the engine core: ``VllmServer``).
     """
     m = request.module
     with running_stack(
@@ -56,12 +57,13 @@ def serve_stack(request, tiny_model, tmp_path_factory):
         getattr(m, "SERVE_ENV", {}),
         getattr(m, "SERVE_ARGS", ()),
         getattr(m, "EVENT_STREAM", False),
+        getattr(m, "WORKER_PROCESS", True),
     ) as stack:
         yield stack
 
 
 @contextlib.contextmanager
-def running_stack(tiny_model, tmp, kv_config, serve_env, serve_args, event_stream):
+def running_stack(tiny_model, tmp, kv_config, serve_env, serve_args, event_stream, worker_process=True):
     """The server of ``serve_stack`` (and of the package fixture in ``cpu_tier/``)."""
     import json
     from types import SimpleNamespace
@@ -81,7 +83,9 @@ def running_stack(tiny_model, tmp, kv_config, serve_env, serve_args, event_strea
         args = ("--otlp-traces-endpoint", receiver.endpoint, *serve_args)
         if events is not None:
             args += events.vllm_args()
-        server = VllmServer(tiny_model, kv_config, tmp / "serve.log", env, args)
+        server = VllmServer(
+            tiny_model, kv_config, tmp / "serve.log", env, args, worker_process=worker_process
+        )
         try:
             server.wait_ready()
             yield SimpleNamespace(

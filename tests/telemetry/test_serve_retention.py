@@ -23,6 +23,7 @@ KV_CONFIG = kv_transfer_config(
 )
 RETAIN = {"kvlens.retention_priority": 2, "kvlens.retain_for_s": 600}
 CACHED = "vllm:prompt_tokens_cached_by_source_total"
+WORKER_PROCESS = False  # retention is the scheduler half's: the worker runs in the engine core
 
 
 def ask(srv, prompt: list[int], **params) -> dict:

@@ -22,7 +22,7 @@ TAG = "carol-secret-team"
 def server(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tenants")
     env = base_env(XDG_STATE_HOME=str(tmp / "state"))  # a CPU tier only: the key is kept there
-    srv = VllmServer(tiny_model, kv_transfer_config(), tmp / "serve.log", env)
+    srv = VllmServer(tiny_model, kv_transfer_config(), tmp / "serve.log", env, worker_process=False)
     try:
         srv.wait_ready()
         srv.tenant_ids = TenantIds((tmp / "state" / "kvlens" / "tenant-id-key").read_bytes())
