@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from . import workloads
+from . import engine_forks, workloads
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("run_engine.py")
@@ -30,7 +30,8 @@ def disk_kv(directory: str, **extra) -> dict:
 
 
 def run_engine(spec: dict, tmp_path: Path, timeout: float = 420, env: dict | None = None) -> dict:
-    """Run one engine in a fresh process; returns {"rounds": [...], "state": {...}}."""
+    """Run one engine in a fresh process (forked from one that imported vLLM: ``engine_forks``);
+    returns {"rounds": [...], "state": {...}, "log": its output}."""
     spec_file = tmp_path / f"spec-{os.getpid()}-{id(spec)}.json"
     spec_file.write_text(json.dumps(spec))
     env = {
@@ -40,19 +41,23 @@ def run_engine(spec: dict, tmp_path: Path, timeout: float = 420, env: dict | Non
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
     }
-    proc = subprocess.run(
-        [sys.executable, str(RUNNER), str(spec_file)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"rounds"')]
-    if proc.returncode != 0 or not lines:
-        raise AssertionError(f"engine run failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
+    if engine_forks.enabled():
+        returncode, log = engine_forks.run(RUNNER, spec_file, env, timeout)
+    else:
+        proc = subprocess.run(
+            [sys.executable, str(RUNNER), str(spec_file)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        returncode, log = proc.returncode, proc.stdout + proc.stderr
+    lines = [ln for ln in log.splitlines() if ln.startswith('{"rounds"')]
+    if returncode != 0 or not lines:
+        raise AssertionError(f"engine run failed (rc={returncode}):\n{log[-6000:]}")
     result = json.loads(lines[-1])
-    result["log"] = proc.stdout + proc.stderr
+    result["log"] = log
     return result
 
 
