@@ -45,7 +45,14 @@ from bench.lib.models import BENCH, REAL_HELP, TINY, check_fits, ensure_model, r
 from bench.lib.paths import RUN_DIR  # noqa: E402
 from bench.lib.report import Figure, Target  # noqa: E402
 from bench.lib.runner import Benchmark, Option, SideFailed, main  # noqa: E402
-from bench.lib.servers import SERVED_MODEL_NAME, ManagedProcess, VllmServer, free_ports, server_env  # noqa: E402
+from bench.lib.servers import (  # noqa: E402
+    SERVED_MODEL_NAME,
+    WORKER_IN_CORE_HELP,
+    ManagedProcess,
+    VllmServer,
+    free_ports,
+    server_env,
+)
 
 LATENCY_KEY = re.compile(r"^(mean|median|p\d+)_(ttft|tpot|itl|e2el)_ms$")
 RESULT_KEYS = ("duration", "completed", "failed", "request_throughput", "output_throughput")
@@ -174,6 +181,7 @@ class PDServe(Benchmark):
         "pd_buffer_mb": Option(1024, 256, help="pd_buffer_size of the prefiller and the decoder, MiB"),
         "model": Option(None, help="model directory (default: built under .run/bench/models)", type=Path),
         "real": Option(False, help=REAL_HELP),
+        "worker_in_core": Option(False, help=WORKER_IN_CORE_HELP),
         "startup_timeout": Option(600.0, help="seconds for the servers of one mode to start"),
         "run_timeout": Option(1800.0, 600.0, help="seconds for one vllm bench serve run"),
     }
@@ -234,7 +242,17 @@ class PDServe(Benchmark):
     def _engine(self, name: str, cores: str, ktc: dict[str, Any] | None) -> VllmServer:
         env = server_env(1, {"VLLM_CPU_OMP_THREADS_BIND": cores, "PYTHONHASHSEED": "0"})
         log = self.work_dir / f"{name}.log"
-        return VllmServer(name, sys.executable, self.model, self.max_model_len, ktc, [], env, log)
+        return VllmServer(
+            name,
+            sys.executable,
+            self.model,
+            self.max_model_len,
+            ktc,
+            [],
+            env,
+            log,
+            worker_in_core=self.args.worker_in_core,
+        )
 
     def _start(self, mode: str) -> Deployment:
         a, (c0, c1) = self.args, self.cores

@@ -34,7 +34,16 @@ from .modes import (
 from .paths import RUN_DIR, peers_tmp
 from .runner import Benchmark, Option, SideFailed
 from .server_pool import PooledServer, ServerPool, signature
-from .servers import LMCACHE_ENV, LMCacheServer, ManagedProcess, VllmServer, group_alive, http_ok, server_env
+from .servers import (
+    LMCACHE_ENV,
+    WORKER_IN_CORE_HELP,
+    LMCacheServer,
+    ManagedProcess,
+    VllmServer,
+    group_alive,
+    http_ok,
+    server_env,
+)
 
 GB = 1e9
 SERVER_FOOTPRINT_GB = 2.6  # API server + engine core + worker processes, measured idle (RSS)
@@ -266,7 +275,16 @@ class ServedBenchmark(Benchmark):
             args.append("--no-enable-prefix-caching")
         log = self.work_dir / f"{mode.name}.log"
         server = VllmServer(
-            mode.name, python, self.model, shape.max_model_len, ktc, args, env, log, shape.dtype
+            mode.name,
+            python,
+            self.model,
+            shape.max_model_len,
+            ktc,
+            args,
+            env,
+            log,
+            shape.dtype,
+            worker_in_core=self.args.worker_in_core,
         )
         pooled = self.pool is not None and sidecar is None  # LMCache's sidecar is not pooled
         if pooled:
@@ -306,6 +324,7 @@ class ServedBenchmark(Benchmark):
             ),
             "startup_timeout": Option(cls.startup_timeout_s, help="seconds for one server to start"),
             "keep_storage": Option(False, help="keep the disk tier and ExampleConnector files"),
+            "worker_in_core": Option(False, help=WORKER_IN_CORE_HELP),
             "server_pool": Option(
                 None,
                 help="reuse servers an earlier run left in this file (started alike) and leave this run's "

@@ -205,6 +205,12 @@ def http_ok(url: str) -> bool:
         return False
 
 
+WORKER_IN_CORE_HELP = (
+    "run the model's worker in vLLM's engine core (one process fewer to start: for smoke tests; "
+    "not vLLM-CPU as deployed, figures are not comparable)"
+)
+
+
 class VllmServer(ManagedProcess):
     """``vllm serve`` through ``connector.launcher`` (the vllm-cpu version shim)."""
 
@@ -219,7 +225,11 @@ class VllmServer(ManagedProcess):
         env: dict[str, str],
         log_path: Path,
         dtype: str = "bfloat16",
+        worker_in_core: bool = False,
     ) -> None:
+        """``worker_in_core``: the model's worker runs in vLLM's engine core process instead of
+        a process of its own (vLLM-CPU's default): one process fewer to start, for smoke tests;
+        not vLLM as deployed, so its figures are not comparable."""
         self.port = free_ports(1)[0]
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [python, "-m", "connector.launcher", "serve", str(model)]
@@ -234,6 +244,9 @@ class VllmServer(ManagedProcess):
         if kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         cmd += list(server_args)
+        if worker_in_core:
+            cmd += ["--distributed-executor-backend", "uni"]
+            env = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # else vLLM-CPU forces "mp"
         super().__init__(cmd, env, log_path)
         self.name = f"vLLM server ({name})"
 

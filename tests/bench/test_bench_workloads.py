@@ -40,7 +40,14 @@ RATIOS = {"total_token_throughput", "p50_ttft_ms"}  # to the baselines, per repe
 def run_quick(script: str, tmp_path: Path, pool) -> tuple[subprocess.CompletedProcess, dict]:
     """The script's --quick run; it reuses the servers an earlier test left in ``pool``, if any."""
     waiting = len(pool.waiting())
-    cmd = [sys.executable, str(REPO / "bench" / script), "--quick", "--modes", "none,kvlens,lmcache"]
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / script),
+        "--quick",
+        "--worker-in-core",
+        "--modes",
+        "none,kvlens,lmcache",
+    ]
     cmd += ["--kvlens-tiers", "cpu", "--lmcache-setup", "no"]
     cmd += ["--lmcache-venv", str(tmp_path / "no-venv-lmcache"), "--out", str(tmp_path)]
     cmd += ["--startup-timeout", str(STARTUP_TIMEOUT_S), "--server-pool", str(pool.path)]

@@ -79,7 +79,14 @@ def test_quick_pd_serve_measures_1p1d_against_one_instance(tmp_path):
     """1P1D and the single instance it is compared with (three servers). ``rr2``, two more
     servers behind ``kvlens pd-proxy --no-pd``, is left to full runs: the suite's budget, and the
     proxy's round-robin is tested in tests/unit/test_pd_proxy.py."""
-    cmd = [sys.executable, str(REPO / "bench" / "pd_serve.py"), "--quick", "--modes", "single,1p1d"]
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "pd_serve.py"),
+        "--quick",
+        "--worker-in-core",
+        "--modes",
+        "single,1p1d",
+    ]
     cmd += ["--out", str(tmp_path)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]

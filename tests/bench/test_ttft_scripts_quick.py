@@ -31,7 +31,14 @@ LENGTHS = ["500", "1500"]
 
 
 def test_quick_prompt_scaling_reports_every_length_and_kvlens_serves_the_hits(tmp_path, server_pool):
-    cmd = [sys.executable, str(REPO / "bench" / "prompt_scaling.py"), "--quick", "--kvlens-tiers", "cpu"]
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "prompt_scaling.py"),
+        "--quick",
+        "--worker-in-core",
+        "--kvlens-tiers",
+        "cpu",
+    ]
     cmd += ["--lmcache-setup", "no", "--lmcache-venv", str(tmp_path / "no-venv-lmcache")]
     cmd += ["--out", str(tmp_path), "--server-pool", str(server_pool.path)]
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -73,7 +80,7 @@ def test_quick_prompt_scaling_reports_every_length_and_kvlens_serves_the_hits(tm
 
 
 def test_quick_ttft_peers_writes_ratios_and_reports_lmcache_unavailable(tmp_path, server_pool):
-    cmd = [sys.executable, str(REPO / "bench" / "ttft_peers.py"), "--quick"]
+    cmd = [sys.executable, str(REPO / "bench" / "ttft_peers.py"), "--quick", "--worker-in-core"]
     cmd += ["--modes", "none,kvlens,lmcache", "--kvlens-tiers", "cpu"]
     cmd += ["--lmcache-setup", "no", "--lmcache-venv", str(tmp_path / "no-venv-lmcache")]
     cmd += ["--out", str(tmp_path), "--server-pool", str(server_pool.path)]
