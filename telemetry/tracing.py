@@ -89,6 +89,7 @@ _propagator = TraceContextTextMapPropagator()
 _setup_lock = threading.Lock()
 _tracer: Any = None
 _pending: deque[tuple[Any, ...]] = deque()
+_draining = threading.Lock()  # one span taken and built at a time (drain)
 _wake = threading.Event()
 _stopping = threading.Event()
 _builder: threading.Thread | None = None
@@ -216,20 +217,23 @@ def stop_builder(timeout_s: float = 2.0) -> None:
 
 
 def drain(yield_gil: bool = False) -> None:
-    """Build every queued span now.
+    """Build every queued span now, and return once they are all finished, also one another
+    thread (the builder) was building when this was called: spans are taken and built one at a
+    time under a lock, so they finish in the order they were queued.
 
     The builder thread yields the GIL after each span: without that, an engine thread that
     wants the GIL back waits out Python's whole switch interval (5 ms) behind it.
     """
     while True:
-        try:
-            item = _pending.popleft()
-        except IndexError:
-            return
-        try:
-            _build(*item)
-        except Exception as e:  # a broken exporter or attribute must not stop the others
-            logger.warning("KVLens: could not record span %s: %s", item[0], e)
+        with _draining:
+            try:
+                item = _pending.popleft()
+            except IndexError:
+                return
+            try:
+                _build(*item)
+            except Exception as e:  # a broken exporter or attribute must not stop the others
+                logger.warning("KVLens: could not record span %s: %s", item[0], e)
         if yield_gil:
             time.sleep(0)
 

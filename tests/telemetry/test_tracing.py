@@ -49,3 +49,26 @@ def test_failure_sets_error_status_and_records_the_event(spans):
     assert span.attributes[tracing.A_ERROR_TYPE] == "corrupt"
     assert span.events[0].name == "kvlens.load_failed"
     assert list(span.events[0].attributes[tracing.A_BLOCK_IDS]) == [4, 5]
+
+
+def test_drain_returns_once_a_span_another_thread_is_building_is_finished_too(spans):
+    """The builder thread may be building a span when a flush (exit, a reader) drains the queue:
+    the flush returns with that span finished, and spans are finished in the order queued."""
+    import threading
+
+    building, release = threading.Event(), threading.Event()
+
+    def slow_attributes() -> dict:
+        building.set()
+        release.wait(5)
+        return {}
+
+    tracing.emit(tracing.LOAD, None, 10, 20, slow_attributes)
+    builder = threading.Thread(target=tracing.drain)  # as the builder thread does
+    builder.start()
+    assert building.wait(5)
+    tracing.emit(tracing.STORE, None, 30, 40, dict)
+    threading.Timer(0.3, release.set).start()  # the flush below must wait this out
+    finished = spans.get_finished_spans()
+    builder.join(5)
+    assert [s.name for s in finished] == ["kvlens.load", "kvlens.store"]
