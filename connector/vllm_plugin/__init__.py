@@ -9,6 +9,8 @@ being loaded has KVLens as its connector.
 - ``weights_hook``: hashes the weight files beside the loader's read of them (the model
   identity's digests, ``connector/identity/read_along.py``), so the scheduler half does not
   read the checkpoint a second time.
+- ``model_hook``: remembers the model the loader built (a weak reference), which the blender
+  runs: vLLM hands a connector its KV caches, never its model.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ logger = logging.getLogger("vllm.kvlens")
 
 def register() -> None:
     """Installs every hook; a hook that fails to install is logged and left out."""
-    from . import weights_hook
+    from . import model_hook, weights_hook
 
-    for hook in (weights_hook.install,):
+    for hook in (weights_hook.install, model_hook.install):
         try:
             hook()
         except Exception:  # noqa: BLE001 - a plugin must never stop vLLM

@@ -6,7 +6,9 @@ exactly a full prefill's. At a check layer the reused tokens whose K deviates mo
 recomputed; the rest stop there. In each later layer only the recomputed tokens' hidden states
 are computed, and they attend causally to the mixed KV: reused K and V for the others, fresh for
 themselves. Tokens without reused KV (separators, the question, segments not stored or too
-short) and the prompt's last token are always recomputed. What comes out is, per layer, K and V
+short) and the prompt's last token are always recomputed. Under tensor parallelism each rank
+holds its own KV heads, so a token's deviation is summed over the ranks before the choice: every
+rank keeps the same tokens, as the all-reduces of the later layers need. What comes out is, per layer, K and V
 for every token: what the paged cache would hold.
 """
 
@@ -93,7 +95,7 @@ def blend(model: BlendModel, prompt: BlendInput, checks: Sequence[CheckLayer]) -
         layer_k[active], layer_v[active] = k, v
         keep = torch.ones(active.numel(), dtype=torch.bool)
         if number in plan:
-            scores = deviation(k, prompt.keys[number][active])
+            scores = model.sum_across_ranks(deviation(k, prompt.keys[number][active]))
             candidate = reused[active]
             keep = choose(scores, candidate, forced[active], plan[number], int(reused.sum()))
             chosen = keep & candidate & ~forced[active]

@@ -39,6 +39,9 @@ class HFLlama:
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(token_ids)
 
+    def sum_across_ranks(self, per_rank: torch.Tensor) -> torch.Tensor:
+        return per_rank  # one process holds every head
+
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.model.norm(hidden))

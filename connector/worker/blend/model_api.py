@@ -38,3 +38,8 @@ class BlendModel(Protocol):
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [n] -> the residual stream into layer 0 [n, E]."""
         ...
+
+    def sum_across_ranks(self, per_rank: torch.Tensor) -> torch.Tensor:
+        """The sum over tensor-parallel ranks of a tensor each rank computed on its own heads (a
+        token's deviation): every rank must get the same, or they keep different tokens."""
+        ...
