@@ -43,8 +43,7 @@ PER_TOKEN = "vllm:kvlens_prefill_seconds_per_token"
 
 def serve(tiny_model: str, disk: Path, log: Path) -> VllmServer:
     kv = kv_transfer_config(local_disk=str(disk), max_local_disk_size=1)  # defaults besides the disk
-    env = base_env(KVLENS_EVENT_LOG=str(log.parent / "events.jsonl"))
-    srv = VllmServer(tiny_model, kv, log, env, ARGS, worker_process=False)
+    srv = VllmServer(tiny_model, kv, log, base_env(KVLENS_EVENT_LOG=str(log.parent / "events.jsonl")), ARGS)
     srv.wait_ready()
     return srv
 
