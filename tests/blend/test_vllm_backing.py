@@ -12,18 +12,16 @@ its own heads, and the blender sums them over the ranks before choosing.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration import engine_forks
+from tests.blend.vllm_backing import EVERY_HEAD, REUSED
+from tests.integration.conftest import run_engine
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("vllm_backing.py")
 TOKENS = [(7 * i) % 250 + 4 for i in range(300)]
 CACHED = 256  # vLLM's prefix cache keeps the prompt's whole blocks (128 tokens each on CPU)
@@ -47,25 +45,13 @@ def transformers_prefill(tiny_model):
 
 
 def blended_on_every_rank(model: str, tmp: Path, engine: dict, env: dict[str, str] | None = None) -> dict:
-    """The runner's result: ``ranks`` (each rank's full-recompute blend) and ``rewrite``."""
-    spec_file = tmp / "spec.json"
-    spec_file.write_text(json.dumps({"model": model, "tokens": TOKENS, "cached": CACHED, "engine": engine}))
-    run_env = {
-        **os.environ,
-        **(env or {}),
-        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-    }
-    returncode, log = engine_forks.run(RUNNER, spec_file, run_env, timeout=420)
-    lines = [line for line in log.splitlines() if line.startswith('{"ranks"')]
-    assert returncode == 0 and lines, log[-6000:]
-    return json.loads(lines[-1])
+    """The runner's result: ``ranks`` (each rank's full-recompute blend), ``selected`` and
+    ``rewrite``."""
+    spec = {"model": model, "tokens": TOKENS, "cached": CACHED, "engine": engine}
+    return run_engine(spec, tmp, env=env, runner=RUNNER, result="ranks")
 
 
 def assert_every_rank_keeps_the_top_tokens_over_all_heads(selected: list[list[int]]) -> None:
-    from tests.blend.vllm_backing import EVERY_HEAD, REUSED
-
     want = sorted([*EVERY_HEAD, *range(REUSED, len(TOKENS))])  # the top share and the unreused
     assert all(sorted(got) == want for got in selected), selected
 

@@ -29,9 +29,17 @@ def disk_kv(directory: str, **extra) -> dict:
     return kv
 
 
-def run_engine(spec: dict, tmp_path: Path, timeout: float = 420, env: dict | None = None) -> dict:
+def run_engine(
+    spec: dict,
+    tmp_path: Path,
+    timeout: float = 420,
+    env: dict | None = None,
+    runner: Path = RUNNER,
+    result: str = "rounds",
+) -> dict:
     """Run one engine in a fresh process (forked from one that imported vLLM: ``engine_forks``);
-    returns {"rounds": [...], "state": {...}, "log": its output}."""
+    returns {"rounds": [...], "state": {...}, "log": its output}. Another ``runner`` script takes
+    the spec file too and prints its result as the last JSON line whose first key is ``result``."""
     spec_file = tmp_path / f"spec-{os.getpid()}-{id(spec)}.json"
     spec_file.write_text(json.dumps(spec))
     env = {
@@ -42,10 +50,10 @@ def run_engine(spec: dict, tmp_path: Path, timeout: float = 420, env: dict | Non
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
     }
     if engine_forks.enabled():
-        returncode, log = engine_forks.run(RUNNER, spec_file, env, timeout)
+        returncode, log = engine_forks.run(runner, spec_file, env, timeout)
     else:
         proc = subprocess.run(
-            [sys.executable, str(RUNNER), str(spec_file)],
+            [sys.executable, str(runner), str(spec_file)],
             cwd=REPO,
             env=env,
             capture_output=True,
@@ -53,7 +61,7 @@ def run_engine(spec: dict, tmp_path: Path, timeout: float = 420, env: dict | Non
             timeout=timeout,
         )
         returncode, log = proc.returncode, proc.stdout + proc.stderr
-    lines = [ln for ln in log.splitlines() if ln.startswith('{"rounds"')]
+    lines = [ln for ln in log.splitlines() if ln.startswith(f'{{"{result}"')]
     if returncode != 0 or not lines:
         raise AssertionError(f"engine run failed (rc={returncode}):\n{log[-6000:]}")
     result = json.loads(lines[-1])
