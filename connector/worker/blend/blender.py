@@ -8,8 +8,8 @@ are computed, and they attend causally to the mixed KV: reused K and V for the o
 themselves. Tokens without reused KV (separators, the question, segments not stored or too
 short) and the prompt's last token are always recomputed. Under tensor parallelism each rank
 holds its own KV heads, so a token's deviation is summed over the ranks before the choice: every
-rank keeps the same tokens, as the all-reduces of the later layers need. What comes out is, per layer, K and V
-for every token: what the paged cache would hold.
+rank keeps the same tokens, as the all-reduces of the later layers need. What comes out is, per
+layer, K and V for every token: what the paged cache would hold.
 """
 
 from __future__ import annotations
