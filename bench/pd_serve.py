@@ -43,6 +43,7 @@ from bench.lib.bench_serve import BenchServeFailed, run_bench_serve  # noqa: E40
 from bench.lib.client import metric_sum  # noqa: E402
 from bench.lib.models import BENCH, REAL_HELP, TINY, check_fits, ensure_model, real_model  # noqa: E402
 from bench.lib.paths import RUN_DIR  # noqa: E402
+from bench.lib.ports import free_ports  # noqa: E402
 from bench.lib.report import Figure, Target  # noqa: E402
 from bench.lib.runner import Benchmark, Option, SideFailed, main  # noqa: E402
 from bench.lib.servers import (  # noqa: E402
@@ -50,7 +51,6 @@ from bench.lib.servers import (  # noqa: E402
     WORKER_IN_CORE_HELP,
     ManagedProcess,
     VllmServer,
-    free_ports,
     server_env,
 )
 

@@ -70,6 +70,7 @@ import redis  # noqa: E402
 import torch  # noqa: E402
 from redis.utils import HIREDIS_AVAILABLE  # noqa: E402
 
+from bench.lib.ports import free_port  # noqa: E402
 from connector.engine.health import TierHealth  # noqa: E402
 from connector.tiers import codec  # noqa: E402
 from connector.tiers.background import BackgroundTier  # noqa: E402
@@ -92,9 +93,7 @@ def private_server() -> Iterator[str]:
     exe = shutil.which("redis-server")
     if exe is None:
         sys.exit("redis-server is not installed (bash scripts/setup.sh), or pass --url")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as workdir:
         cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         cmd += ["--dir", workdir, "--logfile", os.path.join(workdir, "redis.log")]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .paths import REPO
+from .ports import free_ports
 
 STOP_GRACE_S = 30.0
 POLL_S = 0.5
@@ -53,20 +54,6 @@ FATAL_MARKERS = (
     "Worker failed with error",
     "EngineCore failed to start",
 )
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports the kernel hands out as free on 127.0.0.1 (held together, so they differ)."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def server_env(kv_space_gib: int, extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -115,11 +115,9 @@ def raw_server():
 
 @pytest.fixture
 def closed_port() -> int:
-    import socket
+    from bench.lib.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def write_requests(path: Path, *requests: tuple[str, str | None, float], max_bytes: int = 10 << 20) -> None:

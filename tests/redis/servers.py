@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import redis
+
+from bench.lib.ports import free_port
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
@@ -69,12 +70,6 @@ def make_certificates(folder: Path) -> Path:
         "server.pem",
     )
     return folder
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_a_replica(master, timeout_s: float = 60.0) -> None:

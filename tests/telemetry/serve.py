@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.lib.ports import free_port
 from bench.lib.servers import WORKER_IN_CORE_ARGS, WORKER_IN_CORE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,12 +36,6 @@ def kv_transfer_config(**extra_config: Any) -> dict[str, Any]:
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {f"lmcache.{k}": v for k, v in extra_config.items()},
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env(**extra: str) -> dict[str, str]:

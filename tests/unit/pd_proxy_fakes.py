@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,13 +18,9 @@ import uvicorn
 import zmq
 from aiohttp import web
 
+from bench.lib.ports import free_port
+
 MODEL = "fake-model"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tokens_of(text: str) -> list[int]:

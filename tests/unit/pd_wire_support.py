@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from bench.lib import ports
 from connector.pd import wire
 from connector.pd.auth import PDAuth, new_nonce
 from connector.pd.identity import PeerIdentity
@@ -218,10 +219,8 @@ def answer_handshake(
 
 
 def free_port() -> int:
-    """A loopback port nobody listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A loopback port nobody listens on (and nobody else is handed)."""
+    return ports.free_port(HOST)
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -4,11 +4,11 @@ never pays for one inside its budget, and a Redis down at start-up costs the eng
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
 
+from bench.lib.ports import free_port
 from connector.engine.outcomes import MissReason, TierState
 from connector.scheduler.remote_lookup import RemoteLookup
 from connector.tiers.redis_tier import RedisTier
@@ -30,12 +30,6 @@ def eventually(condition, timeout_s: float = 5.0) -> bool:
             return True
         time.sleep(0.01)
     return condition()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Clock:
