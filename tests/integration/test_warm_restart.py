@@ -225,7 +225,10 @@ def test_every_request_of_a_warm_restart_hits_and_the_prefill_cost_is_still_meas
     saved = grew(s, before, "vllm:kvlens_prefill_seconds_saved_total", tier="disk")
     costs = seen.costs or [estimate]
     assert priced > 0, "no hit came after the cost was known"
-    low, high = priced * min(costs) / 1.5, loaded * max(costs) * 1.5
+    # The watcher samples the published cost every 0.05 s; between two samples the engine may
+    # price a hit at an estimate it published for less than that (a CI run: 1.52x the highest
+    # sample, under the 1.5x this allowed before). 3x still catches a slip of unit or granularity.
+    low, high = priced * min(costs) / 3, loaded * max(costs) * 3
     assert low <= saved <= high, (low, saved, high)  # every hit priced once the cost was known
     # Against the wall clock: new prompts' latency grows by about the estimate per token, within
     # an order of magnitude (a slip of unit or of granularity, per chunk or per request, is 256x

@@ -12,7 +12,14 @@ import pytest
 from connector.tiers.redis_tier import RedisTier
 from connector.tiers.remote_url import parse_remote_url
 
-from .servers import REDIS_CLI, REDIS_SERVER, RedisClusterProcs, RedisSentinelGroup, RedisServer
+from .servers import (
+    FAILOVER_NODE_TIMEOUT_MS,
+    REDIS_CLI,
+    REDIS_SERVER,
+    RedisClusterProcs,
+    RedisSentinelGroup,
+    RedisServer,
+)
 
 LAYOUT = "test-layout"
 
@@ -74,7 +81,7 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
 @pytest.fixture
 def private_cluster(tmp_path: Path) -> Iterator[RedisClusterProcs]:
     """A cluster of the test's own, for tests that kill or pause its nodes."""
-    cluster = RedisClusterProcs(tmp_path / "cluster")
+    cluster = RedisClusterProcs(tmp_path / "cluster", FAILOVER_NODE_TIMEOUT_MS)
     try:
         yield cluster.start()
     finally:
