@@ -198,6 +198,41 @@ def http_ok(url: str) -> bool:
 # runs in the engine core. `vllm serve` still runs its engine core in a process of its own.
 WORKER_IN_CORE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 WORKER_IN_CORE_ARGS = ("--distributed-executor-backend", "uni")
+
+
+def cores_of(bind: str) -> list[int] | None:
+    """The cores of a one-rank ``VLLM_CPU_OMP_THREADS_BIND`` such as ``1`` or ``0-1,3`` (None for
+    ``auto``, ``nobind`` or one list per rank)."""
+    if not bind or any(c not in "0123456789,-" for c in bind):
+        return None
+    cores: list[int] = []
+    for part in bind.split(","):
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            return None
+        cores += range(int(low), int(high or low) + 1)
+    return cores
+
+
+def worker_in_core(cmd: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """``cmd`` and ``env`` of a one-rank server whose worker runs in the engine core, with the
+    worker's threads as vLLM's process split gives them. That split binds the worker's OpenMP
+    threads, one per core of ``VLLM_CPU_OMP_THREADS_BIND`` (under ``auto``: the cores left after
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU``); the in-core worker is bound by nothing, so torch would run
+    one spinning OpenMP thread per core of the machine beside the other test worker's engines (a
+    real-model PD test took 7x its time alone) and sum in another order. Here it gets as many
+    threads as the split would, on the same cores where the bind names them."""
+    bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    cores = cores_of(bind)
+    if cores is None:
+        reserved = int(env.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or 1)
+        threads = max(1, len(os.sched_getaffinity(0)) - reserved)
+    else:
+        threads = len(cores)
+        cmd = ["taskset", "-c", bind, *cmd]
+    return [*cmd, *WORKER_IN_CORE_ARGS], {**env, **WORKER_IN_CORE_ENV, "OMP_NUM_THREADS": str(threads)}
+
+
 WORKER_IN_CORE_HELP = (
     "run the model's worker in vLLM's engine core (one process fewer to start: for smoke tests; "
     "not vLLM-CPU as deployed, figures are not comparable)"
@@ -238,8 +273,7 @@ class VllmServer(ManagedProcess):
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         cmd += list(server_args)
         if worker_in_core:
-            cmd += WORKER_IN_CORE_ARGS
-            env = {**env, **WORKER_IN_CORE_ENV}
+            cmd, env = worker_in_core(cmd, env)
         super().__init__(cmd, env, log_path)
         self.name = f"vLLM server ({name})"
 

@@ -20,7 +20,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.lib.ports import free_port
-from bench.lib.servers import WORKER_IN_CORE_ARGS, WORKER_IN_CORE_ENV
+from bench.lib.servers import worker_in_core
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 240.0
@@ -74,18 +74,14 @@ class VllmServer:
         server then binds ``host``. ``worker_process``: vLLM's own deployment on CPU, the model's
         worker in a process of its own beside the engine core (scheduler half and worker half of
         KVLens in two processes, their metadata pickled between them); ``False`` runs the worker
-        in the engine core (``WORKER_IN_CORE_ENV``), for a module whose subject is not that split.
-        The two differ in the worker's threads, so a random model's bf16 outputs may differ
-        between them: servers whose outputs a test compares run alike."""
-        if not worker_process:
-            env = {**env, **WORKER_IN_CORE_ENV}
-            extra_args = (*extra_args, *WORKER_IN_CORE_ARGS)
+        in the engine core, for a module whose subject is not that split (``worker_in_core``
+        gives its threads the split's count and cores). Servers whose outputs a test compares
+        run alike all the same: a random model's bf16 outputs flip on the last bit."""
         self.port = free_port()
         self.url = f"http://{host}:{self.port}"
         self.model = model
         self.log_path = log_path
         cmd = [
-            *launcher,
             sys.executable,
             "-m",
             "connector.launcher",
@@ -107,6 +103,9 @@ class VllmServer:
             *(["--kv-transfer-config", json.dumps(kv_config)] if kv_config is not None else []),
             *extra_args,
         ]
+        if not worker_process:
+            cmd, env = worker_in_core(cmd, env)
+        cmd = [*launcher, *cmd]
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
