@@ -76,8 +76,9 @@ def read(payload: memoryview | bytes, shape: SegmentShape, tokens: int, max_posi
     if count != tokens:
         raise SegmentRecordInvalid(f"a segment chunk of {count} tokens where {tokens} were asked for")
     if view.nbytes != shape.payload_bytes(tokens):
+        want = shape.payload_bytes(tokens)
         raise SegmentRecordInvalid(
-            f"a segment payload of {view.nbytes} bytes where {tokens} tokens take {shape.payload_bytes(tokens)}"
+            f"a segment payload of {view.nbytes} bytes where {tokens} tokens take {want}"
         )
     if position + tokens > max_positions:
         raise SegmentRecordInvalid(

@@ -46,7 +46,8 @@ def from_payload(
     max_positions: int,
 ) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
     """The position, and per layer K and V ([tokens, kv_heads, head_size], over the payload's
-    bytes: read them, never write them), of a chunk of ``tokens`` tokens; ``SegmentRecordInvalid`` if the payload is not one."""
+    bytes: read them, never write them), of a chunk of ``tokens`` tokens;
+    ``SegmentRecordInvalid`` if the payload is not one."""
     if torch.empty((), dtype=dtype).element_size() != shape.element_bytes:
         raise ValueError(f"{dtype} is not {shape.element_bytes} bytes an element")
     record = segment_records.read(payload, shape, tokens, max_positions)
