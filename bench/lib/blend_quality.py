@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from connector.config.blend import DEFAULT_SEPARATOR
+from connector.worker.blend.assemble import LoadedChunk, blend_input
 from connector.worker.blend.blender import BlendInput, BlendResult, blend
 from connector.worker.blend.hf_llama import HFLlama, prefill_kv
 from connector.worker.blend.selection import CheckLayer
@@ -53,19 +54,11 @@ def rag_prompt(tokenizer, question: rag_set.Question, order: tuple[str, ...]) ->
 @torch.no_grad()
 def reused_input(model: HFLlama, prompt: RagPrompt) -> BlendInput:
     """Each reused part's KV computed alone at position 0, K moved to the part's start."""
-    count, shift = prompt.token_ids.shape[0], model.rope_shift()
-    layers = len(model.layers)
-    heads, dim = model.model.config.num_key_value_heads, model.model.config.head_dim
-    keys = [torch.zeros(count, heads, dim) for _ in range(layers)]
-    values = [torch.zeros(count, heads, dim) for _ in range(layers)]
-    reused = torch.zeros(count, dtype=torch.bool)
+    chunks = []
     for start, length in prompt.reused_parts:
         part_k, part_v, _ = prefill_kv(model.model, prompt.token_ids[start : start + length])
-        for layer in range(layers):
-            keys[layer][start : start + length] = shift.move(part_k[layer], start)
-            values[layer][start : start + length] = part_v[layer]
-        reused[start : start + length] = True
-    return BlendInput(prompt.token_ids, torch.arange(count), reused, keys, values)
+        chunks.append(LoadedChunk(start, 0, part_k, part_v))
+    return blend_input(prompt.token_ids, chunks, model.rope_shift(), torch.float32)
 
 
 @torch.no_grad()

@@ -13,27 +13,6 @@ from connector.worker.blend.selection import CheckLayer, choose
 TOKENS = 48
 
 
-@pytest.fixture(scope="module")
-def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=200,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-    yield LlamaForCausalLM(config).eval()
-    torch.set_num_threads(threads)
-
-
 def prompt(llama, reused: torch.Tensor, kv=None) -> BlendInput:
     ids = torch.arange(TOKENS) % 190 + 3
     keys, values, _ = kv or prefill_kv(llama, ids)
