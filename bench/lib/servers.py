@@ -214,7 +214,7 @@ def cores_of(bind: str) -> list[int] | None:
     return cores
 
 
-def worker_in_core(cmd: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+def in_engine_core(cmd: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """``cmd`` and ``env`` of a one-rank server whose worker runs in the engine core, with the
     worker's threads as vLLM's process split gives them. That split binds the worker's OpenMP
     threads, one per core of ``VLLM_CPU_OMP_THREADS_BIND`` (under ``auto``: the cores left after
@@ -273,7 +273,7 @@ class VllmServer(ManagedProcess):
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         cmd += list(server_args)
         if worker_in_core:
-            cmd, env = worker_in_core(cmd, env)
+            cmd, env = in_engine_core(cmd, env)
         super().__init__(cmd, env, log_path)
         self.name = f"vLLM server ({name})"
 

@@ -20,7 +20,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.lib.ports import free_port
-from bench.lib.servers import worker_in_core
+from bench.lib.servers import in_engine_core
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 240.0
@@ -74,7 +74,7 @@ class VllmServer:
         server then binds ``host``. ``worker_process``: vLLM's own deployment on CPU, the model's
         worker in a process of its own beside the engine core (scheduler half and worker half of
         KVLens in two processes, their metadata pickled between them); ``False`` runs the worker
-        in the engine core, for a module whose subject is not that split (``worker_in_core``
+        in the engine core, for a module whose subject is not that split (``in_engine_core``
         gives its threads the split's count and cores). Servers whose outputs a test compares
         run alike all the same: a random model's bf16 outputs flip on the last bit."""
         self.port = free_port()
@@ -104,7 +104,7 @@ class VllmServer:
             *extra_args,
         ]
         if not worker_process:
-            cmd, env = worker_in_core(cmd, env)
+            cmd, env = in_engine_core(cmd, env)
         cmd = [*launcher, *cmd]
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
