@@ -247,7 +247,7 @@ class PDReceiver:
                 return  # a reachability probe, not a failure (kvlens doctor, a TCP health check)
             if self._tls is not None:
                 conn = self._wrap_tls(conn)
-            trailers = self._handshake(conn, port.rank, deadline)
+            trailers = self._handshake(conn, slot, port.rank, deadline)
             seq = 0
             while port.carries_data and not self._stopping.is_set():
                 if not self._table.set_state(slot, IDLE):
@@ -315,8 +315,12 @@ class PDReceiver:
             pass
         raise _Counted(reason)
 
-    def _handshake(self, conn: socket.socket, rank: int, deadline: Deadline) -> ChunkTags | Checksums:
-        """The receiver's side (``wire.py``) within ``deadline``; the connection's chunk trailers."""
+    def _handshake(
+        self, conn: socket.socket, slot: Connection, rank: int, deadline: Deadline
+    ) -> ChunkTags | Checksums:
+        """The receiver's side (``wire.py``) within ``deadline``; the connection's chunk trailers.
+        ``slot`` leaves the handshaking share before the peer hears it was accepted: a peer that
+        heard so may act at once, and an unauthenticated newcomer must not evict it."""
         kind, body = wire.recv_frame(conn, deadline, self._handshake_s)
         if kind is not FrameType.HELLO:
             raise WireError("bad_frame", f"{kind.name} where HELLO was expected")
@@ -366,6 +370,7 @@ class PDReceiver:
                 mine_id,
             )
             self._refuse(conn, deadline, reason, **facts)
+        self._table.set_state(slot, IDLE)  # evicted meanwhile: the serve loop ends it
         self._reply(conn, deadline, ok=True, reason=None, **facts)
         return self._auth.session(theirs_nonce, mine) if self._auth is not None else Checksums()
 

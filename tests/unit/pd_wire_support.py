@@ -181,9 +181,9 @@ class RawPeer:
         assert kind is wire.FrameType.REPLY
         return wire.decode_control(body)
 
-    def closed_by_peer(self) -> bool:
-        """True once the receiver has closed its end (EOF or reset), waiting at most WAIT_S."""
-        self.sock.settimeout(WAIT_S)
+    def closed_by_peer(self, timeout: float = WAIT_S) -> bool:
+        """True once the receiver has closed its end (EOF or reset), waiting at most ``timeout``."""
+        self.sock.settimeout(timeout)
         try:
             while self.sock.recv(65536):
                 pass

@@ -219,6 +219,31 @@ def test_a_full_table_closes_the_longest_idle_connection_for_a_new_one():
             p.close()
 
 
+def test_a_peer_whose_handshake_was_answered_is_no_longer_counted_as_handshaking(monkeypatch):
+    """The receiver answered the handshake, then marked the connection idle: on a busy machine a
+    new connection came in that window, found the slots of unauthenticated peers full (the
+    answered one still among them) and closed it (a full run: two connections evicted where
+    one should be). A connection is marked authenticated before its peer hears so."""
+    from connector.pd import receiver_conns
+
+    real = receiver_conns.ConnectionTable.set_state
+
+    def late(self, conn, state):  # the receiver's thread descheduled for a while
+        if state == receiver_conns.IDLE:
+            time.sleep(0.3)
+        return real(self, conn, state)
+
+    monkeypatch.setattr(receiver_conns.ConnectionTable, "set_state", late)
+    with receiver(max_connections=2) as rx:
+        first = RawPeer(rx.init_ports[0])
+        assert first.hello()["ok"]
+        second = RawPeer(rx.init_ports[0])  # the handshaking share is one slot of two
+        assert second.hello()["ok"]
+        assert rx.stats().evicted == 0 and not first.closed_by_peer(timeout=0.5)
+        for p in (first, second):
+            p.close()
+
+
 def test_peers_that_never_finish_a_handshake_hold_at_most_half_the_slots():
     with receiver(max_connections=4, handshake_timeout_s=30.0) as rx:
         silent = [RawPeer(rx.init_ports[0]) for _ in range(6)]  # connect and say nothing
