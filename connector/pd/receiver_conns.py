@@ -66,11 +66,14 @@ class ConnectionTable:
         return conn
 
     def set_state(self, conn: Connection, state: str) -> bool:
-        """Move ``conn`` to ``state``; False when it was evicted (its thread should end)."""
+        """Move ``conn`` to ``state``; False when it was evicted (its thread should end). A
+        connection already in ``state`` keeps the time it entered it: idle since its handshake
+        ended, however late its thread comes back to wait for a transfer."""
         with self._lock:
             if conn.evicted:
                 return False
-            conn.state, conn.since = state, time.monotonic()
+            if conn.state != state:
+                conn.state, conn.since = state, time.monotonic()
             return True
 
     def remove(self, sock: socket.socket) -> Connection | None:

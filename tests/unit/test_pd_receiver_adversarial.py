@@ -244,6 +244,38 @@ def test_a_peer_whose_handshake_was_answered_is_no_longer_counted_as_handshaking
             p.close()
 
 
+def test_the_longest_idle_is_the_one_accepted_first_however_late_its_thread_runs(monkeypatch):
+    """How long a connection has been idle counts from its handshake's end: its serving thread
+    coming back late to wait for a transfer must not make it look newer (in a full run the
+    first of two idle peers was kept and the second closed for a newcomer)."""
+    from connector.pd import receiver_conns
+
+    real = receiver_conns.ConnectionTable.set_state
+    first_thread_back: list[object] = []
+
+    def late(self, conn, state):  # the first connection's thread is descheduled after its reply
+        if state == receiver_conns.IDLE and conn.state == receiver_conns.IDLE and not first_thread_back:
+            first_thread_back.append(conn)
+            time.sleep(0.5)
+        return real(self, conn, state)
+
+    monkeypatch.setattr(receiver_conns.ConnectionTable, "set_state", late)
+    with receiver(max_connections=2) as rx:
+        held = [RawPeer(rx.init_ports[0])]
+        assert held[0].hello()["ok"]
+        held.append(RawPeer(rx.init_ports[0]))
+        assert held[1].hello()["ok"]
+        time.sleep(0.7)  # the first thread is back
+        tx = PDSender(identity(), 2.0, 5.0)
+        try:
+            assert send(tx, rx.init_ports[0], records(1, 100, 100)).ok
+        finally:
+            tx.close()
+        assert held[0].closed_by_peer() and not held[1].closed_by_peer(timeout=0.5)
+        for p in held:
+            p.close()
+
+
 def test_peers_that_never_finish_a_handshake_hold_at_most_half_the_slots():
     with receiver(max_connections=4, handshake_timeout_s=30.0) as rx:
         silent = [RawPeer(rx.init_ports[0]) for _ in range(6)]  # connect and say nothing
