@@ -108,9 +108,22 @@ def test_a_reply_stalled_mid_value_times_out_and_its_late_bytes_are_never_read(r
     assert time.monotonic() - start < 2.0
     assert all(isinstance(g, RemoteUnavailable) and g.kind == "timeout" for g in got)
     relay.release()  # the rest of the old reply arrives now, on a connection the tier dropped
-    for _ in range(3):
-        assert tier.get(name(2)) == payload(MB, 2)
-        assert tier.get(name(1)) == payload(MB, 1)
+    # Every read after it returns its own value, never the old reply's bytes. A read may still
+    # time out (0.3 s for 1 MB through the relay: on a slowed CPU some did), but three of each
+    # must come back, within twenty tries.
+    served = {1: 0, 2: 0}
+    for _ in range(20):
+        for n in (2, 1):
+            try:
+                got = tier.get(name(n))
+            except RemoteUnavailable as e:
+                assert e.kind == "timeout", e
+                continue
+            assert got == payload(MB, n)
+            served[n] += 1
+        if min(served.values()) >= 3:
+            break
+    assert min(served.values()) >= 3, served
 
 
 def test_error_and_nil_replies_amid_values_leave_the_connection_usable(redis_server, tier_factory):

