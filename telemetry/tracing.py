@@ -217,7 +217,7 @@ def stop_builder(timeout_s: float = 2.0) -> None:
 
 
 def drain(yield_gil: bool = False) -> None:
-    """Build every queued span now, and return once they are all finished, also one another
+    """Build every queued span now, and return once they are all finished, also one that another
     thread (the builder) was building when this was called: spans are taken and built one at a
     time under a lock, so they finish in the order they were queued.
 

@@ -75,8 +75,8 @@ def read(payload: memoryview | bytes, shape: SegmentShape, tokens: int, max_posi
     position, count = PREFIX.unpack(view[:PREFIX_BYTES])
     if count != tokens:
         raise SegmentRecordInvalid(f"a segment chunk of {count} tokens where {tokens} were asked for")
-    if view.nbytes != shape.payload_bytes(tokens):
-        want = shape.payload_bytes(tokens)
+    want = shape.payload_bytes(tokens)
+    if view.nbytes != want:
         raise SegmentRecordInvalid(
             f"a segment payload of {view.nbytes} bytes where {tokens} tokens take {want}"
         )

@@ -41,14 +41,20 @@ def test_a_shared_cluster_rides_out_a_master_starved_of_cpu(tmp_path):
     their own cluster with a short timeout."""
     cluster = RedisClusterProcs(tmp_path / "cluster").start()
     try:
-        stalled = next(s for s in cluster.servers if s.client().info("replication")["role"] == "master")
+        stalled = next(s for s in cluster.servers if _role(s) == "master")
         witness = next(s for s in cluster.servers if s is not stalled)
         stalled.pause()
         states = []
-        for _ in range(6):
-            time.sleep(0.5)
-            states.append(witness.client().cluster("info")["cluster_state"])
+        with witness.client() as client:
+            for _ in range(6):
+                time.sleep(0.5)
+                states.append(client.cluster("info")["cluster_state"])
         stalled.resume()
         assert states == ["ok"] * 6
     finally:
         cluster.kill()
+
+
+def _role(server) -> str:
+    with server.client() as client:
+        return client.info("replication")["role"]

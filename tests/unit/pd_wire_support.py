@@ -15,7 +15,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from bench.lib import ports
 from connector.pd import wire
 from connector.pd.auth import PDAuth, new_nonce
 from connector.pd.identity import PeerIdentity
@@ -216,11 +215,6 @@ def answer_handshake(
     ok = {"ok": True, "reason": None, "identity": (ident or identity()).to_wire(), "capacity_bytes": 1 << 30}
     conn.sendall(wire.control_frame(wire.FrameType.REPLY, {**ok, "free_bytes": 1 << 30}))
     return auth.session(theirs, mine) if auth is not None else wire.Checksums()
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on (and nobody else is handed)."""
-    return ports.free_port(HOST)
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from bench.lib.ports import free_port
 from connector.config.loading import load_config
 from connector.engine.facts import EngineFacts
 from connector.engine.keys import PrefixHasher
@@ -23,7 +24,7 @@ from connector.pd.sender import PDSender
 from connector.pd_roles import SchedulerPD, WorkerPD, identity, key_space
 from connector.worker.kv_blocks import BlockCopier
 
-from .pd_wire_support import free_port, send, wait_until
+from .pd_wire_support import send, wait_until
 
 CHUNK, BLOCK, LAYERS, HEADS, HEAD2 = 256, 128, 2, 2, 16
 BLOCK_BYTES = HEADS * BLOCK * HEAD2 * 2  # one layer's block, bf16

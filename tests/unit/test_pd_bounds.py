@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 
+from bench.lib.ports import free_port
 from connector.pd import sender as sender_module
 from connector.pd import wire
 from connector.pd.sender import PDSender
@@ -18,7 +19,6 @@ from .pd_wire_support import (
     RawPeer,
     answer_handshake,
     assert_idle,
-    free_port,
     identity,
     open_fds,
     receiver,

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 
+from bench.lib.ports import free_port
 from connector.pd import wire
 from connector.pd.receive_buffer import ReceiveBuffer
 from connector.pd.sender import PDSender
@@ -21,7 +22,6 @@ from .pd_wire_support import (
     RawPeer,
     answer_handshake,
     assert_idle,
-    free_port,
     identity,
     kill,
     open_fds,

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import zmq
 
+from bench.lib.ports import free_port
 from connector.pd.proxy_notice import ProxyNotifier
 from connector.pd.receive_buffer import attach
 from connector.pd.receiver import PDReceiver
@@ -20,7 +21,6 @@ from connector.pd.sender import PDSender
 from .pd_wire_support import (
     HOST,
     assert_idle,
-    free_port,
     identity,
     open_fds,
     pd_threads,
