@@ -31,6 +31,7 @@ from .pd_roles import SchedulerPD, WorkerPD
 from .scheduler.connector_scheduler import ConnectorScheduler
 from .vllm_compat import (
     attention_in_full_graph,
+    blend_separators,
     block_ids_of,
     engine_facts,
     kv_block_slots,
@@ -38,6 +39,8 @@ from .vllm_compat import (
     model_identity,
     worker_rank,
 )
+from .vllm_plugin.model_hook import loaded_model
+from .worker.blend.blend_worker import WorkerBlend
 from .worker.connector_worker import ConnectorWorker
 
 if TYPE_CHECKING:
@@ -88,6 +91,8 @@ class KVLensConnector(KVConnectorBase_V1):
             config.chunk_size,
             facts.chunk_nbytes(config.chunk_size),
         )
+        if config.enable_blending and config.pd.enabled:
+            problems.append("enable_blending with PD roles: a blended prompt is not sent to a decoder yet")
         if problems:
             raise ConfigError("KVLens cannot start with this configuration: " + "; ".join(problems))
         self._num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
@@ -97,8 +102,12 @@ class KVLensConnector(KVConnectorBase_V1):
         self._worker_telemetry: Any = None
         self._pd_scheduler: SchedulerPD | None = None
         self._pd_worker: WorkerPD | None = None
+        self._blend: WorkerBlend | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = ConnectorScheduler(config, facts)
+            separators = (
+                blend_separators(vllm_config, config.blend_special_str) if config.enable_blending else ()
+            )
+            self._scheduler = ConnectorScheduler(config, facts, blend_separators=separators)
             if config.pd.enabled:
                 self._pd_scheduler = SchedulerPD(
                     config, facts, self._scheduler.state.hashers, pd_recorder(vllm_config)
@@ -108,6 +117,8 @@ class KVLensConnector(KVConnectorBase_V1):
             )
         elif role == KVConnectorRole.WORKER:
             self._worker = ConnectorWorker(config, facts, worker_rank())
+            if config.enable_blending:
+                self._blend = self._worker.blender(loaded_model)
             if config.pd.enabled:
                 self._pd_worker = WorkerPD(config, facts, self._worker.rank)
             self._worker_telemetry = telemetry.worker_recorder(
@@ -146,7 +157,13 @@ class KVLensConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._load_started = self._worker_telemetry.now()
         layer_hooks = not attention_in_full_graph(forward_context)
-        self._worker.start_load(self._plan(), layer_hooks)  # reads done; copies run beside the forward
+        plan = self._plan()
+        self._worker.start_load(plan, layer_hooks)  # reads done; copies run beside the forward
+        if plan.blends and self._blend is not None:  # before the forward pass, which computes the last token
+            started = self._worker_telemetry.now()
+            outcomes = self._blend.run(plan.blends)
+            self._worker.blended(outcomes, self._blend.take_store_failures())
+            self._worker_telemetry.blended(plan.blends, outcomes, started)
         if self._pd_worker is not None:  # the decoder's records, from the receive buffer, now (async)
             self._pd_worker.load(self._meta().pd_loads, self._worker.copier, self._worker.failed_blocks)
 
@@ -234,6 +251,8 @@ class KVLensConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         if self._pd_scheduler is not None and self._pd_scheduler.hit_tokens(request.request_id):
             return {CacheHitSource.P2P: num_external_tokens}
+        if self._scheduler.blends(request.request_id):  # computed by the blend from reused segments
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
         by_tier = self._scheduler.external_tokens_by_tier(request.request_id, num_external_tokens)
         return {_HIT_SOURCE[tier]: n for tier, n in by_tier.items() if n}
 

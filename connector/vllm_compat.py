@@ -359,3 +359,20 @@ def _probe_cpu_block_slots(vllm_config: Any, kv_cache: Any) -> Any:
         return None
     logger.info("KVLens: token slots of a KV block probed from the CPU kernel (ISA %s)", isa)
     return owner
+
+
+def blend_separators(vllm_config: Any, text: str) -> list[tuple[int, ...]]:
+    """The separator's token ids with the model's tokenizer, without special tokens (what a
+    client joining token ids puts between a prompt's parts; ``engine/segments.py``)."""
+    from transformers import AutoTokenizer
+
+    from .engine.segments import separator_ids
+
+    model = vllm_config.model_config
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            model.tokenizer, revision=model.tokenizer_revision, trust_remote_code=model.trust_remote_code
+        )
+        return [separator_ids(lambda s: tokenizer.encode(s, add_special_tokens=False), text)]
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"enable_blending: the separator {text!r} cannot be tokenized: {e}") from e

@@ -38,6 +38,7 @@ TRACER_NAME = "kvlens"
 
 # Span names.
 LOOKUP, LOAD, STORE = "kvlens.lookup", "kvlens.load", "kvlens.store"
+BLEND = "kvlens.blend"  # a blended request's reuse and recompute, before its forward pass
 
 # Attribute names (stable; dashboards and tests rely on them).
 A_REQUEST_ID = "kvlens.request_id"
@@ -69,6 +70,11 @@ A_REASON = "kvlens.reason"
 A_MODEL = "gen_ai.request.model"
 A_CACHE_READ = "gen_ai.usage.cache_read.input_tokens"
 A_ERROR_TYPE = "error.type"
+A_REUSED_TOKENS = "kvlens.blend.reused_tokens"
+A_RECOMPUTED_TOKENS = "kvlens.blend.recomputed_tokens"
+A_BY_DEVIATION = "kvlens.blend.recomputed_by_deviation"
+A_DEVIATION_MEAN = "kvlens.blend.deviation_mean"
+A_DEVIATION_MAX = "kvlens.blend.deviation_max"
 
 REMOTE_CALL = "kvlens.remote"  # CLIENT child span of a lookup, load or store: one Redis round trip
 

@@ -22,6 +22,7 @@ from .metrics import StatsBuffer, rank_key
 from .settings import TelemetrySettings
 
 if TYPE_CHECKING:
+    from connector.engine.blend_jobs import BlendJob, BlendOutcome
     from connector.engine.jobs import LoadJob, StepPlan
     from connector.engine.outcomes import LoadOutcome, StoreFailure
     from connector.engine.snapshots import WorkerSizes
@@ -85,6 +86,43 @@ class WorkerRecorder:
         for job, outcome in zip(plan.loads, outcomes, strict=False):
             end = t + int(outcome.seconds * 1e9)
             self._load_span(job, outcome, t, end)
+            t = end
+
+    def blended(self, jobs: Sequence[BlendJob], outcomes: Sequence[BlendOutcome], started_ns: int) -> None:
+        """One ``kvlens.blend`` span per blended request; they ran one after another."""
+        if not self._tracing:
+            return
+        t = started_ns
+        for job, outcome in zip(jobs, outcomes, strict=False):
+            end = t + int(outcome.seconds * 1e9)
+
+            def attributes(job: BlendJob = job, outcome: BlendOutcome = outcome) -> dict[str, Any]:
+                attrs: dict[str, Any] = {
+                    tr.A_REQUEST_ID: job.request_id,
+                    tr.A_PROMPT_TOKENS: outcome.tokens,
+                    tr.A_REUSED_TOKENS: outcome.reused,
+                    tr.A_RECOMPUTED_TOKENS: outcome.recomputed,
+                    tr.A_BY_DEVIATION: outcome.by_deviation,
+                    tr.A_TIERS: sorted(outcome.reused_by_tier),
+                    tr.A_FAILED_CHUNKS: len(outcome.problems),
+                    tr.A_FAILED_BLOCKS: len(outcome.failed_block_ids),
+                }
+                if outcome.deviation_mean is not None:
+                    attrs[tr.A_DEVIATION_MEAN] = outcome.deviation_mean
+                    attrs[tr.A_DEVIATION_MAX] = outcome.deviation_max or 0.0
+                if self._rank:
+                    attrs[tr.A_RANK] = self._rank
+                return attrs
+
+            tr.emit(
+                tr.BLEND,
+                job.trace_context,
+                t,
+                end,
+                attributes,
+                outcome.failed,
+                otlp_endpoint=self._settings.otlp_endpoint,
+            )
             t = end
 
     def _load_span(self, job: LoadJob, outcome: LoadOutcome, start: int, end: int) -> None:

@@ -109,15 +109,6 @@ _SHARE = (
     "redis-cluster://, redis-sentinel://) or a local_disk on a filesystem both engines mount"
 )
 
-# enable_blending is a key KVLens reads (its blend_* settings are checked), refused when true
-# until the blender is built (docs/blending.md).
-BLENDING = Feature(
-    "CacheBlend (reusing documents' KV wherever they sit in a prompt)",
-    "KVLens reuses the KV of prompt prefixes only for now; blending is being built (the blend_* "
-    "settings are already read and checked): remove enable_blending or set it to false",
-    lmcache_bool,
-)
-
 # LMCache keys that turn on a feature KVLens lacks: refused when on, accepted (unused) when off.
 FEATURES: dict[str, Feature] = {
     "enable_pd": Feature("LMCache's disaggregated prefill (PD transfer over NIXL)", _PD, lmcache_bool),

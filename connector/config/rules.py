@@ -24,7 +24,6 @@ from .blend import BLEND_KEYS, length_problems
 from .disk_space import disk_budget_warning
 from .keys import (
     ALIASES,
-    BLENDING,
     EXTRA_FEATURES,
     FEATURES,
     FIELD_ALIASES,
@@ -288,11 +287,7 @@ def _field_value(key: str, s: Setting, v: _Verdict) -> Any:
     """The value to validate, read as LMCache reads it; _REFUSED when it turns on what KVLens lacks."""
     value = s.value
     if key in BOOL_FIELDS:
-        on = _lmcache_bool_field(key, s, v)
-        if key == "enable_blending" and on is True:
-            v.refuse(f"{key} = {short(_lmcache_text(s))}", s.source, BLENDING)
-            return _REFUSED
-        return on
+        return _lmcache_bool_field(key, s, v)
     if key == "remote_serde" and isinstance(value, str):
         text = value.strip().lower()
         if text == "naive":

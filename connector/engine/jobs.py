@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .blend_jobs import BlendJob
+
 CPU = "cpu"
 DISK = "disk"
 REMOTE = "remote"
@@ -83,11 +85,13 @@ class StepPlan:
     # (plan step, chunk) of held stores (``StoreJob.settled_by``) computed over a block whose
     # load failed on some rank: never written, on any rank.
     withdrawn: list[tuple[int, str]] = field(default_factory=list)
+    # Requests blended before the forward pass (``blend_jobs``), after the loads.
+    blends: list[BlendJob] = field(default_factory=list)
 
     @property
     def awaits_report(self) -> bool:
         """The scheduler needs this step's report to know what its loads left behind."""
-        return bool(self.loads or self.fail_blocks)
+        return bool(self.loads or self.fail_blocks or self.blends)
 
     @property
     def stores(self) -> list[StoreJob]:

@@ -11,7 +11,10 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .blend_jobs import BlendOutcome
 
 logger = logging.getLogger("vllm.kvlens")
 
@@ -61,6 +64,7 @@ class SaveSkipReason(str, Enum):
     PRIORITY_LIMIT = "priority_limit"
     UNSUPPORTED_INPUT = "unsupported_input"
     INVALID_PARAMS = "invalid_params"
+    BLENDED = "blended"  # its KV came from a blend: not a prefix's exact KV (its segments are stored)
 
 
 class TierState(str, Enum):
@@ -282,6 +286,7 @@ class WorkerReport:
     pending_writes: int | None = None
     step: int | None = None  # the step whose loads this report settles (None: it had none)
     traffic: dict[str, TierTraffic] = field(default_factory=dict)  # by tier
+    blends: dict[str, BlendOutcome] = field(default_factory=dict)  # by request (blend_jobs)
 
     def tier_traffic(self, tier: str) -> TierTraffic:
         traffic = self.traffic.get(tier)
@@ -299,6 +304,7 @@ class WorkerReport:
             or self.tier_states
             or self.pending_writes is not None
             or self.step is not None
+            or self.blends
         )
 
     def merge(self, other: WorkerReport) -> WorkerReport:
@@ -320,6 +326,11 @@ class WorkerReport:
             self.pending_writes = max(self.pending_writes or 0, other.pending_writes)
         if other.step is not None:
             self.step = other.step if self.step is None else min(self.step, other.step)
+        for rid, blend in other.blends.items():
+            if rid in self.blends:
+                self.blends[rid].merge(blend)
+            else:
+                self.blends[rid] = blend
         return self
 
 

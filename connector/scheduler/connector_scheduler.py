@@ -14,8 +14,9 @@ modules do not import vLLM and are tested with plain stand-ins.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..config.loading import KVLensConfig
@@ -27,6 +28,7 @@ from ..engine.snapshots import InsightSnapshot, SchedulerSizes, TierGauge, TierR
 from ..engine.tenants import DEFAULT, TenantUsage, tenant_id, use_deployment_key
 from ..engine.tracker import StorePolicy
 from .admin import CacheAdmin
+from .blend_scheduler import SchedulerBlend
 from .insight_feed import InsightFeed
 from .prefix_lookup import PrefixLookup
 from .responses import FinishResult, Responses
@@ -42,8 +44,13 @@ __all__ = ["ConnectorScheduler", "FinishResult"]
 
 class ConnectorScheduler:
     def __init__(
-        self, config: KVLensConfig, facts: EngineFacts, clock: Callable[[], float] = time.monotonic
+        self,
+        config: KVLensConfig,
+        facts: EngineFacts,
+        clock: Callable[[], float] = time.monotonic,
+        blend_separators: Sequence[Sequence[int]] = (),
     ) -> None:
+        """``blend_separators``: the separator's token ids (``enable_blending``; see ``vllm_compat``)."""
         use_deployment_key(deployment_key(config))  # tenant ids: the deployment's, before any request
         self.state = state = SchedulerState(config, facts, clock)
         self.config, self.facts, self._clock = config, facts, clock
@@ -67,6 +74,11 @@ class ConnectorScheduler:
                 config.save_decode_cache,
             ),
         )
+        self.blend: SchedulerBlend | None = None
+        if config.enable_blending and blend_separators:
+            self.blend = SchedulerBlend(
+                config.blend, blend_separators, config.chunk_size, state, self.planner
+            )
         self.whatif, self.info = self.insight.whatif, self.insight.info
         self.admin = CacheAdmin(state, clock)  # kvlens clear through a running engine; namespace records
         self._step = 0
@@ -84,7 +96,15 @@ class ConnectorScheduler:
         need = self.prefix.lookup(request, num_computed_tokens)
         policy = self.state.policies.get(request.request_id)
         self.state.tenants.open(request.request_id, policy.namespace if policy is not None else None)
+        if self.blend is not None and need is not None:
+            blended = self.blend.lookup(request, num_computed_tokens, need)
+            if blended is not None:
+                return blended
         return need
+
+    def blends(self, request_id: str) -> bool:
+        """The request's external tokens are a blend's (allocated or running)."""
+        return self.blend is not None and (request_id in self.blend.ready or request_id in self.blend.running)
 
     def loads_async(self, request_id: str) -> bool:
         """The lookup's tokens load outside the step (the request waits outside the batch)."""
@@ -95,6 +115,8 @@ class ConnectorScheduler:
         self, request: Any, num_external_tokens: int, block_ids: list[int] | None = None
     ) -> LookupOutcome | None:
         """vLLM allocated blocks: the lookup is final. Its outcome, for telemetry."""
+        if self.blend is not None and self.blend.after_alloc(request, num_external_tokens, block_ids):
+            num_external_tokens, block_ids = 0, None  # the blend's tokens: the prefix path loads none
         result = self.prefix.after_alloc(request, num_external_tokens)
         if result is None:
             return None
@@ -134,7 +156,7 @@ class ConnectorScheduler:
             withdrawn=state.held_stores.take_withdrawn(),
         )
         state.async_jobs, state.async_cancels = [], []
-        self.planner.plan(plan, scheduler_output)
+        self.planner.plan(plan, scheduler_output, self._plan_blends if self.blend is not None else None)
         self.admin.step(plan)
         self.block_events.planned(plan)
         plan.drain = not self.unfinished and self.has_pending_work()
@@ -144,11 +166,17 @@ class ConnectorScheduler:
         self.insight.measure_step(scheduler_output, sum(c.num_tokens for j in plan.loads for c in j.chunks))
         return plan
 
+    def _plan_blends(self, plan: StepPlan) -> None:
+        assert self.blend is not None
+        plan.blends = self.blend.plan(plan)
+
     # ---- feedback -----------------------------------------------------------------------
     def on_worker_report(self, report: WorkerReport) -> dict[str, int]:
         """Apply what the workers did; returns, per failed load, the tokens vLLM recomputes."""
         for rid, outcome in report.loads.items():
             self.state.tenants.loaded(rid, sum(outcome.tokens_by_tier().values()))
+        if self.blend is not None and report.blends:
+            self.blend.reported(report.blends)
         return self.feedback.apply(report)
 
     def step_done(self) -> None:
@@ -162,6 +190,11 @@ class ConnectorScheduler:
             self.insight.finished(request.request_id)  # ended by its last step, not a client
         result = self.responses.finish(request)
         self._count_tenant(result.unscheduled_lookup)
+        blended = self.blend.finish(request.request_id) if self.blend is not None else None
+        if blended is not None:
+            params = dict(result.params or {})
+            params["kvlens"] = {**params.get("kvlens", {}), "blend": blended}
+            result = dataclasses.replace(result, params=params)
         tenant = tenant_id(policy.namespace if policy is not None else None)
         if result.params is not None and "kvlens" in result.params and tenant != DEFAULT:
             result.params["kvlens"]["tenant"] = tenant  # the id its per-tenant series carry

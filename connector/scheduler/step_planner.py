@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ..engine.index import TierIndex
@@ -38,7 +39,8 @@ class StepPlanner:
         self._bs = policy.block_size
         self._planned: dict[tuple[str, str], int] = {}  # (tier, chunk) -> its store's index in writes
 
-    def plan(self, plan: StepPlan, out: Any) -> None:
+    def plan(self, plan: StepPlan, out: Any, more_stores: Callable[[StepPlan], None] | None = None) -> None:
+        """``more_stores``: admits stores of its own (blends) once the requests' are planned."""
         s = self._s
         self._planned = {}
         loaded: set[int] = set()  # blocks written by loads this step (or that should have been)
@@ -77,6 +79,8 @@ class StepPlanner:
         depends_on = loaded | s.unreported_loaded_blocks()
         for tracker, request, _start in step:
             self._plan_stores(plan, tracker, request, depends_on)
+        if more_stores is not None:
+            more_stores(plan)
         s.held_stores.failed(plan.step, plan.fail_blocks)  # failed on every rank from the start
         plan.writes = [w for w in plan.writes if w is not None]  # stores cancelled by later admissions
 
@@ -239,7 +243,7 @@ class StepPlanner:
                         )
                     self._stop(tracker, key)
                     return
-                tiers = self._admit(plan, key, held, self._s.policies.get(tracker.request_id))
+                tiers = self.admit(plan, key, held, self._s.policies.get(tracker.request_id))
                 self._s.tenants_hold(tiers, key.hex, tracker.request_id, key.num_tokens)
                 if CPU in tiers and key.num_tokens < self.policy.chunk_size and self._s.tails is not None:
                     self._s.tails.add(tracker.hasher.parent_at(key.start), key.num_tokens, key.hex)
@@ -280,16 +284,18 @@ class StepPlanner:
         if key.start >= tracker.prompt_len - tracker.prompt_len % size:
             tracker.tails_done = False
 
-    def _admit(
+    def admit(
         self,
         plan: StepPlan,
         key: ChunkKey,
         held: list[tuple[TierIndex, str]],
         policy: RequestPolicy | None,
+        nbytes: int | None = None,
     ) -> list[str]:
-        """Admit the chunk to every usable tier that can take it; the tiers to write."""
+        """Admit the chunk (``nbytes`` per rank; default: a prefix chunk's) to every usable tier
+        that can take it; the tiers to write."""
         s = self._s
-        nbytes = s.facts.chunk_nbytes(key.num_tokens)
+        nbytes = s.facts.chunk_nbytes(key.num_tokens) if nbytes is None else nbytes
         retention, tenant = (policy.retention, policy.tenant) if policy is not None else (None, None)
         written: list[str] = []
         for tier in s.tiers.values():

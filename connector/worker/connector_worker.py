@@ -10,15 +10,18 @@ back to the scheduler in the step's report, so its index keeps agreeing with the
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..config.loading import KVLensConfig
+from ..engine.blend_jobs import BlendOutcome
 from ..engine.facts import EngineFacts
 from ..engine.jobs import CPU, LoadJob, StepPlan, StoreJob
 from ..engine.outcomes import LoadOutcome, RemoteCall, Stage, StoreFailure, TierState, WorkerReport
 from ..engine.snapshots import WorkerSizes
 from ..tiers.cpu import CpuTier
+from .blend.blend_worker import WorkerBlend, vllm_backing
 from .chunk_reads import ChunkReads
 from .cuda_copies import CudaCopyStream, TorchCuda
 from .kv_blocks import BlockCopier
@@ -102,6 +105,25 @@ class ConnectorWorker(WorkerState):
         step.start_loads([load for _, _, staged, _ in self._loading for _, load, _ in staged])
         if not self.config.use_layerwise or not layer_hooks:
             step.wait_all()  # every layer before the first
+
+    def blender(self, find_model: Callable[[], Any]) -> WorkerBlend:
+        """This rank's blender (``enable_blending``), writing to this rank's tiers."""
+        return WorkerBlend(
+            self.rank,
+            self.facts.block_size,
+            self.tiers,
+            lambda tier: self.health[tier].usable(),
+            self.writes.put,
+            vllm_backing(find_model, self.config.blend),
+        )
+
+    def blended(self, outcomes: list[BlendOutcome], store_failures: list[StoreFailure]) -> None:
+        """The step's blends ran: a blend that failed leaves its blocks to vLLM to compute."""
+        for outcome in outcomes:
+            self.report.blends[outcome.request_id] = outcome
+            self.step_failed.update(outcome.failed_block_ids)
+            self.failed_blocks.update(outcome.failed_block_ids)
+        self.report.store_failures.extend(store_failures)
 
     def wait_layer(self, layer_name: str) -> None:
         """Returns once layer ``layer_name``'s loads of this step are in its KV tensor."""

@@ -14,6 +14,7 @@ from ..engine.facts import EngineFacts
 from ..engine.health import TierHealth
 from ..engine.jobs import CPU, DISK, REMOTE
 from ..engine.outcomes import WorkerReport
+from ..engine.segment_records import PREFIX_BYTES
 from ..tiers import disk as disk_files
 from ..tiers.background import BackgroundTier
 from ..tiers.base import Tier
@@ -47,7 +48,8 @@ class WorkerState:
         # buffers the CPU tier dropped, kept for the next stores' gathers (within its budget)
         budget = config.cpu_budget_bytes
         self.pool = PayloadPool(lambda: cpu_budget.reusable_bytes(budget, self.cpu_used()))
-        trust = RecordTrust.of(config.store_auth_key, facts.chunk_nbytes(config.chunk_size))
+        largest = facts.chunk_nbytes(config.chunk_size) + (PREFIX_BYTES if config.enable_blending else 0)
+        trust = RecordTrust.of(config.store_auth_key, largest)  # a segment chunk: its 16-byte prefix more
         if config.local_cpu:
             self.tiers[CPU] = CpuTier(self.pool.dropped)
             self.health[CPU] = TierHealth(CPU)

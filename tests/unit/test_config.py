@@ -78,9 +78,9 @@ def test_missing_yaml_file_is_a_clear_error(tmp_path):
 
 
 def test_lmcache_features_kvlens_lacks_are_accepted_off_and_refused_on():
-    load_config({"lmcache.enable_blending": False}, env={})
-    with pytest.raises(ConfigError, match="enable_blending.*not supported by KVLens"):
-        load_config({"lmcache.enable_blending": True}, env={})
+    load_config({"lmcache.enable_p2p": False}, env={})
+    with pytest.raises(ConfigError, match="enable_p2p.*not supported by KVLens"):
+        load_config({"lmcache.enable_p2p": True}, env={})
     assert load_config({"lmcache.enable_async_loading": True}, env={}).enable_async_loading
 
 

@@ -174,22 +174,20 @@ def test_both_names_in_one_source_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("extra", "env", "shown"),
+    ("extra", "env"),
     [
-        ({"lmcache.enable_blending": True}, {}, "enable_blending = True (from kv_connector_extra_config"),
-        ({}, {"LMCACHE_ENABLE_BLENDING": "True"}, "enable_blending = 'True' (from env LMCACHE_ENABLE_"),
-        ({"lmcache.enable_blending": "1"}, {}, "enable_blending = '1'"),
+        ({"lmcache.enable_blending": True}, {}),
+        ({}, {"LMCACHE_ENABLE_BLENDING": "True"}),
+        ({"lmcache.enable_blending": "1"}, {}),
     ],
 )
-def test_blending_on_is_refused_saying_what_kvlens_does_instead(extra, env, shown):
-    message = error(extra, env)
-    assert shown in message and "CacheBlend" in message and "not supported by KVLens" in message
-    assert "instead: KVLens reuses the KV of prompt prefixes only for now; blending is being built" in message
+def test_blending_turns_on_from_each_of_lmcaches_sources(extra, env):
+    assert load_config(extra, env=env).enable_blending is True
 
 
-def test_blending_refused_and_a_wrong_blend_value_are_both_named():
+def test_blending_on_with_a_wrong_blend_value_names_the_value():
     message = error({"lmcache.enable_blending": True, "lmcache.blend_check_layers": -2})
-    assert "enable_blending = True" in message and "blend_check_layers (from" in message
+    assert "blend_check_layers (from" in message and "enable_blending" not in message
 
 
 @pytest.mark.parametrize("value", [False, "False", "0", "no"])
@@ -218,8 +216,8 @@ def test_use_layerwise_beside_blend_settings_is_noted_once_and_keeps_its_meaning
     assert config.use_layerwise is True
 
 
-def test_use_layerwise_is_noted_even_when_blending_is_refused(caplog):
-    with caplog.at_level(logging.INFO, logger="vllm.kvlens"), pytest.raises(ConfigError):
+def test_use_layerwise_is_noted_once_when_blending_is_on(caplog):
+    with caplog.at_level(logging.INFO, logger="vllm.kvlens"):
         load_config({}, env={"LMCACHE_ENABLE_BLENDING": "True", "LMCACHE_USE_LAYERWISE": "True"})
     assert [r.getMessage() for r in caplog.records].count(LAYERWISE_NOTE) == 1
 

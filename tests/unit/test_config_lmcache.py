@@ -30,7 +30,6 @@ def refused(extra=None, env=None, tmp_path=None, yaml_text=None) -> str:
 @pytest.mark.parametrize(
     ("extra", "env", "says"),
     [
-        ({"lmcache.enable_blending": True}, {}, ["enable_blending = True", "CacheBlend"]),
         (
             {},
             {"LMCACHE_ENABLE_PD": "True"},

@@ -76,7 +76,7 @@ EXPECTED: dict[str, Expect] = {
         "enable_pd = 'True' (from env LMCACHE_ENABLE_PD)", PD, "pd_role receiver needs pd_peer_init_port"
     ),
     # examples/
-    "ex_blend_kv_v1": refused("enable_blending = True", "CacheBlend"),
+    "ex_blend_kv_v1": starts(),
     "ex_cache_by_tags": warns("local_device"),
     "ex_cache_controller": refused("enable_controller = True", CONTROLLER),
     "ex_caching_switch": warns("local_device"),
