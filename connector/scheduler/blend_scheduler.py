@@ -67,6 +67,7 @@ class SchedulerBlend:
     ready: dict[str, PendingBlend] = field(default_factory=dict)  # allocated, for the next plan
     running: set[str] = field(default_factory=set)  # sent to the workers, not reported yet
     details: dict[str, dict[str, object]] = field(default_factory=dict)  # reported, until finished
+    finished_running: set[str] = field(default_factory=set)  # ended before their report came
 
     # ---- lookup --------------------------------------------------------------------------
     def lookup(self, request: Any, num_computed_tokens: int, prefix_tokens: int) -> int | None:
@@ -97,7 +98,7 @@ class SchedulerBlend:
             num_computed_tokens,
             found,
             key_fingerprint(hasher.namespace),
-            policy.save_skip_reason is None and s.facts.stores,
+            policy.save_skip_reason in (None, SaveSkipReason.BLENDED) and s.facts.stores,
         )
         return external
 
@@ -177,7 +178,10 @@ class SchedulerBlend:
             for problem in outcome.problems:
                 if problem.reason in FOUND_BAD and problem.tier != REMOTE:
                     self.state.forget(problem.tier, problem.name, problem.reason)
-            self.details[rid] = outcome.details()
+            if rid in self.finished_running:
+                self.finished_running.discard(rid)  # its response is gone: nothing to keep
+            else:
+                self.details[rid] = outcome.details()
             if outcome.failed:
                 logger.warning(
                     "KVLens: request %s was not blended (%s); vLLM computed it", rid, outcome.failed
@@ -187,7 +191,9 @@ class SchedulerBlend:
         """The request ended: what its blend did (None if it did not blend)."""
         self._drop(request_id)
         self.ready.pop(request_id, None)
-        if request_id not in self.running:  # a blend still running keeps its pins until reported
+        if request_id in self.running:  # a blend still running keeps its pins until reported
+            self.finished_running.add(request_id)
+        else:
             self.state.pins.release(_owner(request_id))
         return self.details.pop(request_id, None)
 

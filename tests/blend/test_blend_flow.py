@@ -1,21 +1,21 @@
-"""LMCache's blend flow against KVLens (issue 39 items 1, 2 and 6), on the tiny Llama in fp32.
+"""LMCache's blend flow against KVLens (issue 39 items 1 and 2), on the tiny Llama in fp32.
 
-As LMCache's example (``examples/blend_kv_v1/blend.py``) does: each document is sent once with
-the separator after it (its KV computed and stored per segment), then prompts made of a system
-prompt, documents in another order and a question, joined by the separator's token ids. The
-documents' KV comes back from the CPU tier wherever they sit, moved to their new positions.
+With LMCache's example configuration file (``examples/blend_kv_v1/blending.yaml``), as its example
+(``examples/blend_kv_v1/blend.py``) does: each document is sent once with the separator after it
+(its KV computed and stored per segment), then prompts made of a system prompt, documents in
+another order and a question, joined by the separator's token ids. The documents' KV comes back
+from the CPU tier wherever they sit, moved to their new positions.
 
 With every reused token recomputed (``blend_recompute_ratios: 1``) a blend is a full prefill by
 vLLM's own modules, so the answers equal vLLM's alone (fp32): what this checks is the plumbing
 (which tokens, which blocks, which positions), not CacheBlend's approximation (measured on the
-real model in ``bench/``). A record planted under a document's key (another document's KV) is
-refused by its size or used only as far as its positions allow, and never changes an answer at
-ratio 1; a damaged record in the middle of a blend is computed instead, counted and explained.
+real model in ``bench/``).
 """
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +23,8 @@ from tests.integration.conftest import run_engine
 
 pytestmark = pytest.mark.integration
 
+# LMCache's own file (examples/blend_kv_v1/blending.yaml), read as LMCache reads it
+EXAMPLE_CONFIG = Path(__file__).parents[1] / "unit" / "data" / "lmcache_configs" / "ex_blend_kv_v1.yaml"
 DOC_TOKENS = 300  # one whole chunk (256) and a tail of 44
 MAX_TOKENS = 6
 
@@ -56,15 +58,9 @@ def flow(tiny_model, tmp_path_factory):
         {"prompts": blended, "max_tokens": MAX_TOKENS},
         {"prompts": [blended[0]], "max_tokens": MAX_TOKENS},  # again: the same KV, the same answer
     ]
-    kv = {
-        "lmcache.enable_blending": True,
-        "lmcache.blend_recompute_ratios": 1.0,
-        "lmcache.local_cpu": True,
-        "lmcache.max_local_cpu_size": 1,
-    }
-    with_kvlens = run_engine(
-        {"model": tiny_model, "kv": kv, "rounds": rounds}, tmp_path_factory.mktemp("blend")
-    )
+    where = tmp_path_factory.mktemp("blend")
+    env = {"LMCACHE_CONFIG_FILE": str(EXAMPLE_CONFIG), "LMCACHE_BLEND_RECOMPUTE_RATIOS": "1"}
+    with_kvlens = run_engine({"model": tiny_model, "kv": {}, "rounds": rounds}, where, env=env)
     alone = run_engine(
         {"model": tiny_model, "kv": None, "rounds": [{"prompts": blended, "max_tokens": MAX_TOKENS}]},
         tmp_path_factory.mktemp("alone"),

@@ -40,17 +40,3 @@ def test_an_lmcache_sentinel_config_file_starts_and_serves_from_the_master(
     assert "pipelined_backend" in result["log"] and "extra_config.lookup_backoff_time" in result["log"]
     with private_sentinels.current_master().client() as master:
         assert master.dbsize() > 0  # the chunks are on the master the sentinels name
-
-
-def test_an_lmcache_config_that_turns_on_cacheblend_stops_the_engine_with_the_reason(tiny_model, tmp_path):
-    path = tmp_path / "blending.yaml"
-    path.write_text("chunk_size: 256\nenable_blending: true\nuse_layerwise: true\nlocal_cpu: true\n")
-    with pytest.raises(AssertionError) as failed:
-        run_engine(
-            {"model": tiny_model, "kv": {}, "rounds": [{"prompts": [w.A]}]},
-            tmp_path,
-            env={"LMCACHE_CONFIG_FILE": str(path)},
-        )
-    message = str(failed.value)
-    assert f"enable_blending = True (from LMCACHE_CONFIG_FILE {path})" in message
-    assert "CacheBlend" in message and "not supported by KVLens" in message

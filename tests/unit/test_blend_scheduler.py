@@ -109,6 +109,17 @@ def test_an_abort_before_the_report_keeps_the_pins_until_the_report():
     assert s.tiers[CPU].pinned_keys == 2  # the workers may be reading them in this very step
     reported(s, "b")
     assert s.tiers[CPU].pinned_keys == 0
+    assert "b" not in s.blend.details and not s.blend.finished_running  # nothing kept for a gone response
+
+
+def test_a_preempted_blend_blends_again_and_still_stores():
+    s = scheduler()
+    r, _, first = blend_step(s, "a", doc(0) + SEP)
+    s.on_worker_report(WorkerReport(blends={"a": BlendOutcome("a", failed="preempted before")}))
+    for chunk in first.blends[0].chunks:
+        s.state.forget(CPU, chunk.name, FailureReason.MISSING)  # its writes never landed
+    _, _, again = blend_step(s, "a", doc(0) + SEP)  # vLLM looks a resumed request up again
+    assert [c.store_to for c in again.blends[0].chunks] == [(CPU,), (CPU,)]
 
 
 def test_a_lookup_vllm_does_not_allocate_releases_its_pins():

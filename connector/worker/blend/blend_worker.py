@@ -157,17 +157,16 @@ class WorkerBlend:
         wanted = [c for c in job.chunks if c.tier is not None]
         got: list[tuple[SegmentChunkJob, LoadedChunk] | None] = []
         payloads: dict[str, memoryview] = {}
-        for chunk in wanted:
+        for chunk, read in zip(wanted, self._fetch(wanted), strict=True):
             assert chunk.tier is not None
             try:
-                if chunk.tier not in self.tiers or not self.usable(chunk.tier):
-                    raise _Skipped(chunk.tier)
-                payload = self.tiers[chunk.tier].get(storage_name(chunk.name, self.rank))
+                if isinstance(read, BaseException):
+                    raise read
                 position, keys, values = from_payload(
-                    payload, shape, backing.dtype, chunk.num_tokens, backing.max_positions
+                    read, shape, backing.dtype, chunk.num_tokens, backing.max_positions
                 )
                 got.append((chunk, LoadedChunk(chunk.start, position, keys, values)))
-                payloads[chunk.name] = payload if isinstance(payload, memoryview) else memoryview(payload)
+                payloads[chunk.name] = read
             except _Skipped:
                 got.append(None)
                 outcome.problems.append(ChunkProblem(chunk.tier, chunk.name, FailureReason.TIER_UNHEALTHY))
@@ -193,6 +192,31 @@ class WorkerBlend:
                 outcome.reused_by_tier.get(chunk.tier or "", 0) + chunk.num_tokens
             )
         return loaded, payloads
+
+    def _fetch(self, chunks: list[SegmentChunkJob]) -> list[memoryview | BaseException]:
+        """Each chunk's payload or the error reading it, in order; a tier that reads many at once
+        (the slow ones, with one deadline) is asked once."""
+        by_tier: dict[str, list[int]] = {}
+        for i, chunk in enumerate(chunks):
+            by_tier.setdefault(chunk.tier or "", []).append(i)
+        out: list[memoryview | BaseException] = [_Skipped()] * len(chunks)
+        for tier_name, indices in by_tier.items():
+            tier = self.tiers.get(tier_name)
+            if tier is None or not self.usable(tier_name):
+                continue
+            names = [storage_name(chunks[i].name, self.rank) for i in indices]
+            if hasattr(tier, "get_many"):
+                results = list(tier.get_many(names))
+            else:
+                results = []
+                for name in names:
+                    try:
+                        results.append(tier.get(name))
+                    except Exception as e:  # noqa: BLE001 - handed on as a value
+                        results.append(e)
+            for i, result in zip(indices, results, strict=True):
+                out[i] = result if isinstance(result, BaseException) else memoryview(result)
+        return out
 
     def _input(
         self, job: BlendJob, backing: BlendBacking, loaded: list[tuple[SegmentChunkJob, LoadedChunk]]
