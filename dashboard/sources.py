@@ -34,6 +34,7 @@ NO_KVLENS = "no_kvlens"
 BAD_RESPONSE = "bad_response"
 QUERY_FAILED = "query_failed"
 NO_DATA = "no_data"
+SLOW = "slow"  # it did not answer in time (a loaded vLLM may miss one scrape's deadline)
 
 Sample = tuple[str, tuple[str, ...], float]  # name, label values in LABELS order, value
 
@@ -41,7 +42,7 @@ Sample = tuple[str, tuple[str, ...], float]  # name, label values in LABELS orde
 @dataclass(frozen=True, slots=True)
 class Status:
     source: str  # the endpoint URL or the Prometheus URL
-    state: str  # OK, UNREACHABLE, NO_KVLENS, BAD_RESPONSE, QUERY_FAILED or NO_DATA
+    state: str  # OK, UNREACHABLE, SLOW, NO_KVLENS, BAD_RESPONSE, QUERY_FAILED or NO_DATA
     detail: str = ""
 
     @property
@@ -82,6 +83,13 @@ def failure(e: BaseException) -> str:
     return type(e).__name__
 
 
+def timed_out(e: BaseException) -> bool:
+    """The read failed on its deadline (the endpoint is there, slow), not on a refusal."""
+    if isinstance(e, urllib.error.URLError) and isinstance(e.reason, BaseException):
+        e = e.reason
+    return isinstance(e, TimeoutError)
+
+
 def parse_samples(text: str, keep: frozenset[str] = APP_SAMPLE_NAMES) -> list[Sample]:
     """The samples named in ``keep`` from Prometheus text exposition (``_created`` dropped)."""
     out: list[Sample] = []
@@ -109,8 +117,8 @@ def scrape(
     if anything (never a quote of what the endpoint sent). No series named ``expect...``: NO_KVLENS."""
     try:
         text = fetch(url)
-    except Exception as e:  # noqa: BLE001 - any failure to read is "unreachable"
-        return [], Status(url, UNREACHABLE, failure(e))
+    except Exception as e:  # noqa: BLE001 - any failure to read is "unreachable", or "slow"
+        return [], Status(url, SLOW if timed_out(e) else UNREACHABLE, failure(e))
     try:
         samples = parse_samples(text, keep)
     except Exception as e:  # noqa: BLE001 - the parser's messages quote the offending line

@@ -16,6 +16,11 @@ def status_message(status: sources.Status) -> tuple[str, str] | None:
     detail = f" ({status.detail})" if status.detail else ""
     if status.state == sources.UNREACHABLE:
         return ERROR, f"Endpoint unreachable: {where}{detail}. Is vLLM running there?"
+    if status.state == sources.SLOW:
+        return WARNING, (
+            f"Endpoint slow: {where} did not answer in time{detail}; the charts show what it "
+            "answered before, and it is read again at the next refresh."
+        )
     if status.state == sources.NO_KVLENS:
         return WARNING, (
             f"No KVLens metrics at this endpoint: {where}. vLLM answers, but without vllm:kvlens_* series: "

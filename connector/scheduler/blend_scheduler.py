@@ -36,6 +36,7 @@ from .step_planner import StepPlanner
 
 logger = logging.getLogger("vllm.kvlens")
 
+LATE_STEPS = 8  # steps a finished blended request waits for its report
 FOUND_BAD = frozenset({FailureReason.MISSING, FailureReason.CORRUPT})
 LOCAL_TIERS = (CPU, DISK)
 
@@ -67,7 +68,9 @@ class SchedulerBlend:
     ready: dict[str, PendingBlend] = field(default_factory=dict)  # allocated, for the next plan
     running: set[str] = field(default_factory=set)  # sent to the workers, not reported yet
     details: dict[str, dict[str, object]] = field(default_factory=dict)  # reported, until finished
-    finished_running: set[str] = field(default_factory=set)  # ended before their report came
+    # Ended before their report came (vLLM ends a request in the step's output, before the
+    # workers' report is read): the response's params, filled in when it comes, and steps waited.
+    awaiting: dict[str, tuple[dict[str, Any] | None, int]] = field(default_factory=dict)
 
     # ---- lookup --------------------------------------------------------------------------
     def lookup(self, request: Any, num_computed_tokens: int, prefix_tokens: int) -> int | None:
@@ -178,8 +181,10 @@ class SchedulerBlend:
             for problem in outcome.problems:
                 if problem.reason in FOUND_BAD and problem.tier != REMOTE:
                     self.state.forget(problem.tier, problem.name, problem.reason)
-            if rid in self.finished_running:
-                self.finished_running.discard(rid)  # its response is gone: nothing to keep
+            if rid in self.awaiting:
+                params, _ = self.awaiting.pop(rid)
+                if params is not None:
+                    attach(params, outcome.details())
             else:
                 self.details[rid] = outcome.details()
             if outcome.failed:
@@ -187,19 +192,36 @@ class SchedulerBlend:
                     "KVLens: request %s was not blended (%s); vLLM computed it", rid, outcome.failed
                 )
 
-    def finish(self, request_id: str) -> dict[str, object] | None:
-        """The request ended: what its blend did (None if it did not blend)."""
+    def finish(self, request_id: str, params: dict[str, Any] | None) -> None:
+        """The request ended: its response's ``params`` say what its blend did, now or (still
+        running) when the workers report, within the same step's output."""
         self._drop(request_id)
         self.ready.pop(request_id, None)
+        details = self.details.pop(request_id, None)
         if request_id in self.running:  # a blend still running keeps its pins until reported
-            self.finished_running.add(request_id)
+            self.awaiting[request_id] = (params, 0)
         else:
             self.state.pins.release(_owner(request_id))
-        return self.details.pop(request_id, None)
+        if details is not None and params is not None:
+            attach(params, details)
+
+    def step_done(self) -> None:
+        """A report that never came (its step was abandoned) is not waited for forever."""
+        for rid, (params, steps) in list(self.awaiting.items()):
+            if steps + 1 >= LATE_STEPS:
+                del self.awaiting[rid]
+            else:
+                self.awaiting[rid] = (params, steps + 1)
 
     def _drop(self, request_id: str) -> None:
         if self.pending.pop(request_id, None) is not None:
             self.state.pins.release(_owner(request_id))
+
+
+def attach(params: dict[str, Any], details: dict[str, Any]) -> None:
+    """A blended response's ``kvlens.blend``; its reused tokens are what KVLens supplied."""
+    params.setdefault("kvlens", {})["blend"] = details
+    params["num_lmcache_cached_tokens"] = sum(details.get("reused_tokens", {}).values())
 
 
 def _owner(request_id: str) -> str:

@@ -14,7 +14,6 @@ modules do not import vLLM and are tested with plain stand-ins.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -182,6 +181,8 @@ class ConnectorScheduler:
     def step_done(self) -> None:
         """A step's output reached the scheduler (with or without a worker report)."""
         self.responses.step_done()
+        if self.blend is not None:
+            self.blend.step_done()
 
     # ---- finish, reset, shutdown --------------------------------------------------------
     def finish(self, request: Any) -> FinishResult:
@@ -190,11 +191,8 @@ class ConnectorScheduler:
             self.insight.finished(request.request_id)  # ended by its last step, not a client
         result = self.responses.finish(request)
         self._count_tenant(result.unscheduled_lookup)
-        blended = self.blend.finish(request.request_id) if self.blend is not None else None
-        if blended is not None:
-            params = dict(result.params or {})
-            params["kvlens"] = {**params.get("kvlens", {}), "blend": blended}
-            result = dataclasses.replace(result, params=params)
+        if self.blend is not None:
+            self.blend.finish(request.request_id, result.params)
         tenant = tenant_id(policy.namespace if policy is not None else None)
         if result.params is not None and "kvlens" in result.params and tenant != DEFAULT:
             result.params["kvlens"]["tenant"] = tenant  # the id its per-tenant series carry

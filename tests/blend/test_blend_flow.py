@@ -65,7 +65,14 @@ def flow(tiny_model, tmp_path_factory):
         {"model": tiny_model, "kv": None, "rounds": [{"prompts": blended, "max_tokens": MAX_TOKENS}]},
         tmp_path_factory.mktemp("alone"),
     )
-    return {"sep": sep, "docs": docs, "blended": blended, "kvlens": with_kvlens, "alone": alone["rounds"][0]}
+    return {
+        "sep": sep,
+        "docs": docs,
+        "blended": blended,
+        "rounds": rounds,
+        "kvlens": with_kvlens,
+        "alone": alone["rounds"][0],
+    }
 
 
 def blend_of(output: dict) -> dict:
@@ -94,3 +101,40 @@ def test_documents_come_back_from_the_cpu_tier_in_another_order_and_answer_as_vl
         assert output["num_cached_tokens"] == len(flow["blended"][blended.index(output)]) - 1
     state = flow["kvlens"]["state"]
     assert state["pinned_chunks"] == 0 and state["failed_blocks"] == []
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(flow, tiny_model, tmp_path_factory):
+    """The same flow at KVLens's default ratio with TP=2 and a disk tier, one rank's copy of one
+    stored chunk damaged between the documents and the prompts that reuse them."""
+    disk = tmp_path_factory.mktemp("blend-disk")
+    kv = {
+        "lmcache.enable_blending": True,
+        "lmcache.local_cpu": False,
+        "lmcache.local_disk": str(disk),
+        "lmcache.max_local_disk_size": 1,
+    }
+    documents, blended, _ = flow["rounds"]
+    rounds = [documents, {**blended, "damage": {"dir": str(disk), "corrupt": 1, "rank": 1, "smallest": True}}]
+    spec = {"model": tiny_model, "kv": kv, "rounds": rounds, "engine": {"tensor_parallel_size": 2}}
+    return run_engine(spec, tmp_path_factory.mktemp("blend-tp"), env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+
+
+def test_under_tensor_parallelism_a_chunk_one_rank_cannot_read_is_computed_by_every_rank(
+    tensor_parallel, flow
+):
+    """Rank 1's copy of one document's tail is damaged; rank 0's is good. Both ranks compute it
+    (each rank's layers all-reduce over the same tokens, or the step would fail or hang), and the
+    response names the chunk that could not be used."""
+    stored, blended = tensor_parallel["rounds"]
+    assert [blend_of(o)["stored_chunks"] for o in stored] == [2, 2, 2]
+    everything = blend_of(blended[1])  # all three documents: the damaged tail among them
+    assert everything["reused_tokens"] == {"disk": 3 * DOC_TOKENS - 44}
+    assert len(everything["unreadable_chunks"]) == 1
+    # the first blend to read it finds it damaged (and the disk tier deletes it): corrupt, then missing
+    reasons = [c["reason"] for o in blended for c in blend_of(o).get("unreadable_chunks", [])]
+    assert reasons[0] == "corrupt" and set(reasons) <= {"corrupt", "missing"}, reasons
+    assert "failed" not in everything and everything["recomputed_by_deviation"] > 0
+    for output, prompt in zip(blended, flow["blended"], strict=True):
+        assert output["num_cached_tokens"] == len(prompt) - 1 and len(output["token_ids"]) == MAX_TOKENS
+    assert tensor_parallel["state"]["failed_blocks"] == [] and tensor_parallel["state"]["pinned_chunks"] == 0

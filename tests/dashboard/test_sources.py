@@ -3,9 +3,11 @@ states the app shows when a source does not answer as it should."""
 
 from __future__ import annotations
 
+import urllib.error
+
 import pytest
 
-from dashboard import sources
+from dashboard import sources, text
 from dashboard.catalog import APP_SAMPLE_NAMES
 
 
@@ -177,3 +179,27 @@ def test_a_failed_prometheus_query_names_the_status_not_the_body(text_server):
     assert src.frame(5).empty and src.status.state == sources.QUERY_FAILED
     assert "root:" not in src.status.detail and "canary" not in src.status.detail
     assert "500" in src.status.detail
+
+
+@pytest.mark.parametrize(
+    "error", [TimeoutError("timed out"), urllib.error.URLError(TimeoutError("timed out"))]
+)
+def test_an_endpoint_that_answers_slowly_is_a_warning_not_unreachable_and_keeps_its_history(
+    metrics_text, error
+):
+    """A loaded vLLM may miss one scrape's deadline: that is not 'Is vLLM running there?'."""
+    answers = [metrics_text, error, metrics_text]
+
+    def fetch(url):
+        a = answers.pop(0)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    h = sources.MetricsHistory("http://a:1/metrics", fetch=fetch)
+    assert h.scrape(now=0).ok
+    slow = h.scrape(now=5)
+    assert slow.state == sources.SLOW and len(h) == 1
+    level, message = text.status_message(slow)
+    assert level == text.WARNING and "did not answer in time" in message and "running" not in message
+    assert h.scrape(now=10).ok and len(h) == 2

@@ -65,6 +65,11 @@ class Engine:
         tokens KVLens supplies, the request's loads and stores, and the blocks reported failed."""
         rid = req.request_id
         need = self.sched.lookup(req, 0)
+        deadline = time.monotonic() + 10.0
+        while need is None:  # the remote's answer is on its way: vLLM asks again at its next step
+            assert time.monotonic() < deadline, "the remote lookup never answered"
+            time.sleep(0.02)
+            need = self.sched.lookup(req, 0)
         async_loads: list = []
         failed: set[int] = set()
         self.outcomes = []

@@ -109,7 +109,7 @@ def test_an_abort_before_the_report_keeps_the_pins_until_the_report():
     assert s.tiers[CPU].pinned_keys == 2  # the workers may be reading them in this very step
     reported(s, "b")
     assert s.tiers[CPU].pinned_keys == 0
-    assert "b" not in s.blend.details and not s.blend.finished_running  # nothing kept for a gone response
+    assert "b" not in s.blend.details and not s.blend.awaiting  # nothing kept for a gone response
 
 
 def test_a_preempted_blend_blends_again_and_still_stores():
