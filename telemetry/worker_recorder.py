@@ -22,9 +22,9 @@ from .metrics import StatsBuffer, rank_key
 from .settings import TelemetrySettings
 
 if TYPE_CHECKING:
-    from connector.engine.blend_jobs import BlendJob, BlendOutcome
+    from connector.engine.blend_jobs import BlendJob
     from connector.engine.jobs import LoadJob, StepPlan
-    from connector.engine.outcomes import LoadOutcome, StoreFailure
+    from connector.engine.outcomes import BlendOutcome, LoadOutcome, StoreFailure
     from connector.engine.snapshots import WorkerSizes
 
 MAX_OPEN_STORE_RECORDS = 100_000  # safety net: a request never reported finished

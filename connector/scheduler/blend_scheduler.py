@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config.blend import BlendSettings
-from ..engine.blend_jobs import BlendJob, BlendOutcome, SegmentChunkJob
+from ..engine.blend_jobs import BlendJob, SegmentChunkJob
 from ..engine.index import TierIndex
 from ..engine.jobs import CPU, DISK, REMOTE, StepPlan
 from ..engine.keys import key_fingerprint
-from ..engine.outcomes import FailureReason, SaveSkipReason
+from ..engine.outcomes import BlendOutcome, FailureReason, SaveSkipReason
 from ..engine.policy import trace_headers
 from ..engine.segment_keys import SegmentChunk, cut_chunks
 from ..engine.segment_records import PREFIX_BYTES

@@ -15,10 +15,17 @@ from typing import Any
 import torch
 
 from ..config.loading import KVLensConfig
-from ..engine.blend_jobs import BlendOutcome
 from ..engine.facts import EngineFacts
 from ..engine.jobs import CPU, LoadJob, StepPlan, StoreJob
-from ..engine.outcomes import LoadOutcome, RemoteCall, Stage, StoreFailure, TierState, WorkerReport
+from ..engine.outcomes import (
+    BlendOutcome,
+    LoadOutcome,
+    RemoteCall,
+    Stage,
+    StoreFailure,
+    TierState,
+    WorkerReport,
+)
 from ..engine.snapshots import WorkerSizes
 from ..tiers.cpu import CpuTier
 from .blend.blend_worker import WorkerBlend, vllm_backing

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from connector.engine.outcomes import FailureReason, MissReason, SaveSkipReason
+from connector.engine.outcomes import BlendOutcome, ChunkProblem, FailureReason, MissReason, SaveSkipReason
 from connector.engine.tracker import RequestTracker
 from telemetry.events import load_failed_event
 from telemetry.request_log import request_record
@@ -73,7 +73,30 @@ def failed_load_event(sample: dict[str, Any]) -> None:
     FailureReason(sample["reason"].split(":")[0])  # the event's reason starts with one of the list
 
 
+def blend(sample: dict[str, Any]) -> None:
+    """A blended response's ``kvlens.blend``: what ``BlendOutcome.details()`` reports."""
+    outcome = BlendOutcome(
+        "req",
+        tokens=sample["tokens"],
+        reused_by_tier=dict(sample["reused_tokens"]),
+        recomputed=sample["recomputed_tokens"],
+        by_deviation=sample["recomputed_by_deviation"],
+        not_reused=sample["recomputed_not_stored"],
+        stored=sample["stored_chunks"],
+        deviation_mean=sample.get("deviation_mean"),
+        deviation_max=sample.get("deviation_max"),
+        problems=[
+            ChunkProblem(c["tier"], "chunk", FailureReason(c["reason"]))
+            for c in sample.get("unreadable_chunks", [])
+        ],
+        failed=sample.get("failed"),
+    )
+    assert outcome.details() == sample
+    assert outcome.recomputed >= outcome.by_deviation + outcome.not_reused - 1  # the last token
+
+
 SAMPLE_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "blend": blend,
     "response": response,
     "request_log": request_log,
     "load_failed_event": failed_load_event,

@@ -30,6 +30,7 @@ RESPONSE_FIELDS = {
     ("connector/engine/tracker.py", "hit_tokens"),
     ("connector/engine/tracker.py", "failed_blocks"),
     ("connector/engine/tracker.py", "recomputed_tokens"),
+    ("connector/engine/outcomes.py", "recomputed_tokens"),  # a blended response's kvlens.blend
 }
 
 

@@ -4,9 +4,8 @@ blend job loads and stores, pins, and what the workers' reports change."""
 from __future__ import annotations
 
 from connector.config.loading import load_config
-from connector.engine.blend_jobs import BlendOutcome, ChunkProblem
 from connector.engine.jobs import CPU
-from connector.engine.outcomes import FailureReason, SaveSkipReason, WorkerReport
+from connector.engine.outcomes import BlendOutcome, ChunkProblem, FailureReason, SaveSkipReason, WorkerReport
 from connector.scheduler.connector_scheduler import ConnectorScheduler
 
 from .fakes import blocks, facts, request, step

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from ...config.blend import BlendSettings
-from ...engine.blend_jobs import BlendJob, BlendOutcome, ChunkProblem, SegmentChunkJob
+from ...engine.blend_jobs import BlendJob, SegmentChunkJob
 from ...engine.jobs import REMOTE
 from ...engine.keys import storage_name
-from ...engine.outcomes import FailureReason, StoreFailure
+from ...engine.outcomes import BlendOutcome, ChunkProblem, FailureReason, StoreFailure
 from ...engine.segment_keys import SegmentChunk
 from ...engine.segment_records import SegmentRecordInvalid
 from ...tiers.background import QueueFull
