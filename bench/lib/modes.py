@@ -88,6 +88,21 @@ def _asynchronously(tier: Callable[[Settings], dict[str, Any]]) -> Callable[[Set
     return lambda s: {**tier(s), "lmcache.enable_async_loading": True}
 
 
+BLEND_MIN_TOKENS = 64  # the RAG set's documents are ~150 tokens; LMCache's default (256) skips them
+
+
+def _blending(ratio: float | None) -> Callable[[Settings], dict[str, Any]]:
+    """The CPU tier with blending on (``enable_blending``), at LMCache's default recompute ratio
+    (None) or at ``ratio`` (0: naive concatenation of the stored documents' moved KV)."""
+    ratios = {} if ratio is None else {"lmcache.blend_recompute_ratios": ratio}
+    return lambda s: {
+        **_kvlens_cpu(s),
+        "lmcache.enable_blending": True,
+        "lmcache.blend_min_tokens": BLEND_MIN_TOKENS,
+        **ratios,
+    }
+
+
 # KVLens tiers by name: the hook for new tiers (--kvlens-tiers cpu,disk,remote).
 KVLENS_TIERS: dict[str, Callable[[Settings], dict[str, Any]]] = {
     "cpu": _kvlens_cpu,
@@ -97,6 +112,8 @@ KVLENS_TIERS: dict[str, Callable[[Settings], dict[str, Any]]] = {
     "cpu-disk": _kvlens_cpu_disk,
     "remote": _kvlens_remote,
     "remote-async": _asynchronously(_kvlens_remote),
+    "cpu-blend": _blending(None),
+    "cpu-blend0": _blending(0.0),
 }
 
 FIXED_MODES = {

@@ -130,3 +130,17 @@ def test_a_lookup_vllm_does_not_allocate_releases_its_pins():
     assert s.tiers[CPU].pinned_keys == 2
     s.after_alloc(r, 0, None)  # vLLM could not allocate: it asks again later
     assert s.tiers[CPU].pinned_keys == 0 and not s.blends("b")
+
+
+def test_a_prompt_of_separators_only_takes_the_prefix_path():
+    s = scheduler()
+    assert s.lookup(request("a", SEP * 100), 0) == 0 and not s.blend.pending
+
+
+def test_a_document_stored_under_another_salt_is_not_found():
+    s = scheduler()
+    blend_step(s, "a", doc(0) + SEP)
+    reported(s, "a")
+    r = request("b", [1] + SEP + doc(0), cache_salt="tenant-b")
+    s.lookup(r, 0)
+    assert [tier for _, tier in s.blend.pending["b"].chunks] == [None, None]  # computed, stored anew
