@@ -275,6 +275,7 @@ class KVLensConnector(KVConnectorBase_V1):
             report = meta.report
             recomputed = self._scheduler.on_worker_report(report)
             self._scheduler_telemetry.loads_reported(report.loads, recomputed, report.store_failures)
+            self._scheduler_telemetry.blends_reported(report.blends)
             self._scheduler_telemetry.traffic_reported(report.traffic)
             self._scheduler_telemetry.requests_done(self._scheduler.take_done())
         stats = connector_output.kv_connector_stats

@@ -512,6 +512,42 @@ _DEFINITIONS += (
         domains=None,
     ),
 )
+# blending (connector/scheduler/blend_scheduler.py): per blended request, from the workers' report;
+# a chunk a blend could not read counts in failed_chunks (operation "load")
+_OWN_DOMAINS["blend_outcomes"] = ("blended", "failed")
+_OWN_DOMAINS["blend_token_kinds"] = ("reused", "recomputed", "recomputed_by_deviation", "not_stored")
+DEVIATION_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)
+_DEFINITIONS += (
+    Metric(
+        "blend_requests",
+        COUNTER,
+        "Requests blended (enable_blending), by outcome: blended, or failed (vLLM computed the prompt).",
+        ("outcome",),
+        domains=("blend_outcomes",),
+    ),
+    Metric(
+        "blend_tokens",
+        COUNTER,
+        "Prompt tokens of blended requests, by kind: reused (KV from a tier), recomputed (of which "
+        "recomputed_by_deviation: reused tokens whose K deviated most, and not_stored: tokens no chunk "
+        "supplied).",
+        ("kind",),
+        domains=("blend_token_kinds",),
+    ),
+    Metric(
+        "blend_recomputed_ratio",
+        HISTOGRAM,
+        "Per blended request, the share of its prompt tokens the blend computed.",
+        buckets=RATIO_BUCKETS,
+    ),
+    Metric(
+        "blend_deviation",
+        HISTOGRAM,
+        "Per blended request, the mean K deviation of its reused tokens at the first check layer "
+        "(squared L2 over heads and head size).",
+        buckets=DEVIATION_BUCKETS,
+    ),
+)
 _NOT_IN_LOG_LINE = ("info", "whatif_hit_ratio")  # labels, not amounts: kept out of vLLM's log line
 _NOT_IN_LOG_LINE += ("tenant_bytes",)  # a value per tenant and tier: too many for one line
 _NOT_IN_LOG_LINE += ("pd_buffer_capacity_bytes",)  # a setting, not an amount

@@ -26,6 +26,7 @@ from .settings import TelemetrySettings
 
 if TYPE_CHECKING:  # the connector's outcome types; telemetry only reads their fields
     from connector.engine.outcomes import (
+        BlendOutcome,
         LoadOutcome,
         LookupOutcome,
         RequestSummary,
@@ -191,6 +192,26 @@ class SchedulerRecorder:
         if self._metrics:
             for f in store_failures:
                 self._buffer.inc(wire_key("failed_chunks", "store", f.tier, f.reason.value))
+
+    def blends_reported(self, blends: Mapping[str, BlendOutcome]) -> None:
+        """The step's blended requests: outcome, tokens by kind, recomputed share, deviation; the
+        chunks a blend could not read count as failed chunk loads."""
+        if not self._metrics:
+            return
+        b = self._buffer
+        for outcome in blends.values():
+            b.inc(wire_key("blend_requests", "failed" if outcome.failed else "blended"))
+            for problem in outcome.problems:
+                b.inc(wire_key("failed_chunks", "load", problem.tier, problem.reason.value))
+            if outcome.failed or not outcome.tokens:
+                continue
+            b.inc(wire_key("blend_tokens", "reused"), outcome.reused)
+            b.inc(wire_key("blend_tokens", "recomputed"), outcome.recomputed)
+            b.inc(wire_key("blend_tokens", "recomputed_by_deviation"), outcome.by_deviation)
+            b.inc(wire_key("blend_tokens", "not_stored"), outcome.not_reused)
+            b.observe("blend_recomputed_ratio", outcome.recomputed / outcome.tokens)
+            if outcome.deviation_mean is not None:
+                b.observe("blend_deviation", outcome.deviation_mean)
 
     def traffic_reported(self, traffic: Mapping[str, TierTraffic]) -> None:
         """Stores the tiers now hold and the bytes that moved for them, from the workers' report."""

@@ -475,3 +475,24 @@ def test_prefill_seconds_saved_exists_at_zero_once_the_cost_is_known(tmp_path, m
     series = {"engine": "0", "tier": "cpu"}
     assert registry.get_sample_value("vllm:kvlens_prefill_seconds_saved_total", series) == 0
     assert "prefill_seconds_saved|cpu" not in (tel.stats() or {}).get("counters", {})  # once, not every step
+
+
+def test_blended_requests_count_their_tokens_share_deviation_and_unreadable_chunks(tmp_path):
+    from connector.engine.outcomes import BlendOutcome, ChunkProblem
+
+    _, tel = make(tmp_path)
+    blended = BlendOutcome("a", tokens=1000, reused_by_tier={CPU: 600}, recomputed=490, by_deviation=90)
+    blended.not_reused, blended.deviation_mean = 400, 0.5
+    blended.problems = [ChunkProblem(CPU, "x", FailureReason.CORRUPT)]
+    tel.rec.blends_reported(
+        {"a": blended, "b": BlendOutcome("b", tokens=50, failed="NotBlendable: no model")}
+    )
+    stats = tel.stats()
+    counters, histograms = stats["counters"], stats["histograms"]
+    assert counters["blend_requests|blended"] == 1 and counters["blend_requests|failed"] == 1
+    assert counters["blend_tokens|reused"] == 600 and counters["blend_tokens|recomputed"] == 490
+    assert (
+        counters["blend_tokens|recomputed_by_deviation"] == 90 and counters["blend_tokens|not_stored"] == 400
+    )
+    assert counters["failed_chunks|load|cpu|corrupt"] == 1
+    assert histograms["blend_recomputed_ratio"] == [0.49] and histograms["blend_deviation"] == [0.5]
