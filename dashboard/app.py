@@ -33,6 +33,7 @@ import streamlit as st  # noqa: E402
 from streamlit import config as st_config  # noqa: E402
 
 from dashboard import (  # noqa: E402
+    blend_page,
     charts,
     failures,
     insights_page,
@@ -62,6 +63,7 @@ ROWS = (
     "Insights",
     "Tenants",
     "PD",
+    "Blending",
 )
 
 
@@ -422,6 +424,7 @@ def _live(cfg: settings.Settings, section: str) -> None:
             "Insights": lambda: insights_page.show(frame, fleet, window),
             "Tenants": lambda: tenants_page.show(frame, window),
             "PD": lambda: pd_page.show(frame, window, cfg),
+            "Blending": lambda: blend_page.show(frame, window),
         }
         with guarded(section):
             sections[section]()

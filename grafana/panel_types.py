@@ -39,6 +39,7 @@ class Panel:
     overrides: tuple[tuple[str, dict[str, Any]], ...] = field(default=())  # (field name regex, properties)
     needs_remote: bool = False  # data only where a remote tier (Redis) is configured
     needs_pd: bool = False  # data only where PD engines (and kvlens pd-proxy) run
+    needs_blend: bool = False  # data only where blending is on (enable_blending)
 
 
 def rate_sum(name: str, by: str = "", matchers: str = "", window: str = "$__rate_interval") -> str:

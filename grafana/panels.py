@@ -17,6 +17,7 @@ import re
 from dashboard import palette
 from dashboard.catalog import LEAK_GAUGES, MISS_REASONS
 
+from .blend_panels import BLEND_PANELS
 from .insight_panels import INSIGHT_PANELS
 from .panel_types import (
     STAT,
@@ -44,6 +45,7 @@ ROWS = (
     "Insights",
     "Tenants",
     "PD",
+    "Blending",
 )
 
 __all__ = ["PANELS", "ROWS", "STAT", "TABLE", "TIMESERIES", "TREND", "Panel", "Target", "with_selector"]
@@ -597,6 +599,7 @@ PANELS: tuple[Panel, ...] = (
     *INSIGHT_PANELS,
     *TENANT_PANELS,
     *PD_PANELS,
+    *BLEND_PANELS,
 )
 
 # Failed loads as annotations on every time series. The counter without a reason label is

@@ -15,10 +15,13 @@ real model in ``bench/``).
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pytest
 
+from bench.lib.ports import free_port
+from grafana.blend_panels import BLEND_PANELS
 from tests.integration.conftest import run_engine
 
 pytestmark = pytest.mark.integration
@@ -60,6 +63,7 @@ def flow(tiny_model, tmp_path_factory):
     ]
     where = tmp_path_factory.mktemp("blend")
     env = {"LMCACHE_CONFIG_FILE": str(EXAMPLE_CONFIG), "LMCACHE_BLEND_RECOMPUTE_RATIOS": "1"}
+    env["KVLENS_METRICS_PORT"] = str(free_port())  # the offline engine's /metrics, read at its end
     with_kvlens = run_engine({"model": tiny_model, "kv": {}, "rounds": rounds}, where, env=env)
     alone = run_engine(
         {"model": tiny_model, "kv": None, "rounds": [{"prompts": blended, "max_tokens": MAX_TOKENS}]},
@@ -138,3 +142,17 @@ def test_under_tensor_parallelism_a_chunk_one_rank_cannot_read_is_computed_by_ev
     for output, prompt in zip(blended, flow["blended"], strict=True):
         assert output["num_cached_tokens"] == len(prompt) - 1 and len(output["token_ids"]) == MAX_TOKENS
     assert tensor_parallel["state"]["failed_blocks"] == [] and tensor_parallel["state"]["pinned_chunks"] == 0
+
+
+def test_the_blending_rows_series_have_data(flow):
+    """Every series the Grafana Blending row reads is on /metrics with a value (the live-stack test
+    skips the row: its engine does not blend)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(flow["kvlens"]["state"]["metrics"]):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    used = {n for p in BLEND_PANELS for t in p.targets for n in re.findall(r"vllm:kvlens_\w+", t.expr)}
+    assert used and {n: totals.get(n, 0.0) for n in used if not totals.get(n)} == {}
+    assert totals["vllm:kvlens_blend_requests_total"] == 6  # three documents, then three blended prompts

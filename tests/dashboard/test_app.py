@@ -76,6 +76,7 @@ def test_live_endpoint_charts_and_an_unreachable_one(
         "Insights",
         "Tenants",
         "PD",
+        "Blending",
     ]
     metrics = {m.label: m.value for m in app.metric}
     assert (

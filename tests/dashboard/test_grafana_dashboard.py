@@ -63,6 +63,7 @@ def test_rows_in_order_and_every_panel_under_one():
             "Insights",
             "Tenants",
             "PD",
+            "Blending",
         ]
     )
     assert d["panels"][0]["type"] == "row"

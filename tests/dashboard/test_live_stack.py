@@ -149,6 +149,8 @@ def test_every_dashboard_panel_returns_data(live):
             continue
         if p.needs_pd:  # no PD engines or proxy here: test_grafana_dashboard.py evaluates the split
             continue
+        if p.needs_blend:  # no blending here: tests/blend/test_blend_flow.py has its series
+            continue
         for t in p.targets:
             if not finite_values(query(live, with_selector(t.expr))):
                 empty.append(f"{p.row} / {p.title} / {t.legend or t.expr}")
@@ -290,7 +292,7 @@ def test_app_in_headless_chromium(live, tmp_path):
         for name, shows in list(TAB_SHOWS.items())[1:]:
             show_tab(driver, name, shows)
             times_tabs_disabled(driver, reset=True)  # the click's own rerun sent the tabs again
-            if name in ("Requests", "PD"):  # no request log, no PD here (test_pd_browser.py has PD)
+            if name in ("Requests", "PD", "Blending"):  # no request log, PD or blending here
                 wait_for_refreshes(driver)
                 disabled_by_refreshes += times_tabs_disabled(driver)
                 assert_no_exception(driver)
@@ -328,6 +330,7 @@ TAB_SHOWS = {
     "Insights": "Tier sizing",
     "Tenants": "tenant",
     "PD": "No PD series yet",
+    "Blending": "No blended requests yet",
 }
 REFRESH_S = 2  # a refresh every 2 s: more refreshes, and less time between them, than the default 5
 STALE_SAMPLE_S = 30.0
