@@ -45,7 +45,7 @@ from bench.lib import rag_set as rag  # noqa: E402
 from bench.lib.runner import Case, Figure, Option, main  # noqa: E402
 from bench.lib.served import LiveMode, ServerShape  # noqa: E402
 from bench.lib.ttft import SKIP_SAVE  # noqa: E402
-from bench.rag_quality import QUALITY, RagQuality, _share, _tokenizer  # noqa: E402
+from bench.rag_quality import QUALITY, RagQuality, _share, _tokenizer, answer_record  # noqa: E402
 
 SEPARATOR = " # # "  # LMCache's blend_special_str, KVLens's default
 PLACEHOLDER = "\x00DOCUMENTS\x00"
@@ -168,20 +168,8 @@ class BlendRag(RagQuality):
             if connector:
                 lm.client.reset_prefix_cache()  # the documents come from KVLens
             done = asyncio.run(self._ask(lm, ids, SKIP_SAVE if connector else None))
-            text = _tokenizer(self.model).decode(done.token_ids, skip_special_tokens=True)
             blend = ((done.kv_transfer_params or {}).get("kvlens") or {}).get("blend") or {}
-            answers.append(
-                {
-                    "question": q.key,
-                    "text": text,
-                    "correct": rag.is_correct(text, q),
-                    "token_ids": list(done.token_ids),
-                    "ttft_ms": done.ttft * 1e3,
-                    "cached_tokens": done.cached_tokens,
-                    "prompt_tokens": done.prompt_tokens,
-                    "blend": blend,
-                }
-            )
+            answers.append({**answer_record(self.model, q, done), "blend": blend})
         return {
             "accuracy": _share(a["correct"] for a in answers),
             "ttft_ms": [a["ttft_ms"] for a in answers],

@@ -75,6 +75,21 @@ def prompt_ids(model: Path, question: rag.Question, order: Sequence[str]) -> lis
     return list(tok.encode(text, add_special_tokens=False))
 
 
+def answer_record(model: Path, question: rag.Question, done: Any) -> dict[str, Any]:
+    """One streamed answer (``client.Streamed``): its text, whether it is right, its tokens, TTFT
+    and the prompt tokens a cache supplied."""
+    text = _tokenizer(model).decode(done.token_ids, skip_special_tokens=True)
+    return {
+        "question": question.key,
+        "text": text,
+        "correct": rag.is_correct(text, question),
+        "token_ids": list(done.token_ids),
+        "ttft_ms": done.ttft * 1e3,
+        "cached_tokens": done.cached_tokens,
+        "prompt_tokens": done.prompt_tokens,
+    }
+
+
 def common_prefix(prompts: Sequence[Sequence[int]]) -> list[int]:
     """The tokens every prompt starts with (the system prompt and the documents)."""
     first = prompts[0]
@@ -186,18 +201,7 @@ class RagQuality(ServedBenchmark):
             if connector:
                 lm.client.reset_prefix_cache()  # the documents come from the connector
             done = asyncio.run(self._ask(lm, ids, SKIP_SAVE if lm.mode.connector == "kvlens" else None))
-            text = _tokenizer(self.model).decode(done.token_ids, skip_special_tokens=True)
-            answers.append(
-                {
-                    "question": q.key,
-                    "text": text,
-                    "correct": rag.is_correct(text, q),
-                    "token_ids": list(done.token_ids),
-                    "ttft_ms": done.ttft * 1e3,
-                    "cached_tokens": done.cached_tokens,
-                    "prompt_tokens": done.prompt_tokens,
-                }
-            )
+            answers.append(answer_record(self.model, q, done))
             planned &= _as_planned(done.cached_tokens, len(prefix), caching)
         return {
             "accuracy": _share(a["correct"] for a in answers),

@@ -74,16 +74,23 @@ def test_history_is_bounded_and_shares_scrapes_within_min_interval(metrics_text)
     assert set(f["instance"]) == {"a:1"} and list(f.columns) == list(sources.COLUMNS)
 
 
-def test_an_unreachable_endpoint_keeps_its_history(metrics_text):
-    answers = [metrics_text, OSError("connection refused")]
+def scripted(*answers):
+    """A fetch that answers each call with the next of ``answers`` (an exception is raised)."""
+    left = list(answers)
 
     def fetch(url):
-        a = answers.pop(0)
+        a = left.pop(0)
         if isinstance(a, Exception):
             raise a
         return a
 
-    h = sources.MetricsHistory("http://a:1/metrics", fetch=fetch)
+    return fetch
+
+
+def test_an_unreachable_endpoint_keeps_its_history(metrics_text):
+    h = sources.MetricsHistory(
+        "http://a:1/metrics", fetch=scripted(metrics_text, OSError("connection refused"))
+    )
     assert h.scrape(now=0).ok
     assert h.scrape(now=5).state == sources.UNREACHABLE
     assert len(h) == 1
@@ -188,15 +195,7 @@ def test_an_endpoint_that_answers_slowly_is_a_warning_not_unreachable_and_keeps_
     metrics_text, error
 ):
     """A loaded vLLM may miss one scrape's deadline: that is not 'Is vLLM running there?'."""
-    answers = [metrics_text, error, metrics_text]
-
-    def fetch(url):
-        a = answers.pop(0)
-        if isinstance(a, Exception):
-            raise a
-        return a
-
-    h = sources.MetricsHistory("http://a:1/metrics", fetch=fetch)
+    h = sources.MetricsHistory("http://a:1/metrics", fetch=scripted(metrics_text, error, metrics_text))
     assert h.scrape(now=0).ok
     slow = h.scrape(now=5)
     assert slow.state == sources.SLOW and len(h) == 1
