@@ -8,10 +8,11 @@ import streamlit as st
 
 from . import charts, views
 from .catalog import kvlens
-from .layout import NO_TRAFFIC, chart
+from .layout import NO_TRAFFIC, chart, table
 
 TOKENS = kvlens("blend_tokens")
 REQUESTS = kvlens("blend_requests")
+BY_TENANT = kvlens("tenant_blend_tokens")
 KINDS = {
     "reused": "reused (from a tier)",
     "recomputed_by_deviation": "recomputed: deviated most",
@@ -46,6 +47,18 @@ def recomputed_share(frame: pd.DataFrame, window_s: float) -> pd.DataFrame:
     return views.ratio(computed, views.added(reused, new))
 
 
+def by_tenant(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per tenant, since each instance started: tokens reused and recomputed, and the recomputed
+    share (tenants that never blended are left out)."""
+    totals = views.total(frame, BY_TENANT, ("tenant", "kind"))
+    if totals.empty:
+        return pd.DataFrame()
+    table = totals.unstack("kind").reindex(columns=["reused", "recomputed"]).fillna(0.0)
+    table = table[table.sum(axis=1) > 0]
+    table["recomputed share"] = table["recomputed"] / (table["reused"] + table["recomputed"])
+    return table.sort_values("reused", ascending=False)
+
+
 def show(frame: pd.DataFrame, window: float) -> None:
     done = views.total(frame, REQUESTS, ("outcome",)) if views.has_series(frame, REQUESTS) else pd.Series()
     blended, failed = int(done.get("blended", 0)), int(done.get("failed", 0))
@@ -65,4 +78,9 @@ def show(frame: pd.DataFrame, window: float) -> None:
     with right:
         st.subheader("Recomputed share")
         chart(recomputed_share(frame, window), charts.RATIO, NO_TRAFFIC, zero_to_one=True)
+    tenants = by_tenant(frame)
+    if not tenants.empty:
+        st.subheader("By tenant")
+        percent = st.column_config.NumberColumn(format="percent")
+        table(tenants, width="stretch", column_config={"recomputed share": percent})
     st.caption(ABOUT)

@@ -62,6 +62,24 @@ BLEND_PANELS: tuple[Panel, ...] = (
     ),
     Panel(
         ROW,
+        "Blending by tenant",
+        TOKENS_PER_S,
+        (
+            Target(
+                rate_sum("vllm:kvlens_tenant_blend_tokens_total", by="tenant", matchers='kind="reused"'),
+                "{{tenant}} reused",
+            ),
+            Target(
+                rate_sum("vllm:kvlens_tenant_blend_tokens_total", by="tenant", matchers='kind="recomputed"'),
+                "{{tenant}} recomputed",
+            ),
+        ),
+        "Per tenant (cache salt or tags, as ids; see the Tenants row), tokens per second of blended prompts "
+        "reused from a tier (what blending saved) and computed by the blend (what it cost).",
+        needs_blend=True,
+    ),
+    Panel(
+        ROW,
         "Deviation at the check layer",
         "none",
         (

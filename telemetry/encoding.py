@@ -114,6 +114,8 @@ def tenant_counters(usage: TenantUsage) -> dict[str, float]:
             out[wire_key(key, label_value(label))] = n
     for reason, n in usage.refusals.items():
         out[wire_key("tenant_refusals", label_value(reason))] = n
+    for (label, kind), n in usage.blend_tokens.items():
+        out[wire_key("tenant_blend_tokens", label_value(label), kind)] = n
     return out
 
 

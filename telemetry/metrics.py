@@ -516,6 +516,7 @@ _DEFINITIONS += (
 # a chunk a blend could not read counts in failed_chunks (operation "load")
 _OWN_DOMAINS["blend_outcomes"] = ("blended", "failed")
 _OWN_DOMAINS["blend_token_kinds"] = ("reused", "recomputed", "recomputed_by_deviation", "not_stored")
+_OWN_DOMAINS["tenant_blend_kinds"] = ("reused", "recomputed")
 DEVIATION_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)
 _DEFINITIONS += (
     Metric(
@@ -546,6 +547,13 @@ _DEFINITIONS += (
         "Per blended request, the mean K deviation of its reused tokens at the first check layer "
         "(squared L2 over heads and head size).",
         buckets=DEVIATION_BUCKETS,
+    ),
+    Metric(
+        "tenant_blend_tokens",
+        COUNTER,
+        "Prompt tokens of blended requests, by tenant and kind: reused (KV from a tier) or recomputed.",
+        ("tenant", "kind"),
+        domains=("tenants", "tenant_blend_kinds"),
     ),
 )
 _NOT_IN_LOG_LINE = ("info", "whatif_hit_ratio")  # labels, not amounts: kept out of vLLM's log line

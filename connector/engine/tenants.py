@@ -121,6 +121,7 @@ class TenantUsage:
     load_tokens: Mapping[str, int]  # tokens KVLens loaded into vLLM
     bytes_held: Mapping[tuple[str, str], int]  # (label, tier) -> bytes (one rank's share); 0 kept
     refusals: Mapping[str, int] = field(default_factory=dict)  # reason -> requests or notes refused
+    blend_tokens: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (label, kind) -> tokens
 
 
 class TenantBook:
@@ -139,6 +140,7 @@ class TenantBook:
         self._hit: dict[str, int] = {}
         self._load: dict[str, int] = {}
         self._refused: dict[str, int] = {}
+        self._blend: dict[tuple[str, str], int] = {}
 
     # ---- labels ---------------------------------------------------------------------------
     def label(self, namespace: Namespace | None) -> str:
@@ -193,6 +195,12 @@ class TenantBook:
             label = self.request_label(request_id)
             self._load[label] = self._load.get(label, 0) + tokens
 
+    def blended(self, label: str, reused: int, recomputed: int) -> None:
+        """A blend's prompt tokens for a request counted under ``label`` (taken when its blend
+        was planned: the report may come after the request ended)."""
+        for kind, n in (("reused", reused), ("recomputed", recomputed)):
+            self._blend[(label, kind)] = self._blend.get((label, kind), 0) + n
+
     def refused(self, reason: str) -> None:
         """A request's salt or tags, or a namespace to remember, refused (``REFUSAL_REASONS``)."""
         self._refused[reason] = self._refused.get(reason, 0) + 1
@@ -218,6 +226,7 @@ class TenantBook:
 
     def take(self) -> TenantUsage:
         """Counters since the last call, and the bytes every label holds now."""
-        usage = TenantUsage(self._lookup, self._hit, self._load, dict(self._bytes), self._refused)
-        self._lookup, self._hit, self._load, self._refused = {}, {}, {}, {}
+        bytes_held = dict(self._bytes)
+        usage = TenantUsage(self._lookup, self._hit, self._load, bytes_held, self._refused, self._blend)
+        self._lookup, self._hit, self._load, self._refused, self._blend = {}, {}, {}, {}, {}
         return usage

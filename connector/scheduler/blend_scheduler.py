@@ -66,7 +66,8 @@ class SchedulerBlend:
     planner: StepPlanner
     pending: dict[str, PendingBlend] = field(default_factory=dict)  # looked up, not allocated
     ready: dict[str, PendingBlend] = field(default_factory=dict)  # allocated, for the next plan
-    running: set[str] = field(default_factory=set)  # sent to the workers, not reported yet
+    # sent to the workers, not reported yet: the request's tenant label (engine/tenants.py)
+    running: dict[str, str] = field(default_factory=dict)
     details: dict[str, dict[str, object]] = field(default_factory=dict)  # reported, until finished
     # Ended before their report came (vLLM ends a request in the step's output, before the
     # workers' report is read): the response's params, filled in when it comes, and steps waited.
@@ -139,7 +140,7 @@ class SchedulerBlend:
         jobs = []
         for rid, blend in self.ready.items():
             jobs.append(self._job(plan, blend))
-            self.running.add(rid)
+            self.running[rid] = self.state.tenants.request_label(rid)
         self.ready = {}
         return jobs
 
@@ -176,7 +177,9 @@ class SchedulerBlend:
     # ---- reports and ends ----------------------------------------------------------------
     def reported(self, outcomes: dict[str, BlendOutcome]) -> None:
         for rid, outcome in outcomes.items():
-            self.running.discard(rid)
+            label = self.running.pop(rid, None)
+            if label is not None and not outcome.failed:
+                self.state.tenants.blended(label, outcome.reused, outcome.recomputed)
             self.state.pins.release(_owner(rid))
             for problem in outcome.problems:
                 if problem.reason in FOUND_BAD and problem.tier != REMOTE:

@@ -12,6 +12,7 @@ from .frames import frame, series
 
 TOKENS = "vllm:kvlens_blend_tokens_total"
 REQUESTS = "vllm:kvlens_blend_requests_total"
+BY_TENANT = "vllm:kvlens_tenant_blend_tokens_total"
 
 
 def blending():
@@ -47,3 +48,18 @@ def test_the_tab_says_when_nothing_blended(monkeypatch):
     idle = frame(*series(REQUESTS, [0, 0], outcome="blended"), *series(REQUESTS, [0, 0], outcome="failed"))
     blend_page.show(idle, 10)
     assert shown == [blend_page.NONE_YET]
+
+
+def test_per_tenant_totals_are_summed_over_instances_and_idle_tenants_left_out():
+    rows = []
+    for instance in ("a:8000", "b:8000"):
+        rows += series(BY_TENANT, [0, 600, 900], instance, tenant="salt:1f", kind="reused")
+        rows += series(BY_TENANT, [0, 100, 300], instance, tenant="salt:1f", kind="recomputed")
+        rows += series(BY_TENANT, [0, 0, 50], instance, tenant="default", kind="recomputed")
+        rows += series(BY_TENANT, [0, 0, 0], instance, tenant="other", kind="reused")
+        rows += series(BY_TENANT, [0, 0, 0], instance, tenant="other", kind="recomputed")
+    table = blend_page.by_tenant(frame(*rows))
+    assert list(table.index) == ["salt:1f", "default"]
+    assert table.loc["salt:1f", "reused"] == 1800 and table.loc["salt:1f", "recomputed"] == 600
+    assert table.loc["salt:1f", "recomputed share"] == pytest.approx(0.25)
+    assert table.loc["default", "recomputed share"] == 1.0

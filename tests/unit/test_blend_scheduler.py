@@ -24,9 +24,9 @@ def doc(n: int) -> list[int]:
     return [100 + 1000 * n + i for i in range(DOC)]
 
 
-def blend_step(s: ConnectorScheduler, rid: str, tokens: list[int], local_hit: int = 0):
+def blend_step(s: ConnectorScheduler, rid: str, tokens: list[int], local_hit: int = 0, **kw):
     """lookup, allocation and the step that schedules the prompt's last token; the plan."""
-    r = request(rid, tokens)
+    r = request(rid, tokens, **kw)
     need = s.lookup(r, local_hit)
     s.after_alloc(r, need, blocks(0, -(-len(tokens) // 128)))
     plan = s.build_plan(
@@ -144,3 +144,23 @@ def test_a_document_stored_under_another_salt_is_not_found():
     r = request("b", [1] + SEP + doc(0), cache_salt="tenant-b")
     s.lookup(r, 0)
     assert [tier for _, tier in s.blend.pending["b"].chunks] == [None, None]  # computed, stored anew
+
+
+def test_blend_tokens_are_counted_per_tenant_even_when_the_report_comes_after_the_end():
+    s = scheduler()
+    blend_step(s, "a", doc(0) + SEP)
+    reported(s, "a", tokens=DOC + 3, recomputed=DOC + 3)
+    r, _, _ = blend_step(s, "b", [1] + SEP + doc(0) + SEP + [2], cache_salt="team-b")
+    s.finish(r)  # vLLM ends the request before its step's report is read
+    s.take_done()
+    reported(s, "b", tokens=DOC + 8, reused_by_tier={CPU: DOC}, recomputed=8)
+    usage = s.take_tenant_usage().blend_tokens
+    team = next(label for label, _ in usage if label != "default")
+    assert team.startswith("salt:")
+    assert usage == {
+        ("default", "reused"): 0,
+        ("default", "recomputed"): DOC + 3,
+        (team, "reused"): DOC,
+        (team, "recomputed"): 8,
+    }
+    assert s.take_tenant_usage().blend_tokens == {}  # counters: since the last take
