@@ -10,6 +10,7 @@ per repetition, between measurements made moments apart.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -213,12 +214,37 @@ def environment(load_before: tuple[float, ...]) -> dict[str, Any]:
         commit = None
     return {
         "cpus": os.cpu_count(),
+        "cpu_isa": cpu_isa(),
+        "native_dtype": native_dtype(),  # the servers' unless a script sets its own
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "versions": versions,
         "python": platform.python_version(),
         "commit": commit,
     }
+
+
+@functools.cache
+def cpu_isa() -> str:
+    """The widest vector unit the CPU offers: "AVX-512 BF16", "AVX-512", "AVX2", "Arm" or "other"."""
+    if platform.machine() in ("aarch64", "arm64"):
+        return "Arm"
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "other"
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    for flag, name in (("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2")):
+        if flag in flags:
+            return name
+    return "other"
+
+
+def native_dtype() -> str:
+    """The servers' dtype: bfloat16 where the CPU computes it (AVX-512, Arm), float32 where torch
+    emulates it (AVX2 only: a bf16 matmul of a prefill's shape took 57x an fp32 one on such a
+    machine here, so a bf16 prefill would time the emulation, not the model)."""
+    return "bfloat16" if cpu_isa() in ("AVX-512 BF16", "AVX-512", "Arm") else "float32"
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

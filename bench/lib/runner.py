@@ -311,7 +311,8 @@ class Benchmark:
         names = ", ".join(s.name for s in self.modes)
         print(f"   {'--quick' if self.quick else 'full run'}; modes: {names}", flush=True)
         load = ", ".join(f"{x:.2f}" for x in self.load_before)
-        print(f"   {os.cpu_count()} CPUs, load average {load}", flush=True)
+        isa = report.cpu_isa()
+        print(f"   {os.cpu_count()} CPUs ({isa}), load average {load}", flush=True)
 
     def _doc_title(self) -> str:
         doc = (
@@ -382,7 +383,7 @@ class Benchmark:
         load = "/".join(f"{x:.1f}" for x in self.load_before)
         parts = [
             f"{self.name} {'--quick' if self.quick else ''}",
-            f"{os.cpu_count()} CPUs, load {load} at start",
+            f"{os.cpu_count()} CPUs ({report.cpu_isa()}), load {load} at start",
         ]
         parts += [time.strftime("%Y-%m-%d %H:%M"), "; ".join(f"{k} skipped" for k in self.skipped)]
         return " | ".join(p for p in parts if p) + "\n" + NOISE_NOTE

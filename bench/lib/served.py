@@ -16,10 +16,11 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import report
 from .client import Client
 from .models import BENCH, REAL_HELP, TINY, ModelSpec, check_fits, ensure_model, real_model, vocab_size
 from .modes import (
@@ -58,7 +59,7 @@ class ServerShape:
     kv_blocks: int | None = None  # --num-gpu-blocks-override for every mode but the ceiling
     kv_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE (whole GiB), the same in every mode
     working_set_gb: float = 1.0  # what a connector ends up holding (for the memory estimate)
-    dtype: str = "bfloat16"
+    dtype: str = field(default_factory=report.native_dtype)
 
 
 @dataclass
