@@ -25,7 +25,8 @@ Modes, each a vLLM server:
 Per case and repetition: accuracy (``rag_set.is_correct``), greedy agreement with full prefill
 (``tokens x full``: the share of the first --answer-len tokens equal up to the first difference;
 ``exact x full``), TTFT (median, and its ratio to full), prompt tokens reused (vLLM's count) and,
-when blending, the tokens the blend reused and recomputed (the response's ``kvlens.blend``).
+when blending, the tokens the blend reused and recomputed (the change of the server's
+blend_tokens counters over the question: a streamed response carries no kv_transfer_params).
 Writes .run/bench/results/blend_rag.json.
 """
 
@@ -36,12 +37,14 @@ import functools
 import random
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib import rag_set as rag  # noqa: E402
+from bench.lib.client import metric_sum  # noqa: E402
 from bench.lib.runner import Case, Figure, Option, main  # noqa: E402
 from bench.lib.served import LiveMode, ServerShape  # noqa: E402
 from bench.lib.ttft import SKIP_SAVE  # noqa: E402
@@ -112,6 +115,23 @@ def orders(count: int, questions: list[rag.Question], seed: int = 39) -> list[li
     return out
 
 
+def blend_tokens(lm: LiveMode) -> dict[str, float]:
+    """The server's blended prompt tokens so far, by kind (a streamed response carries no
+    kv_transfer_params in vLLM 0.32, so a question's blend is read as the difference)."""
+    text = lm.client.metrics_text()
+    kinds = ("reused", "recomputed", "recomputed_by_deviation", "not_stored")
+    return {kind: metric_sum(text, "vllm:kvlens_blend_tokens_total", kind=kind) for kind in kinds}
+
+
+def blend_delta(lm: LiveMode, before: dict[str, float], wait_s: float = 2.0) -> dict[str, float]:
+    """A question's blended tokens: the counters' change once the engine's stats for its last step
+    reached /metrics (within ``wait_s``; none when it did not blend)."""
+    deadline = time.monotonic() + wait_s
+    while (after := blend_tokens(lm)) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {kind: n - before[kind] for kind, n in after.items()}
+
+
 class BlendRag(RagQuality):
     name = "blend_rag"
     title = "Blending on the RAG set: accuracy, agreement with full prefill and TTFT, per mode"
@@ -167,14 +187,15 @@ class BlendRag(RagQuality):
         for q, ids in self.prompts[case.name]:
             if connector:
                 lm.client.reset_prefix_cache()  # the documents come from KVLens
+            before = blend_tokens(lm) if connector else {}
             done = asyncio.run(self._ask(lm, ids, SKIP_SAVE if connector else None))
-            blend = ((done.kv_transfer_params or {}).get("kvlens") or {}).get("blend") or {}
+            blend = blend_delta(lm, before) if connector else {}
             answers.append({**answer_record(self.model, q, done), "blend": blend})
         return {
             "accuracy": _share(a["correct"] for a in answers),
             "ttft_ms": [a["ttft_ms"] for a in answers],
             "cached_tokens": [a["cached_tokens"] for a in answers],
-            "recomputed_tokens": [a["blend"].get("recomputed_tokens", 0) for a in answers],
+            "recomputed_tokens": [a["blend"].get("recomputed", 0) for a in answers],
             "prompt_tokens": [a["prompt_tokens"] for a in answers],
             "answers": answers,
         }
