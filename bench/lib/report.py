@@ -233,7 +233,8 @@ def cpu_isa() -> str:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return "other"
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    lines = (line for line in text.splitlines() if line.startswith("flags"))
+    flags = next((line.split(":", 1)[1].split() for line in lines), [])
     for flag, name in (("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2")):
         if flag in flags:
             return name
