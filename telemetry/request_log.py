@@ -47,6 +47,7 @@ FIELDS = (
     "failed",
     "failure_reasons",
     "trace_id",
+    "blend",
 )
 
 _SCALE = float(2**64)
@@ -79,13 +80,15 @@ def request_record(
     failed: bool = False,
     failure_reasons: Iterable[str] = (),
     trace_id: str | None = None,
+    blend: Mapping[str, Any] | None = None,
     now: float | None = None,
 ) -> dict[str, Any]:
     """One finished request as the log writes it (``FIELDS``, in that order).
 
     ``kvlens_tokens_by_tier`` are the prompt tokens KVLens supplied, per tier it read them from;
     ``kvlens_tokens`` is their sum, and ``computed_tokens`` what is left for vLLM to compute.
-    ``miss_reason`` takes a ``MissReason`` or its value; ``now`` is for tests."""
+    ``miss_reason`` takes a ``MissReason`` or its value; ``blend``: a blended request's
+    ``kvlens.blend`` (its response's), None otherwise; ``now`` is for tests."""
     now = time.time() if now is None else now
     by_tier = {str(tier): int(n) for tier, n in kvlens_tokens_by_tier.items() if n}
     kvlens = sum(by_tier.values())
@@ -109,6 +112,7 @@ def request_record(
         "failed": bool(failed),
         "failure_reasons": [str(r) for r in failure_reasons],
         "trace_id": trace_id,
+        "blend": dict(blend) if blend is not None else None,
     }
 
 

@@ -380,4 +380,5 @@ def _request_line(summary: RequestSummary, lookup_ms: float, engine: str, model:
         failed=summary.failed_blocks > 0,
         failure_reasons=summary.failure_reasons,
         trace_id=parts[1] if len(parts) == 4 else None,
+        blend=summary.blend,
     )

@@ -406,3 +406,4 @@ class RequestSummary:
     failed_blocks: int
     failure_reasons: tuple[str, ...]
     trace_context: Mapping[str, str] | None
+    blend: Mapping[str, object] | None = None  # its response's kvlens.blend (None: it did not blend)

@@ -26,7 +26,7 @@ from ..engine.blend_jobs import BlendJob, SegmentChunkJob
 from ..engine.index import TierIndex
 from ..engine.jobs import CPU, DISK, REMOTE, StepPlan
 from ..engine.keys import key_fingerprint
-from ..engine.outcomes import BlendOutcome, FailureReason, SaveSkipReason
+from ..engine.outcomes import BlendOutcome, FailureReason, RequestSummary, SaveSkipReason
 from ..engine.policy import trace_headers
 from ..engine.segment_keys import SegmentChunk, cut_chunks
 from ..engine.segment_records import PREFIX_BYTES
@@ -72,6 +72,11 @@ class SchedulerBlend:
     # Ended before their report came (vLLM ends a request in the step's output, before the
     # workers' report is read): the response's params, filled in when it comes, and steps waited.
     awaiting: dict[str, tuple[dict[str, Any] | None, int]] = field(default_factory=dict)
+    # The request log's side: a summary of a request still awaiting its report is held until it
+    # comes (or is given up); the details of ended requests whose summary is not taken yet.
+    held: dict[str, RequestSummary] = field(default_factory=dict)
+    released: list[RequestSummary] = field(default_factory=list)
+    for_log: dict[str, dict[str, object]] = field(default_factory=dict)
 
     # ---- lookup --------------------------------------------------------------------------
     def lookup(self, request: Any, num_computed_tokens: int, prefix_tokens: int) -> int | None:
@@ -188,7 +193,11 @@ class SchedulerBlend:
                 params, _ = self.awaiting.pop(rid)
                 if params is not None:
                     attach(params, outcome.details())
-            else:
+                if rid in self.held:
+                    self.released.append(dataclasses.replace(self.held.pop(rid), blend=outcome.details()))
+                else:
+                    self.for_log[rid] = outcome.details()
+            elif label is not None:  # still running: its finish takes them
                 self.details[rid] = outcome.details()
             if outcome.failed:
                 logger.warning(
@@ -205,14 +214,34 @@ class SchedulerBlend:
             self.awaiting[request_id] = (params, 0)
         else:
             self.state.pins.release(_owner(request_id))
-        if details is not None and params is not None:
-            attach(params, details)
+        if details is not None:
+            self.for_log[request_id] = details
+            if params is not None:
+                attach(params, details)
+
+    def with_details(self, done: list[RequestSummary]) -> list[RequestSummary]:
+        """Finished requests' summaries for the request log, each with its blend's details: one
+        whose report is still awaited is held back until it comes (or is given up)."""
+        out = []
+        for summary in done:
+            rid = summary.request_id
+            if rid in self.awaiting:
+                self.held[rid] = summary
+                continue
+            details = self.for_log.pop(rid, None)
+            out.append(summary if details is None else dataclasses.replace(summary, blend=details))
+        out += self.released
+        self.released = []
+        return out
 
     def step_done(self) -> None:
         """A report that never came (its step was abandoned) is not waited for forever."""
         for rid, (params, steps) in list(self.awaiting.items()):
             if steps + 1 >= LATE_STEPS:
                 del self.awaiting[rid]
+                self.running.pop(rid, None)  # a report later still keeps nothing
+                if rid in self.held:
+                    self.released.append(self.held.pop(rid))
             else:
                 self.awaiting[rid] = (params, steps + 1)
 

@@ -200,6 +200,8 @@ class ConnectorScheduler:
 
     def take_done(self) -> list[RequestSummary]:
         done = self.responses.take_done()
+        if self.blend is not None:
+            done = self.blend.with_details(done)
         for summary in done:  # its load is reported: its tenant is no longer needed
             self.state.tenants.close(summary.request_id)
         return done

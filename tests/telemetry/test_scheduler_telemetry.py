@@ -403,6 +403,19 @@ def test_request_log_has_one_line_per_finished_request_with_its_explanation(tmp_
     }
     text = log.read_text()
     assert "1000, 1001" not in text and "other-tenant" not in text  # no tokens, no salt
+    assert [x["blend"] for x in lines] == [None, None, None]  # none of them blended
+
+
+def test_a_blended_requests_line_carries_its_blend(tmp_path):
+    from connector.engine.outcomes import RequestSummary
+
+    log = tmp_path / "requests.jsonl"
+    _, tel = make(tmp_path, KVLENS_REQUEST_LOG=str(log))
+    blend = {"tokens": 700, "reused_tokens": {"cpu": 600}, "recomputed_tokens": 190}
+    summary = RequestSummary("a", 700, 0, {}, None, None, None, 0, 0, (), None, blend=blend)
+    tel.rec.requests_done([summary])
+    (line,) = [json.loads(x) for x in log.read_text().splitlines()]
+    assert line["blend"] == blend
 
 
 def test_request_log_off_writes_nothing_and_keeps_no_state(tmp_path):

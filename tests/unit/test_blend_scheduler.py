@@ -164,3 +164,30 @@ def test_blend_tokens_are_counted_per_tenant_even_when_the_report_comes_after_th
         (team, "recomputed"): 8,
     }
     assert s.take_tenant_usage().blend_tokens == {}  # counters: since the last take
+
+
+def test_the_request_logs_summary_carries_the_blend_even_when_its_report_comes_after_the_end():
+    s = scheduler()
+    r, _, _ = blend_step(s, "a", doc(0) + SEP)
+    reported(s, "a", tokens=DOC + 3, recomputed=DOC + 3, stored=2)
+    s.finish(r)  # reported, then ended
+    (early,) = s.take_done()
+    assert early.blend["stored_chunks"] == 2
+    r, _, _ = blend_step(s, "b", [1] + SEP + doc(0) + SEP + [2])
+    s.finish(r)  # ended, then reported (same step's output)
+    assert s.take_done() == []  # held for its blend's report
+    reported(s, "b", tokens=DOC + 8, reused_by_tier={CPU: DOC}, recomputed=8)
+    (late,) = s.take_done()
+    assert late.request_id == "b" and late.blend["reused_tokens"] == {CPU: DOC}
+    r, _, _ = blend_step(s, "c", [1] + SEP + doc(0) + SEP + [3])
+    s.finish(r)
+    for _ in range(8):  # its report never comes: logged without it, nothing left behind
+        s.step_done()
+    (lost,) = s.take_done()
+    assert lost.request_id == "c" and lost.blend is None
+    reported(s, "c", tokens=DOC + 8)  # later still: nothing waits for it any more
+    assert not (s.blend.held or s.blend.for_log or s.blend.awaiting or s.blend.details or s.blend.running)
+    r = request("d", doc(5))  # a request that does not blend has no blend in its line
+    s.lookup(r, 0)
+    s.finish(r)
+    assert [x.blend for x in s.take_done()] == [None]
