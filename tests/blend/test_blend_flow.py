@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,58 @@ def test_the_blending_rows_series_have_data(flow):
     used = {n for p in BLEND_PANELS for t in p.targets for n in re.findall(r"vllm:kvlens_\w+", t.expr)}
     assert used and {n: totals.get(n, 0.0) for n in used if not totals.get(n)} == {}
     assert totals["vllm:kvlens_blend_requests_total"] == 6  # three documents, then three blended prompts
+
+
+@pytest.fixture(scope="module")
+def two_hosts_over_redis(flow, tiny_model, tmp_path_factory):
+    """Two instances, each with its own copy of the checkpoint, sharing Redis only (no CPU tier):
+    the first computes the documents (stored per segment in Redis); then one stored chunk's value
+    is overwritten in place, as anyone who can write the key prefix could; the second blends the
+    prompts from what Redis holds."""
+    from tests.redis.servers import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("blend-redis")).start()
+    try:
+        kv = {
+            "lmcache.enable_blending": True,
+            "lmcache.blend_recompute_ratios": 1,
+            "lmcache.local_cpu": False,
+            "lmcache.remote_url": server.url,
+            "lmcache.extra_config": {"remote_key_prefix": "blendr"},
+        }
+        documents, blended, _ = flow["rounds"]
+        hosts = []
+        for name in ("host-a", "host-b"):
+            model = tmp_path_factory.mktemp(name) / "model"
+            shutil.copytree(tiny_model, model)
+            hosts.append(str(model))
+        where = tmp_path_factory.mktemp("a")
+        stored = run_engine({"model": hosts[0], "kv": kv, "rounds": [documents]}, where)
+        raw = server.client()
+        chunks = [k for k in raw.keys("blendr:*") if re.fullmatch(rb"blendr:[0-9a-f]{16,}\.r0", k)]
+        planted = min(chunks, key=raw.strlen)  # a document's tail
+        middle = raw.strlen(planted) // 2
+        raw.setrange(planted, middle, b"\x5a" * 64)
+        reused = run_engine({"model": hosts[1], "kv": kv, "rounds": [blended]}, tmp_path_factory.mktemp("b"))
+        repaired = raw.getrange(planted, middle, middle + 63) != b"\x5a" * 64
+        return {"stored": stored, "reused": reused, "chunks": len(chunks), "repaired": repaired}
+    finally:
+        server.kill()
+
+
+def test_another_host_blends_from_redis_and_computes_a_record_changed_there(two_hosts_over_redis, flow):
+    """Segments are found in Redis by content, wherever they sit, by an instance that did not
+    store them; a record whose bytes were changed in Redis is not used: it is computed, named in
+    the response (remote, corrupt), and written again (a later blend may read the good copy);
+    the answers stay vLLM's alone."""
+    assert two_hosts_over_redis["chunks"] == 6  # three documents, each a whole chunk and a tail
+    (blended,) = two_hosts_over_redis["reused"]["rounds"]
+    assert [o["token_ids"] for o in blended] == [o["token_ids"] for o in flow["alone"]]
+    problems = [(c["tier"], c["reason"]) for o in blended for c in blend_of(o).get("unreadable_chunks", [])]
+    assert problems and set(problems) == {("remote", "corrupt")}
+    for output, documents in zip(blended, (2, 3), strict=True):
+        details = blend_of(output)
+        unreadable = len(details.get("unreadable_chunks", []))  # the changed one: a 44-token tail
+        assert details["reused_tokens"] == {"remote": documents * DOC_TOKENS - 44 * unreadable}
+    assert two_hosts_over_redis["repaired"]
+    assert two_hosts_over_redis["reused"]["state"]["failed_blocks"] == []
