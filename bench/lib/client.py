@@ -39,7 +39,6 @@ class Streamed:
     prompt_tokens: int
     cached_tokens: int
     token_ids: tuple[int, ...]
-    kv_transfer_params: dict[str, Any] | None = None  # when the server's last chunk carries them
 
 
 def _body(
@@ -145,7 +144,6 @@ async def stream(
     body.update({"stream": True, "stream_options": {"include_usage": True}})
     tokens: list[int] = []
     usage: dict[str, Any] = {}
-    params: dict[str, Any] | None = None
     ttft = None
     t0 = time.perf_counter()
     async with session.post(
@@ -166,7 +164,6 @@ async def stream(
                     ttft = time.perf_counter() - t0
                 tokens.extend(ids)
             usage = chunk.get("usage") or usage
-            params = chunk.get("kv_transfer_params") or params
     latency = time.perf_counter() - t0
     return Streamed(
         ttft=ttft if ttft is not None else latency,
@@ -174,5 +171,4 @@ async def stream(
         prompt_tokens=int(usage.get("prompt_tokens") or len(prompt)),
         cached_tokens=_cached(usage),
         token_ids=tuple(tokens),
-        kv_transfer_params=params,
     )
