@@ -189,16 +189,17 @@ class SchedulerBlend:
             for problem in outcome.problems:
                 if problem.reason in FOUND_BAD and problem.tier != REMOTE:
                     self.state.forget(problem.tier, problem.name, problem.reason)
+            details = outcome.details()
             if rid in self.awaiting:
                 params, _ = self.awaiting.pop(rid)
                 if params is not None:
-                    attach(params, outcome.details())
+                    attach(params, details)
                 if rid in self.held:
-                    self.released.append(dataclasses.replace(self.held.pop(rid), blend=outcome.details()))
+                    self.released.append(dataclasses.replace(self.held.pop(rid), blend=details))
                 else:
-                    self.for_log[rid] = outcome.details()
+                    self.for_log[rid] = details
             elif label is not None:  # still running: its finish takes them
-                self.details[rid] = outcome.details()
+                self.details[rid] = details
             if outcome.failed:
                 logger.warning(
                     "KVLens: request %s was not blended (%s); vLLM computed it", rid, outcome.failed
