@@ -45,11 +45,9 @@ if [ ! -f "$MODEL/config.json" ]; then
 fi
 
 # The checkpoints are bf16; an x86 CPU without AVX-512 has torch emulate bf16 (a prefill ~50x
-# slower than in fp32, measured on such a machine), so there the demo serves in fp32.
-DTYPE=bfloat16
-if [ "$(uname -m)" = x86_64 ] && ! grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
-    DTYPE=float32
-fi
+# slower than in fp32, measured on such a machine), so there the demo serves in fp32, as the
+# benchmarks do (bench/lib/report.py's native_dtype).
+DTYPE="$("$PY" -c 'from bench.lib.report import native_dtype; print(native_dtype())')"
 SERVE_ARGS=(serve "$MODEL" --host 127.0.0.1 --port "$PORT" --enforce-eager --dtype "$DTYPE"
     --max-model-len 4096 --enable-prompt-tokens-details)
 if [ "${KVLENS_DEMO_NO_CONNECTOR:-0}" = 1 ]; then
